@@ -1,0 +1,1 @@
+"""Capture, planning and graph passes: everything that decides and edits graphs."""

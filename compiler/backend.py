@@ -1,0 +1,56 @@
+"""The ``dpar`` backend that ``torch.compile`` calls with each graph Dynamo captures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpar.compiler.capture import InputKind, classify_inputs
+from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
+from dpar.compiler.options import Options
+from dpar.compiler.pipeline import DataParallelHook
+from dpar.runtime.errors import OptionsError
+from dpar.runtime.replicate import synchronize_replicas
+from dpar.runtime.world import check_devices, current_world
+
+
+def _single_device_hook(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower
+) -> Callable[..., Any]:
+    return lower(gm, example_inputs)
+
+
+def dpar_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """Data parallel over the default process group: replicate, bucketed all-reduce in backward."""
+    parsed = Options.parse(options)
+    if mode is not None:
+        raise OptionsError(
+            f"torch.compile(mode={mode!r}) is not supported with backend='dpar'; choose the inner "
+            "compiler with options={'compiler': 'inductor' | 'aot_eager' | 'eager'}"
+        )
+    world = current_world()
+    if world is None:
+        return compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=_single_device_hook)
+    inputs = classify_inputs(gm, example_inputs)
+    state = [(i.kind.value, i.name, i.tensor()) for i in inputs if i.kind is not InputKind.DATA]
+    check_devices({name: t for kind, name, t in state if kind == "parameter"}, world)
+    synchronize_replicas(state, world, parsed.check_timeout_s)
+    hook = DataParallelHook(inputs, world, parsed)
+    return compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook)
+
+
+def register() -> None:
+    """Make ``backend="dpar"`` resolvable even where the entry point is not installed."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "dpar" not in _BACKENDS:
+        register_backend(name="dpar")(dpar_backend)

@@ -1,0 +1,79 @@
+"""What the graphs Dynamo hands us take as inputs: parameters, buffers, user data."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+
+class InputKind(enum.Enum):
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    DATA = "data"  # user inputs, tensor attributes that are not buffers, sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphInput:
+    index: int
+    name: str
+    kind: InputKind
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    tensor: weakref.ref | None  # the live parameter or buffer, for the runtime
+
+    @property
+    def requires_grad(self) -> bool:
+        t = self.tensor() if self.tensor is not None else None
+        return bool(t is not None and t.requires_grad)
+
+
+_PATH_PART = re.compile(r"_(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)")
+
+
+def qualified_name(source_name: str) -> str:
+    """``L['self']._modules['fc']._parameters['weight']`` -> ``fc.weight``."""
+    parts = [a or b for a, b in _PATH_PART.findall(source_name)]
+    parts = [p for p in parts if p not in ("_modules", "_parameters", "_buffers")]
+    return ".".join(parts) or source_name
+
+
+def _source_name(node: fx.Node, index: int) -> str:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    return source.name if source is not None else f"input_{index}"
+
+
+def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[object]) -> list[GraphInput]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise RuntimeError(
+            f"dpar internal error: Dynamo graph has {len(placeholders)} inputs but "
+            f"{len(example_inputs)} example values"
+        )
+    inputs = []
+    for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        source = _source_name(node, index)
+        if isinstance(value, torch.nn.Parameter):
+            kind = InputKind.PARAMETER
+        elif isinstance(value, torch.Tensor) and "_buffers[" in source:
+            kind = InputKind.BUFFER
+        else:
+            kind = InputKind.DATA
+        is_state = kind is not InputKind.DATA
+        inputs.append(
+            GraphInput(
+                index=index,
+                name=qualified_name(source) if is_state else source,
+                kind=kind,
+                shape=tuple(value.shape) if is_state else None,
+                dtype=value.dtype if is_state else None,
+                tensor=weakref.ref(value) if is_state else None,
+            )
+        )
+    return inputs

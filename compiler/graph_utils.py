@@ -1,0 +1,41 @@
+"""Small FX helpers the passes and the pipeline share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """An independent graph to rewrite; node metadata (fake values) is shared, not cloned."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return fx.GraphModule(gm, graph)
+
+
+def refresh_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Give the nodes a pass added their ``meta['val']``, which Inductor and our tables read."""
+    mode = detect_fake_mode(example_inputs)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        FakeTensorProp(gm, mode).propagate(*example_inputs)
+    else:
+        with mode:
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*example_inputs)
+
+
+def fake_like(val: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous tensor in the same fake mode as ``val``."""
+    mode = detect_fake_mode([val])
+    if mode is None:
+        return torch.empty(val.shape, dtype=val.dtype, device=val.device)
+    with mode:
+        return torch.empty(val.shape, dtype=val.dtype, device=val.device)

@@ -1,0 +1,51 @@
+"""DDP's broadcast_buffers: every forward reads rank 0's buffers (BatchNorm statistics)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def broadcast_buffers_pass(
+    gm: fx.GraphModule, buffer_indices: Sequence[int], *, group_name: str
+) -> fx.GraphModule:
+    """Replace the buffer inputs by rank 0's values, one flattened broadcast per dtype.
+
+    Buffers the forward updates (running statistics) are then updated from rank
+    0's values on every rank, which is what DDP does by broadcasting into the
+    buffers before each forward.
+    """
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    buffers = [placeholders[i] for i in buffer_indices]
+    by_dtype: dict[torch.dtype, list[fx.Node]] = {}
+    for node in buffers:
+        by_dtype.setdefault(node.meta["val"].dtype, []).append(node)
+    anchor = placeholders[-1]
+    for nodes in by_dtype.values():
+        shapes = [list(n.meta["val"].shape) for n in nodes]
+        numels = [n.meta["val"].numel() for n in nodes]
+        with graph.inserting_before(anchor.next):
+            flats = [graph.call_function(aten.view.default, (n, [k])) for n, k in zip(nodes, numels)]
+            flat = flats[0] if len(flats) == 1 else graph.call_function(aten.cat.default, (flats,))
+            sent = graph.call_function(c10d.broadcast.default, (flat, 0, group_name))
+            waited = graph.call_function(c10d.wait_tensor.default, (sent,))
+            pieces = graph.call_function(aten.split_with_sizes.default, (waited, numels))
+            received = [
+                graph.call_function(
+                    aten.view.default, (graph.call_function(operator.getitem, (pieces, i)), shape)
+                )
+                for i, shape in enumerate(shapes)
+            ]
+        for node, value in zip(nodes, received):
+            node.replace_all_uses_with(value, delete_user_cb=lambda user: user not in flats)
+        anchor = received[-1]
+    graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,28 @@
+"""The errors dpar raises, each naming the problem and the fix.
+
+They derive from Dynamo's ``ShortenTraceback`` because Dynamo re-raises that
+family unchanged instead of wrapping it in ``BackendCompilerFailed``: a user
+catches ``dpar.CollectiveMismatchError`` (or the ``ValueError`` of a bad option)
+exactly as raised.
+"""
+
+from __future__ import annotations
+
+from torch._dynamo.exc import ShortenTraceback
+
+
+class DparError(ShortenTraceback):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, first_useful_frame=None)
+
+
+class OptionsError(DparError, ValueError):
+    """An option or argument has a value dpar cannot use."""
+
+
+class ProcessGroupError(DparError):
+    """torch.distributed is not set up the way the launch or the model needs."""
+
+
+class CollectiveMismatchError(DparError):
+    """Ranks are about to issue different collective sequences, or hold different state."""

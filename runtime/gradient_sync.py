@@ -1,0 +1,108 @@
+"""When gradients are communicated: ``no_sync`` and the backward variant chosen per call.
+
+[Note: gradient accumulation in a graph world]
+A compiled backward sees only this micro-batch's gradient; autograd adds it into
+``param.grad`` after the graph returns. Under ``no_sync`` the backward runs
+without collectives and gradients accumulate locally, as in DDP. The next
+synchronising backward must average the accumulated *total*, so it runs a
+variant of the graph that takes the local ``param.grad`` as extra inputs, adds
+them before the reduction, and clears ``param.grad`` so that autograd stores
+the averaged total instead of adding to the stale local sum. A parameter whose
+accumulated gradient a graph consumed is no longer pending, so a second graph
+touching the same (tied) parameter in the same backward reduces only its own
+contribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class Variant(enum.Enum):
+    SYNC = "sync"
+    NO_SYNC = "no_sync"
+    SYNC_ACCUMULATED = "sync_accumulated"
+
+
+# Identity-keyed: tensors compare elementwise.
+_inside_no_sync: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_pending_local_grad: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@contextlib.contextmanager
+def no_sync(model: torch.nn.Module) -> Iterator[None]:
+    """Backward passes inside accumulate gradients locally; the next one outside averages the total."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        _inside_no_sync[p] = _inside_no_sync.get(p, 0) + 1
+    try:
+        yield
+    finally:
+        for p in params:
+            _inside_no_sync[p] -= 1
+            if _inside_no_sync[p] == 0:
+                del _inside_no_sync[p]
+
+
+class BackwardDispatch:
+    """The backward callable AOTAutograd runs: picks and lazily builds the variant this call needs.
+
+    ``accumulated_order`` lists, by forward-input index, the parameters whose
+    local gradients the SYNC_ACCUMULATED variant takes as extra inputs.
+    """
+
+    def __init__(
+        self,
+        parameters: dict[int, Callable[[], torch.Tensor | None]],
+        accumulated_order: Sequence[int],
+        build: Callable[[Variant], Callable[..., Any]],
+    ) -> None:
+        # An instance attribute: AOTAutograd reads it through a functools.wraps copy of __dict__.
+        self._boxed_call = True
+        self._parameters = parameters
+        self._accumulated_order = list(accumulated_order)
+        self._build = build
+        self._variants: dict[Variant, Callable[..., Any]] = {}
+        self.calls: dict[Variant, int] = {v: 0 for v in Variant}
+
+    def prepare(self, variant: Variant) -> Callable[..., Any]:
+        """Build ``variant`` now (the first call of each variant builds it otherwise)."""
+        if variant not in self._variants:
+            self._variants[variant] = self._build(variant)
+        return self._variants[variant]
+
+    def _run(self, variant: Variant, args: list[Any]) -> Any:
+        self.calls[variant] += 1
+        return self.prepare(variant)(args)
+
+    def __call__(self, args: list[Any]) -> Any:
+        params = {i: ref() for i, ref in self._parameters.items()}
+        live = [p for p in params.values() if p is not None]
+        if any(p in _inside_no_sync for p in live):
+            for p in live:
+                _pending_local_grad[p] = True
+            return self._run(Variant.NO_SYNC, args)
+        pending = {
+            i
+            for i in self._accumulated_order
+            if params[i] is not None and params[i] in _pending_local_grad and params[i].grad is not None
+        }
+        for p in live:
+            _pending_local_grad.pop(p, None)
+        if not pending:
+            return self._run(Variant.SYNC, args)
+        accumulated = []
+        for i in self._accumulated_order:
+            p = params[i]
+            if i in pending:
+                accumulated.append(p.grad)
+                p.grad = None
+            else:
+                accumulated.append(torch.zeros_like(p))
+        return self._run(Variant.SYNC_ACCUMULATED, [*args, *accumulated])

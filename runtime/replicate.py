@@ -1,0 +1,42 @@
+"""Starting every replica from rank 0's parameters and buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from torch.utils.weak import WeakIdKeyDictionary
+
+from dpar.runtime.agreement import agree
+from dpar.runtime.world import World
+
+# Tensors compare elementwise, so identity-keyed weak containers only.
+_synchronized: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def synchronize_replicas(
+    state: Sequence[tuple[str, str, torch.Tensor]], world: World, timeout_s: float
+) -> int:
+    """Check that every rank holds the same (kind, name, shape, dtype) state, then broadcast
+    from rank 0 the tensors not broadcast before. Returns how many tensors were sent.
+
+    ``state`` holds (kind, qualified name, tensor) triples in graph-input order.
+    """
+    if world.backend == "fake":  # simulated ranks: nothing to agree with or send to
+        return 0
+    agree(
+        world,
+        "parameters and buffers of a newly compiled graph",
+        [f"{kind} {name} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for kind, name, t in state],
+        timeout_s,
+        subject="parameter and buffer shapes",
+    )
+    group = dist.distributed_c10d._resolve_process_group(world.group_name)
+    fresh = [t for _, _, t in state if t not in _synchronized]
+    with torch.no_grad():
+        for tensor in fresh:
+            dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+            _synchronized[tensor] = True
+    return len(fresh)

@@ -1,0 +1,88 @@
+"""The process group dpar communicates on, resolved once per compile."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from dpar.runtime.errors import ProcessGroupError
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """The ranks a compiled graph communicates with."""
+
+    rank: int
+    size: int
+    group_name: str
+    backend: str
+
+
+_warned_single_device = False
+
+
+def _launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def current_world(group: dist.ProcessGroup | None = None) -> World | None:
+    """The default (or given) group, or None when training runs on one device.
+
+    A launcher that set WORLD_SIZE > 1 without an initialized process group is a
+    mistake we report rather than silently training N independent models.
+    """
+    global _warned_single_device
+    if not dist.is_available() or not dist.is_initialized():
+        launched = _launched_world_size()
+        if launched > 1:
+            raise ProcessGroupError(
+                f"WORLD_SIZE={launched} is set (a launcher such as torchrun started this process) "
+                "but torch.distributed is not initialized. Call "
+                "torch.distributed.init_process_group('gloo' or 'nccl') before the first call of "
+                "the compiled model."
+            )
+        size = 1
+    else:
+        group = group or dist.group.WORLD
+        size = dist.get_world_size(group)
+    if size == 1:
+        if not _warned_single_device:
+            warnings.warn(
+                "dpar: no process group with more than one rank; running on one device.",
+                stacklevel=3,
+            )
+            _warned_single_device = True
+        return None
+    assert group is not None
+    return World(
+        rank=dist.get_rank(group),
+        size=size,
+        group_name=group.group_name,
+        backend=dist.get_backend(group),
+    )
+
+
+def check_devices(tensors: dict[str, torch.Tensor], world: World) -> torch.device:
+    """All parameters share one device, and it is one the backend can reach."""
+    first_on: dict[str, str] = {}
+    for name, t in tensors.items():
+        first_on.setdefault(str(t.device), name)
+    if len(first_on) > 1:
+        where = ", ".join(f"{name} on {dev}" for dev, name in first_on.items())
+        raise ProcessGroupError(
+            f"parameters are on different devices ({where}); dpar replicates one device per "
+            "rank: move the whole model with model.to(device) before compiling."
+        )
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    wanted = {"gloo": "cpu", "nccl": "cuda"}.get(world.backend)
+    if wanted is not None and device.type != wanted:
+        raise ProcessGroupError(
+            f"the process group uses {world.backend}, which needs {wanted} tensors, but the "
+            f"parameters are on {device}: move the model to {wanted} or initialize the process "
+            f"group with {'nccl' if device.type == 'cuda' else 'gloo'}."
+        )
+    return device

@@ -1,0 +1,89 @@
+"""Running a function on N gloo ranks as real processes, under a timeout."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue as queue_module
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        # Bytes, not tensors: a queued tensor lives in shared memory that dies with this process.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException as exc:  # report every failure to the parent, then exit
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    A rank that raises fails the caller with that rank's traceback; ranks that
+    have not finished after ``timeout_s`` are killed and the caller fails, so a
+    hang never outlives the test.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, payload = queue.get(timeout=timeout_s)
+            except queue_module.Empty as exc:
+                raise RankFailed(
+                    f"ranks {sorted(set(range(world_size)) - set(results) - set(errors))} did not "
+                    f"finish within {timeout_s} s (hang?)"
+                ) from exc
+            (results if status == "ok" else errors)[rank] = payload
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank = min(errors)
+        raise RankFailed(f"rank {rank} failed:\n{errors[rank]}")
+    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,233 @@
+"""A small byte-level GPT trained on examples/data/corpus.txt, data parallel through dpar.
+
+    torchrun --nproc-per-node 2 examples/gpt.py --steps 30   # two ranks (gloo on CPU, NCCL on GPUs)
+    python examples/gpt.py --steps 5                         # one device: dpar warns and runs locally
+
+The training loop is plain single-device PyTorch; ``torch.compile(backend="dpar")``
+is the only data-parallel line. ``default()`` is what ``dpar inspect examples/gpt.py``
+compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpar.compiler.registry  # for the communication report; backend="dpar" needs no import
+
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Model shape; the default trains at a few steps per second on one CPU core."""
+
+    vocab_size: int = 256  # bytes
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if config.n_embd % config.n_head:
+            raise ValueError(f"n_embd={config.n_embd} must be a multiple of n_head={config.n_head}")
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, channels = x.shape
+        # (B, T, 3C) -> three (B, heads, T, head_dim) tensors.
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_head, channels // self.n_head).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(batch, seq, channels)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.down = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm: the residual stream is never normalised, which keeps deep stacks stable."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_mlp = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer over bytes.
+
+    The LM head shares its weight with the token embedding, so one parameter
+    receives gradient from both ends of the graph: a case a data-parallel
+    compiler must reduce once, not twice.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # Small weights keep the initial logits near uniform: loss starts at ln(256) ~ 5.5.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) for ``idx`` (B, T), or the mean cross-entropy against ``targets``."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.dropout(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def load_corpus() -> torch.Tensor:
+    """The corpus as a 1-D tensor of byte values (long, ready for the embedding)."""
+    return torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
+
+
+def get_batch(
+    data: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows ``x`` and the same windows shifted by one byte ``y`` (next-byte targets)."""
+    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+    x = torch.stack([data[s : s + block_size] for s in starts.tolist()])
+    y = torch.stack([data[s + 1 : s + 1 + block_size] for s in starts.tolist()])
+    return x, y
+
+
+def default() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """The default model and one batch of inputs, for ``dpar inspect examples/gpt.py``."""
+    torch.manual_seed(0)
+    config = GPTConfig()
+    x, _ = get_batch(load_corpus(), 8, config.block_size, torch.Generator().manual_seed(0))
+    return GPT(config), (x,)
+
+
+def format_communication(per_step: dict[str, dict[str, int]]) -> str:
+    """``{"all_reduce": {"count": 2, "bytes": ...}}`` -> ``all_reduce 2x 3.3 MB``."""
+    if not per_step:
+        return "none"
+    return ", ".join(f"{kind} {c['count']}x {c['bytes'] / 1e6:.1f} MB" for kind, c in per_step.items())
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument(
+        "--compiler",
+        choices=("aot_eager", "inductor", "eager"),
+        default="aot_eager",
+        help="dpar's inner compiler (Inductor compiles for about a minute on a small CPU)",
+    )
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    distributed = "WORLD_SIZE" in os.environ
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    world_size = dist.get_world_size() if distributed else 1
+
+    # The same seed everywhere gives identical replicas (dpar also broadcasts rank 0's at compile).
+    torch.manual_seed(args.seed)
+    config = GPTConfig()
+    model = GPT(config).to(device)
+    model = torch.compile(
+        model,
+        backend="dpar",
+        options={"compiler": args.compiler, "bucket_cap_mb": args.bucket_cap_mb},
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    data = load_corpus()
+    generator = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batches
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"world size {world_size}, device {device}, {params / 1e6:.2f}M parameters, {config}")
+
+    tokens_per_step = args.batch_size * config.block_size * world_size
+    timed_from_step, timed_from = 1, 0.0  # step 0 compiles and always logs; tokens/s counts from step 1
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in get_batch(data, args.batch_size, config.block_size, generator))
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step != 0 and (step + 1) % args.log_every and step != args.steps - 1:
+            continue
+        mean_loss = loss.detach()
+        if distributed:  # the printed loss is every rank's, not only rank 0's batch
+            dist.all_reduce(mean_loss)  # a sum: gloo has no AVG
+            mean_loss /= world_size
+        mean_loss = mean_loss.item()  # also waits for the device, so the clock below is honest
+        now = time.perf_counter()
+        steps_timed = step + 1 - timed_from_step
+        throughput = f"{tokens_per_step * steps_timed / (now - timed_from):,.0f}" if steps_timed else "-"
+        if rank == 0:
+            comm = format_communication(dpar.compiler.registry.communication_per_step())
+            print(f"step {step + 1:4d}  loss {mean_loss:.4f}  tokens/s {throughput}  comm/step {comm}")
+        timed_from_step, timed_from = step + 1, time.perf_counter()
+
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,8 @@ from dpar.compiler.collectives import collectives
 from dpar.compiler.graph_utils import copy_graph_module, fake_like, refresh_fake_values
 from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
-from dpar.compiler.registry import record
+from dpar.compiler.inspect.logs import configure as configure_logs, log_pass
+from dpar.compiler.registry import STAGES_KEY, PassStage, record
 from dpar.compiler.passes.all_reduce import accumulated_gradient_order, all_reduce_gradients_pass
 from dpar.compiler.passes.broadcast_buffers import broadcast_buffers_pass
 from dpar.compiler.passes.buckets import Bucket, Gradient, plan_buckets
@@ -79,11 +80,15 @@ def ddp_backward_passes(
 
 
 def run_passes(gm: fx.GraphModule, passes: Sequence[Pass], label: str) -> fx.GraphModule:
+    """Apply ``passes`` in order; the graph after each one is kept in ``gm.meta`` for reports."""
+    configure_logs()
+    stages = [PassStage.of("captured", gm)]
     for name, graph_pass in passes:
-        before = len(collectives(gm))
         gm = graph_pass(gm)
-        log.info("%s: %s: collectives %d -> %d", label, name, before, len(collectives(gm)))
-        log.debug("%s after %s:\n%s", label, name, gm.code)
+        stage = PassStage.of(name, gm)
+        log_pass(label, name, dict(stages[-1].op_counts), dict(stage.op_counts), stage.code)
+        stages.append(stage)
+    gm.meta[STAGES_KEY] = tuple(stages)
     return gm
 
 

@@ -7,7 +7,24 @@ from collections import Counter
 
 import torch.fx as fx
 
-from dpar.compiler.collectives import Collective
+from dpar.compiler.collectives import Collective, op_counts
+from dpar.compiler.inspect.logs import log_collectives
+
+STAGES_KEY = "dpar_pass_stages"
+"""``GraphModule.meta`` key under which ``run_passes`` leaves the graph after each pass."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PassStage:
+    """A graph as one pass left it: readable code and its collective counts."""
+
+    pass_name: str  # "captured" for the graph AOTAutograd handed over
+    code: str
+    op_counts: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of(cls, pass_name: str, gm: fx.GraphModule) -> PassStage:
+        return cls(pass_name, gm.code, tuple(op_counts(gm).items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,13 +32,15 @@ class CompiledGraph:
     label: str  # "forward graph", "backward graph (sync)", ...
     graph: fx.GraphModule  # after dpar's passes, before the inner compiler
     collectives: tuple[Collective, ...]
+    stages: tuple[PassStage, ...] = ()  # the captured graph, then one per pass that ran
 
 
 compiled_graphs: list[CompiledGraph] = []
 
 
 def record(label: str, gm: fx.GraphModule, found: list[Collective]) -> None:
-    compiled_graphs.append(CompiledGraph(label, gm, tuple(found)))
+    compiled_graphs.append(CompiledGraph(label, gm, tuple(found), tuple(gm.meta.get(STAGES_KEY, ()))))
+    log_collectives(label, found)
 
 
 def communication_per_step() -> dict[str, dict[str, int]]:

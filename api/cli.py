@@ -1,0 +1,101 @@
+"""The ``dpar`` command: ``dpar inspect TARGET --world-size N --strategy S``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_FUNCTION = "default"
+"""An example file named without ``:fn`` is loaded through its ``default()``."""
+
+
+def load_target(target: str) -> Callable[[], tuple[Any, Any]]:
+    """``path/to/file.py:fn``, ``path/to/file.py`` (its ``default``) or ``package.module:fn``."""
+    spec, _, fn = target.partition(":")
+    fn = fn or DEFAULT_FUNCTION
+    if spec.endswith(".py") or Path(spec).is_file():
+        path = Path(spec).resolve()
+        if not path.is_file():
+            raise SystemExit(f"dpar inspect: no such file {spec!r}")
+        loader = importlib.util.spec_from_file_location(f"dpar_target_{path.stem}", path)
+        module = importlib.util.module_from_spec(loader)
+        sys.path.insert(0, str(path.parent))  # the example may import its neighbours
+        try:
+            loader.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.parent))
+    else:
+        module = importlib.import_module(spec)
+    if not hasattr(module, fn):
+        raise SystemExit(f"dpar inspect: {spec!r} has no function {fn!r}; TARGET is FILE.py:fn or module:fn")
+    return getattr(module, fn)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from dpar.compiler.inspect.explain import explain
+    from dpar.compiler.inspect.render_text import print_report
+
+    model, example_inputs = load_target(args.target)()
+    options = {"sink_waits": not args.no_sink_waits}
+    if args.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = args.bucket_cap_mb
+    report = explain(
+        model, example_inputs, world_size=args.world_size, strategy=args.strategy,
+        options=options, device=args.device, optimizer=args.optimizer,
+    )
+    console = Console()
+    print_report(report, console, show_code=args.code)
+    if args.trace:
+        console.print(f"trace: {report.timeline.save(args.trace)} (open in ui.perfetto.dev)")
+    if args.png:
+        console.print(f"timeline plot: {report.timeline.plot(args.png)}")
+    if args.dot:
+        from dpar.compiler.inspect.render_dot import write_dot
+
+        for path in write_dot(report, Path(args.dot)):
+            console.print(f"graph: {path}")
+    if args.html:
+        from dpar.compiler.inspect.render_html import write_html
+
+        console.print(f"html: {write_html(report, Path(args.html))}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from dpar.compiler.inspect.costs import PRESETS
+    from dpar.compiler.inspect.memory import OPTIMIZER_STATES
+    from dpar.compiler.inspect.strategies import STRATEGIES
+
+    top = argparse.ArgumentParser(prog="dpar", description="dpar: graph-level data parallelism for torch.compile")
+    sub = top.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="simulate N ranks in this process and report what dpar does")
+    p.add_argument("target", help="FILE.py[:fn] or package.module:fn; fn() returns (model, example_inputs)")
+    p.add_argument("--world-size", "-n", type=int, required=True)
+    p.add_argument("--strategy", default="ddp", choices=sorted(STRATEGIES))
+    p.add_argument("--device", default="h100", choices=sorted(PRESETS), help="cost-model preset")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    p.add_argument("--bucket-cap-mb", type=float, default=None)
+    p.add_argument("--no-sink-waits", action="store_true", help="keep each wait next to its collective")
+    p.add_argument("--code", action="store_true", help="print every graph after every pass")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    p.add_argument("--dot", metavar="DIR", help="write Graphviz DOT (and SVG for small graphs) per graph")
+    p.add_argument("--trace", metavar="FILE", help="write the simulated timeline as Perfetto JSON")
+    p.add_argument("--png", metavar="FILE", help="write the simulated timeline as a PNG plot")
+    p.set_defaults(run=_inspect)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""``dpar.explain``: compile a model for N simulated ranks and report what dpar did to it."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpar.compiler.backend import dpar_backend
+from dpar.compiler.capture import classify_inputs
+from dpar.compiler.inspect.buckets import bucket_of, graph_buckets
+from dpar.compiler.inspect.costs import DeviceSpec, comm_time, device_spec, moved_bytes
+from dpar.compiler.inspect.fake_world import fake_world
+from dpar.compiler.inspect.logs import artifact
+from dpar.compiler.inspect.memory import activation_peak, per_rank_memory
+from dpar.compiler.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
+from dpar.compiler.inspect.strategies import strategy as strategy_named
+from dpar.compiler.inspect.timeline import build_timeline
+from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
+from dpar.compiler.options import Options
+from dpar.compiler.registry import CompiledGraph, PassStage, compiled_graphs, record
+
+
+@dataclasses.dataclass(frozen=True)
+class _Capture:
+    """What one Dynamo graph became: its input names and the graphs dpar compiled from it."""
+
+    input_names: tuple[str, ...]
+    graphs: tuple[CompiledGraph, ...]
+
+    def role(self, prefix: str) -> CompiledGraph | None:
+        return next((g for g in self.graphs if g.label.startswith(prefix)), None)
+
+
+def _record_unchanged(gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower):
+    """At N = 1 dpar adds nothing; record the captured graph so the report still shows it."""
+    gm.meta.setdefault("dpar_pass_stages", (PassStage.of("captured", gm),))
+    record(f"{role.value} graph" if role is not GraphRole.BACKWARD else "backward graph (sync)", gm, [])
+    return lower(gm, example_inputs)
+
+
+def _capture(model: torch.nn.Module, example_inputs: Any, options: Mapping[str, Any], world_size: int) -> list[_Capture]:
+    captures: list[_Capture] = []
+    state_names = {
+        id(t): name
+        for named in (model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+        for name, t in named
+    }
+
+    def backend(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+        names = tuple(state_names.get(id(v), i.name) for i, v in zip(classify_inputs(gm, inputs), inputs))
+        before = len(compiled_graphs)
+        if world_size == 1:
+            compiled = compile_graphs(gm, inputs, compiler="aot_eager", hook=_record_unchanged)
+        else:
+            compiled = dpar_backend(gm, inputs, options=options)
+        captures.append(_Capture(names, tuple(compiled_graphs[before:])))
+        return compiled
+
+    compiled = torch.compile(model, backend=backend)
+    # Compile the backward with the forward, so each graph pairs with its Dynamo graph.
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        if isinstance(example_inputs, Mapping):
+            compiled(**example_inputs)
+        elif isinstance(example_inputs, (tuple, list)):
+            compiled(*example_inputs)
+        else:
+            compiled(example_inputs)
+    return captures
+
+
+def explain(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    world_size: int,
+    strategy: str = "ddp",
+    options: Mapping[str, Any] | None = None,
+    device: str | DeviceSpec = "h100",
+    optimizer: str = "adamw",
+    ranks_shown: int = 4,
+) -> Report:
+    """Compile a copy of ``model`` for ``world_size`` ranks, in this process, and report on it.
+
+    ``example_inputs`` is a tuple of positional arguments, a dict of keyword
+    arguments, or one tensor. ``options`` are the backend's (bucket_cap_mb,
+    sink_waits, ...); the inner compiler is always aot_eager. ``device`` names a
+    preset of ``dpar.compiler.inspect.costs.PRESETS`` or is a ``DeviceSpec``.
+    The model and any process group state are left as they were.
+    """
+    chosen = strategy_named(strategy)
+    spec = device_spec(device)
+    parsed = Options.parse({**(options or {}), "compiler": "aot_eager"})
+    start = len(compiled_graphs)
+    with fake_world(world_size):
+        torch._dynamo.reset()
+        try:
+            work = chosen.prepare(copy.deepcopy(model), world_size)
+            captures = _capture(work, example_inputs, {**(options or {}), "compiler": "aot_eager"}, world_size)
+        finally:
+            torch._dynamo.reset()
+            del compiled_graphs[start:]
+    report = _report(type(model).__name__, work, captures, world_size, chosen.name, spec, parsed, optimizer, ranks_shown)
+    artifact("explain_report", report.to_json, encoding="json")
+    return report
+
+
+def _report(
+    name: str,
+    model: torch.nn.Module,
+    captures: Sequence[_Capture],
+    world_size: int,
+    strategy: str,
+    spec: DeviceSpec,
+    options: Options,
+    optimizer: str,
+    ranks_shown: int,
+) -> Report:
+    many = len(captures) > 1
+    views, rows, buckets, step, pairs = [], [], [], [], []
+    backward_steps = []
+    for k, cap in enumerate(captures):
+        prefix = f"graph {k}: " if many else ""
+        for g in cap.graphs:
+            views.append(GraphView(prefix + g.label, g.stages, g.graph))
+        forward = cap.role("forward") or cap.role("inference")
+        backward = cap.role("backward graph (sync)")
+        if forward is None:
+            continue
+        pairs.append((forward.graph, backward.graph if backward else None))
+        step.append((prefix + forward.label, forward.graph))
+        if backward is not None:
+            backward_steps.append((prefix + backward.label, backward.graph))
+        for g in (forward, backward):
+            if g is None:
+                continue
+            found = graph_buckets(g.graph) if g is backward else []
+            first = len(buckets)
+            for b in found:
+                buckets.append(BucketRow(
+                    len(buckets), prefix + g.label, dtype_name(b.dtype),
+                    tuple(cap.input_names[i] for i in b.output_indices), b.nbytes, options.bucket_cap_bytes,
+                ))
+            for c in g.collectives:
+                local = bucket_of(found, c.issue_node)
+                rows.append(CollectiveRow(
+                    prefix + g.label, c.kind, c.group, dtype_name(c.dtype), c.bytes,
+                    moved_bytes(c.kind, c.bytes, world_size), None if local is None else first + local,
+                    c.issue_node, c.wait_node, c.compute_between, comm_time(c.kind, c.bytes, world_size, spec),
+                ))
+    params = list({id(p): p for p in model.parameters()}.values())
+    memory = per_rank_memory(params, strategy_named(strategy), optimizer, activation_peak(pairs), world_size)
+    timeline = build_timeline(step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown)
+    return Report(
+        model=name, world_size=world_size, strategy=strategy, device=spec.name,
+        options=tuple(sorted(dataclasses.asdict(options).items())),
+        graphs=tuple(views), collectives=tuple(rows), buckets=tuple(buckets), memory=memory, timeline=timeline,
+    )

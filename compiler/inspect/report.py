@@ -1,0 +1,176 @@
+"""What ``dpar.explain`` returns: graphs per pass, collective and bucket tables, memory, timeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from dpar.compiler.inspect.memory import Memory
+from dpar.compiler.inspect.timeline import Timeline
+from dpar.compiler.registry import PassStage
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphView:
+    """One compiled graph: as captured and after every pass that ran on it."""
+
+    label: str
+    stages: tuple[PassStage, ...]
+    graph: fx.GraphModule  # the final graph, for DOT
+
+    @property
+    def code(self) -> str:
+        return self.stages[-1].code
+
+    def op_count_diffs(self) -> list[str]:
+        """``"all_reduce_gradients: all_reduce: 0 -> 6"`` for every count a pass changed."""
+        lines = []
+        for before, after in zip(self.stages, self.stages[1:]):
+            old = dict(before.op_counts)
+            for kind, count in after.op_counts:
+                if old.get(kind, 0) != count:
+                    lines.append(f"{after.pass_name}: {kind}: {old.get(kind, 0)} -> {count}")
+        return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRow:
+    graph: str
+    kind: str
+    group: str
+    dtype: str
+    bytes: int  # payload
+    moved_bytes: float  # what one rank sends, by the ring model
+    bucket: int | None
+    issue_node: str
+    wait_node: str
+    compute_between: int
+    seconds: float  # α-β time at the report's world size
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketRow:
+    index: int
+    graph: str
+    dtype: str
+    parameters: tuple[str, ...]
+    bytes: int
+    cap_bytes: int
+
+    @property
+    def fill(self) -> float:
+        return self.bytes / self.cap_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A renderer-neutral table: the terminal, HTML and tests read the same rows."""
+
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.3f} MiB" if nbytes >= 2**20 else f"{nbytes:,.0f} B"
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:,.3f} ms"
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    model: str
+    world_size: int
+    strategy: str
+    device: str
+    options: tuple[tuple[str, object], ...]
+    graphs: tuple[GraphView, ...]
+    collectives: tuple[CollectiveRow, ...]
+    buckets: tuple[BucketRow, ...]
+    memory: Memory
+    timeline: Timeline
+
+    @property
+    def title(self) -> str:
+        return f"dpar report: {self.model}, {self.strategy} on {self.world_size} ranks ({self.device})"
+
+    def op_count_diffs(self) -> dict[str, list[str]]:
+        return {g.label: g.op_count_diffs() for g in self.graphs}
+
+    def collective_table(self) -> Table:
+        return Table(
+            "Collectives",
+            ("#", "graph", "kind", "group", "dtype", "bytes", "moved/rank", "bucket",
+             "issued by", "waited by", "compute between", "time"),
+            tuple(
+                (str(i), c.graph, c.kind, c.group, c.dtype, f"{c.bytes:,}", f"{c.moved_bytes:,.0f}",
+                 "-" if c.bucket is None else str(c.bucket), c.issue_node, c.wait_node,
+                 str(c.compute_between), _time(c.seconds))
+                for i, c in enumerate(self.collectives)
+            ),
+        )
+
+    def bucket_table(self) -> Table:
+        return Table(
+            "Gradient buckets",
+            ("bucket", "graph", "dtype", "parameters", "bytes", "fill of cap"),
+            tuple(
+                (str(b.index), b.graph, b.dtype, ", ".join(b.parameters), f"{b.bytes:,}",
+                 f"{b.fill:.1%} of {_mib(b.cap_bytes)}")
+                for b in self.buckets
+            ),
+        )
+
+    def memory_table(self) -> Table:
+        m = self.memory
+        rows = [
+            ("parameters", m.parameters), ("gradients", m.gradients),
+            ("optimizer state", m.optimizer), ("activations (peak estimate)", m.activations),
+            ("total", m.total),
+        ]
+        return Table(
+            f"Memory per rank (N = {self.world_size})",
+            ("what", "bytes", "size"),
+            tuple((name, f"{v:,}", _mib(v)) for name, v in rows),
+        )
+
+    def timeline_table(self) -> Table:
+        t = self.timeline
+        rows = [
+            ("step time", _time(t.step_time)), ("compute", _time(t.compute_time)),
+            ("communication", _time(t.comm_time)), ("exposed communication", _time(t.exposed_comm)),
+            ("overlap", f"{t.overlap:.1%}"),
+        ]
+        return Table(f"Simulated step ({t.device}, N = {t.world_size})", ("", "value"), tuple(rows))
+
+    def scaling_table(self, sizes: Sequence[int] = (2, 8, 64, 512, 1024)) -> Table:
+        sizes = sorted({*sizes, self.world_size})
+        return Table(
+            "Step time in N",
+            ("N", "step time", "memory per rank"),
+            tuple((str(n), _time(s), _mib(self.memory.total_at(n))) for n, s in self.timeline.scaling(sizes)),
+        )
+
+    def tables(self) -> list[Table]:
+        return [self.collective_table(), self.bucket_table(), self.memory_table(),
+                self.timeline_table(), self.scaling_table()]
+
+    def to_json(self) -> str:
+        """The tables and formulas as JSON (the structured-trace artifact)."""
+        return json.dumps({
+            "title": self.title,
+            "op_count_diffs": self.op_count_diffs(),
+            "tables": [dataclasses.asdict(t) for t in self.tables()],
+            "step_time_formula": str(self.timeline.step_time_expr),
+            "memory_formula": str(self.memory.symbolic),
+        })
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

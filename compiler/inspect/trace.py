@@ -1,0 +1,44 @@
+"""Chrome / Perfetto trace JSON of a simulated timeline: a process per rank, a thread per stream."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dpar.compiler.inspect.timeline import Timeline
+
+STREAMS = {"compute": 0, "comm": 1}
+
+
+def trace_events(timeline: Timeline) -> list[dict[str, Any]]:
+    """Complete ("X") events in microseconds, preceded by the names of ranks and streams."""
+    events: list[dict[str, Any]] = []
+    for rank in range(timeline.ranks_shown):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for stream, tid in STREAMS.items():
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": stream}})
+    for e in timeline.events:
+        events.append({
+            "ph": "X", "name": e.name, "cat": e.stream, "pid": e.rank, "tid": STREAMS[e.stream],
+            "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6, "args": {"graph": e.graph},
+        })
+    return events
+
+
+def write_trace(timeline: Timeline, path: Path) -> Path:
+    doc = {
+        "traceEvents": trace_events(timeline),
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "world_size": timeline.world_size,
+            "ranks_shown": timeline.ranks_shown,
+            "device": timeline.device,
+            "step_time_s": timeline.step_time,
+            "exposed_comm_s": timeline.exposed_comm,
+            "overlap": timeline.overlap,
+        },
+    }
+    path.write_text(json.dumps(doc))
+    return path

@@ -24,6 +24,7 @@ def load_target(target: str) -> Callable[[], tuple[Any, Any]]:
             raise SystemExit(f"dpar inspect: no such file {spec!r}")
         loader = importlib.util.spec_from_file_location(f"dpar_target_{path.stem}", path)
         module = importlib.util.module_from_spec(loader)
+        sys.modules[loader.name] = module  # dataclasses and pickling look the module up
         sys.path.insert(0, str(path.parent))  # the example may import its neighbours
         try:
             loader.loader.exec_module(module)

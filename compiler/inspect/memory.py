@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from dpar.compiler.collectives import WAIT
 from dpar.compiler.inspect.costs import N
 from dpar.compiler.inspect.strategies import Strategy
 
@@ -38,75 +39,109 @@ class Memory:
         return int(self.formula.subs(N, world_size))
 
 
-def _storage(val: object) -> tuple[object, int] | None:
-    if not isinstance(val, torch.Tensor):
-        return None
-    storage = val.untyped_storage()
-    return StorageWeakRef(storage), int(storage.nbytes())
+Storage = tuple[object, int]  # (identity, bytes)
 
 
-def _node_storages(node: fx.Node) -> list[tuple[object, int]]:
+def _storages(node: fx.Node) -> list[Storage]:
     val = node.meta.get("val")
     vals = val if isinstance(val, (list, tuple)) else [val]
-    return [s for s in map(_storage, vals) if s is not None]
+    return [
+        (StorageWeakRef(v.untyped_storage()), int(v.untyped_storage().nbytes()))
+        for v in vals
+        if isinstance(v, torch.Tensor)
+    ]
 
 
-def _live_peak(gm: fx.GraphModule, live_inputs: set[str], exclude_outputs: bool) -> tuple[int, int]:
-    """(peak, live at the end) of bytes of storages created in ``gm`` or named in ``live_inputs``.
+@dataclasses.dataclass(frozen=True)
+class _Liveness:
+    peak: int
+    live_at_end: int
+    counted: dict[object, int]  # storage -> bytes counted as activation (0: parameter or input)
 
-    A storage dies after the last node that reads it, unless the graph returns it.
-    Backward graphs pass ``exclude_outputs``: what they return is the gradients.
+
+def _liveness(gm: fx.GraphModule, same_as: dict[object, object], counted_inputs: set[str], exclude_outputs: bool) -> _Liveness:
+    """Bytes of storages alive over ``gm``'s nodes, a storage dying after its last reader.
+
+    Placeholders count only if named in ``counted_inputs``; other placeholders (and
+    views of them) are parameters or user data. ``same_as`` renames storages so
+    that a backward input is the forward storage it was saved from. A storage the
+    graph returns stays alive to the end, or (``exclude_outputs``, for the gradients
+    a backward returns) is not counted at all.
     """
     nodes = list(gm.graph.nodes)
-    outputs = set(gm.graph.output_node().all_input_nodes)
-    last_use = {}
+    last_use: dict[fx.Node, int] = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
             last_use[arg] = i
-    owner: dict[object, int] = {}  # storage -> bytes, counted once
-    kept = {s for n in outputs for s, _ in _node_storages(n)}
+
+    same_as = dict(same_as)
+    for node in nodes:  # a wait returns the collective's own buffer (fake tensors give it a new one)
+        if node.target is WAIT:
+            for (key, _), (arg_key, _) in zip(_storages(node), _storages(node.args[0])):
+                same_as[key] = same_as.get(arg_key, arg_key)
+
+    def storages(node: fx.Node) -> list[Storage]:
+        return [(same_as.get(key, key), nbytes) for key, nbytes in _storages(node)]
+
+    kept = {key for n in gm.graph.output_node().all_input_nodes for key, _ in storages(n)}
+    counted: dict[object, int] = {}
     alive_until: dict[object, int] = {}
     live = peak = 0
     for i, node in enumerate(nodes):
-        if node.op == "placeholder" and node.name not in live_inputs:
-            continue
-        for storage, nbytes in _node_storages(node):
-            if storage not in owner:
-                if exclude_outputs and storage in kept:
-                    owner[storage] = 0
-                    continue
-                owner[storage] = nbytes
-                live += nbytes
-            end = len(nodes) if storage in kept else last_use.get(node, i)
-            alive_until[storage] = max(alive_until.get(storage, i), end)
+        skip = node.op == "placeholder" and node.name not in counted_inputs
+        for key, nbytes in storages(node):
+            if key not in counted:
+                counted[key] = 0 if skip or (exclude_outputs and key in kept) else nbytes
+                live += counted[key]
+            if counted[key]:
+                end = len(nodes) if key in kept else last_use.get(node, i)
+                alive_until[key] = max(alive_until.get(key, i), end)
         peak = max(peak, live)
-        for storage in [s for s, end in alive_until.items() if end == i]:
-            live -= owner[storage]
-            del alive_until[storage]
-    return peak, live
+        for key in [k for k, end in alive_until.items() if end == i]:
+            live -= counted[key]
+            del alive_until[key]
+    return _Liveness(peak, live, counted)
+
+
+def _saved_inputs(forward: fx.GraphModule, fw: _Liveness, backward: fx.GraphModule) -> tuple[dict[object, object], set[str]]:
+    """Which backward inputs are activations saved by ``forward``, under the forward's storage names."""
+    forward_nodes = {n.name: n for n in forward.graph.nodes}
+    same_as: dict[object, object] = {}
+    counted: set[str] = set()
+    for node in backward.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = forward_nodes.get(node.name)
+        if source is None:  # tangents: made by the caller of backward
+            counted.add(node.name)
+            continue
+        for (key, _), (fw_key, _) in zip(_storages(node), _storages(source)):
+            same_as[key] = fw_key
+        if source.op != "placeholder" and any(fw.counted.get(k) for k, _ in _storages(source)):
+            counted.add(node.name)
+    return same_as, counted
 
 
 def activation_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]]) -> int:
     """Peak activation bytes over the forward graphs in order, then the backward graphs in reverse.
 
     What a forward graph returns (saved activations, outputs) stays live until
-    its backward; parameters and user inputs are not activations.
+    its backward; parameters, user inputs and views of them are not activations.
     """
     peak = saved = 0
-    saved_by_graph = []
+    forwards = []
     for forward, _ in pairs:
-        fw_peak, fw_end = _live_peak(forward, set(), exclude_outputs=False)
-        peak = max(peak, saved + fw_peak)
-        saved += fw_end
-        saved_by_graph.append(fw_end)
-    for (forward, backward), fw_end in reversed(list(zip(pairs, saved_by_graph))):
-        saved -= fw_end
+        fw = _liveness(forward, {}, set(), exclude_outputs=False)
+        peak = max(peak, saved + fw.peak)
+        saved += fw.live_at_end
+        forwards.append(fw)
+    for (forward, backward), fw in reversed(list(zip(pairs, forwards))):
+        saved -= fw.live_at_end
         if backward is None:
             continue
-        primals = {n.name for n in forward.graph.nodes if n.op == "placeholder"}
-        inputs = {n.name for n in backward.graph.nodes if n.op == "placeholder"} - primals
-        bw_peak, _ = _live_peak(backward, inputs, exclude_outputs=True)
-        peak = max(peak, saved + bw_peak)
+        same_as, counted = _saved_inputs(forward, fw, backward)
+        bw = _liveness(backward, same_as, counted, exclude_outputs=True)
+        peak = max(peak, saved + bw.peak)
     return peak
 
 

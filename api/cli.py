@@ -51,7 +51,7 @@ def _inspect(args: argparse.Namespace) -> int:
         model, example_inputs, world_size=args.world_size, strategy=args.strategy,
         options=options, device=args.device, optimizer=args.optimizer,
     )
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # pipes and CI logs: wide tables
     print_report(report, console, show_code=args.code)
     if args.trace:
         console.print(f"trace: {report.timeline.save(args.trace)} (open in ui.perfetto.dev)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Sequence
 
 from torch._logging import trace_structured
@@ -77,7 +78,7 @@ def artifact(name: str, payload: Callable[[], str], *, encoding: str = "string")
 
 
 def _slug(label: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in label).strip("_")
+    return re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
 
 
 def log_pass(label: str, pass_name: str, before: dict[str, int], after: dict[str, int], code: str) -> None:

@@ -33,12 +33,12 @@ class GraphInput:
         return bool(t is not None and t.requires_grad)
 
 
-_PATH_PART = re.compile(r"_(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)")
+_PATH_PART = re.compile(r"\.?_(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)|\[(\d+)\]")
 
 
 def qualified_name(source_name: str) -> str:
     """``L['self']._modules['fc']._parameters['weight']`` -> ``fc.weight``."""
-    parts = [a or b for a, b in _PATH_PART.findall(source_name)]
+    parts = ["".join(groups) for groups in _PATH_PART.findall(source_name)]
     parts = [p for p in parts if p not in ("_modules", "_parameters", "_buffers")]
     return ".".join(parts) or source_name
 

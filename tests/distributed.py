@@ -6,6 +6,7 @@ import io
 import os
 import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -66,18 +67,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
+        while len(results) < world_size and not errors:
             try:
-                rank, status, payload = queue.get(timeout=timeout_s)
-            except queue_module.Empty as exc:
-                raise RankFailed(
-                    f"ranks {sorted(set(range(world_size)) - set(results) - set(errors))} did not "
-                    f"finish within {timeout_s} s (hang?)"
-                ) from exc
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                silent = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if silent:
+                    errors[silent[0]] = f"exited with code {procs[silent[0]].exitcode} without a result"
+                elif time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise RankFailed(f"ranks {missing} did not finish within {timeout_s} s (hang?)")
+                continue
             (results if status == "ok" else errors)[rank] = payload
-            if errors:
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)

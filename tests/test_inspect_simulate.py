@@ -11,13 +11,15 @@ import torch.fx as fx
 import torch.nn as nn
 
 import dpar  # noqa: F401
-from dpar.compiler.inspect.costs import ALPHA, BETA, B, N, PRESETS, comm_time, comm_time_expr
+from dpar.compiler.inspect.costs import ALPHA, BETA, B, N, PRESETS, DeviceSpec, comm_time, comm_time_expr
 from dpar.compiler.inspect.explain import explain
 from dpar.compiler.inspect.simulate import Op, OpKind, simulate
 from dpar.compiler.inspect.timeline import build_timeline, step_program
 
 c10d = torch.ops._c10d_functional
 H100 = PRESETS["h100"]
+# Compute-heavy against its link, so that there is compute to hide communication behind.
+SLOW_COMPUTE = DeviceSpec("slow compute", 20e9, 20e9, 5e9, alpha=20e-6, link_bandwidth=2e9)
 
 
 def comm_only_graph(sizes: list[int]) -> fx.GraphModule:
@@ -76,12 +78,12 @@ def deep_mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
 
 def test_sunk_waits_hide_more_communication_than_waits_next_to_their_collective():
     options = {"bucket_cap_mb": 0.25}
-    sunk = explain(*deep_mlp(), world_size=8, device="cpu", options=options).timeline
-    kept = explain(*deep_mlp(), world_size=8, device="cpu", options={**options, "sink_waits": False}).timeline
+    sunk = explain(*deep_mlp(), world_size=8, device=SLOW_COMPUTE, options=options).timeline
+    kept = explain(*deep_mlp(), world_size=8, device=SLOW_COMPUTE, options={**options, "sink_waits": False}).timeline
     assert sunk.comm_time == pytest.approx(kept.comm_time) and sunk.comm_time > 0
     assert sunk.compute_time == pytest.approx(kept.compute_time)
     assert kept.exposed_comm == pytest.approx(kept.comm_time)  # each wait right after its collective
-    assert kept.overlap == 0.0
+    assert kept.overlap == pytest.approx(0.0, abs=1e-9)
     assert sunk.exposed_comm < 0.5 * kept.exposed_comm
     assert sunk.overlap > 0.5
 

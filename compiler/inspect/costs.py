@@ -48,9 +48,10 @@ class DeviceSpec:
 PRESETS: dict[str, DeviceSpec] = {
     # H100 SXM datasheet (dense TF32 / BF16, HBM3), one 400 Gb/s NIC per GPU across nodes.
     "h100": DeviceSpec("h100", 494e12, 989e12, 3.35e12, alpha=5e-6, link_bandwidth=50e9),
-    # This class of 2-core CI machine, measured with torch matmuls and gloo over loopback
-    # (benchmarks/validate_simulator.py prints the comparison).
-    "cpu": DeviceSpec("cpu", 50e9, 10e9, 10e9, alpha=50e-6, link_bandwidth=1e9),
+    # The 2-core development/CI machine, rounded from benchmarks/validate_simulator.py's
+    # calibration (one thread per rank: 512^2 matmul ~95 GFLOP/s, 16 MiB copy ~2.6 GB/s,
+    # 2-rank gloo all-reduce over loopback alpha ~175 us, ~0.7 GB/s).
+    "cpu": DeviceSpec("cpu", 90e9, 20e9, 2.5e9, alpha=150e-6, link_bandwidth=0.7e9),
 }
 
 

@@ -4,10 +4,13 @@
 """
 
 from dpar.compiler.backend import dpar_backend, register
+from dpar.compiler.inspect.explain import explain
+from dpar.compiler.inspect.logs import configure as _configure_logs
 from dpar.runtime.errors import CollectiveMismatchError, DparError, OptionsError, ProcessGroupError
 from dpar.runtime.gradient_sync import no_sync
 
 register()
+_configure_logs()  # DPAR_LOGS applies from the first compile on
 
 __all__ = [
     "CollectiveMismatchError",
@@ -15,5 +18,6 @@ __all__ = [
     "OptionsError",
     "ProcessGroupError",
     "dpar_backend",
+    "explain",
     "no_sync",
 ]

@@ -6,6 +6,7 @@
 from dpar.compiler.backend import dpar_backend, register
 from dpar.compiler.inspect.explain import explain
 from dpar.compiler.inspect.logs import configure as _configure_logs
+from dpar.placement import parallelize
 from dpar.runtime.errors import CollectiveMismatchError, DparError, OptionsError, ProcessGroupError
 from dpar.runtime.gradient_sync import no_sync
 
@@ -20,4 +21,5 @@ __all__ = [
     "dpar_backend",
     "explain",
     "no_sync",
+    "parallelize",
 ]

@@ -7,13 +7,15 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
 
 from dpar.compiler.capture import InputKind, classify_inputs
 from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
-from dpar.compiler.pipeline import DataParallelHook
+from dpar.compiler.pipeline import DataParallelHook, ShardedDataParallelHook
 from dpar.runtime.errors import OptionsError
 from dpar.runtime.replicate import synchronize_replicas
+from dpar.runtime.sharding import spec_of
 from dpar.runtime.world import check_devices, current_world
 
 
@@ -43,9 +45,18 @@ def dpar_backend(
     inputs = classify_inputs(gm, example_inputs)
     state = [(i.kind.value, i.name, i.tensor()) for i in inputs if i.kind is not InputKind.DATA]
     check_devices({name: t for kind, name, t in state if kind == "parameter"}, world)
-    synchronize_replicas(state, world, parsed.check_timeout_s)
-    hook = DataParallelHook(inputs, world, parsed)
-    return compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook)
+    specs = {i.index: spec_of(i.tensor()) for i in inputs if i.kind is InputKind.PARAMETER}
+    specs = {index: spec for index, spec in specs.items() if spec is not None}
+    if not specs:
+        synchronize_replicas(state, world, parsed.check_timeout_s)
+        hook = DataParallelHook(inputs, world, parsed)
+        return compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook)
+    # Shards were scattered from rank 0 by parallelize; buffers still start from rank 0's.
+    synchronize_replicas([s for s in state if not isinstance(s[2], DTensor)], world, parsed.check_timeout_s)
+    sharded = ShardedDataParallelHook(inputs, specs, world, parsed)
+    return compile_graphs(
+        gm, example_inputs, compiler=parsed.compiler, hook=sharded, joint_pass=sharded.tag_joint
+    )
 
 
 def register() -> None:

@@ -19,6 +19,13 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def restore_topological_order(graph: fx.Graph) -> None:
+    """Move nodes a rewrite left before their inputs down, keeping every other node in place."""
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    stable_topological_sort(graph)
+
+
 def refresh_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     """Give the nodes a pass added their ``meta['val']``, which Inductor and our tables read."""
     mode = detect_fake_mode(example_inputs)

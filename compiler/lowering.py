@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
-from functorch.compile import make_boxed_func
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -34,6 +34,9 @@ class GraphHook(Protocol):
     ) -> Callable[..., Any]: ...
 
 
+JointPass = Callable[[fx.GraphModule], fx.GraphModule]
+
+
 def _python(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
     return make_boxed_func(gm.forward)
 
@@ -44,27 +47,44 @@ def _interpreted(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[
 
 
 def compile_graphs(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], *, compiler: str, hook: GraphHook
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    compiler: str,
+    hook: GraphHook,
+    joint_pass: JointPass | None = None,
 ) -> Callable[..., Any]:
-    """Capture forward/backward with AOTAutograd and route every graph through ``hook``."""
+    """Capture forward/backward with AOTAutograd and route every graph through ``hook``.
+
+    ``joint_pass`` edits the joint graph before the min-cut partitioner splits
+    it (to decide what the backward recomputes rather than saves).
+    """
     if compiler == "inductor":
-        return _compile_inductor(gm, example_inputs, hook)
+        return _compile_inductor(gm, example_inputs, hook, joint_pass)
     lower = _python if compiler == "aot_eager" else _interpreted
 
     def role_compiler(role: GraphRole) -> Callable[..., Any]:
         return lambda g, ex: hook(g, ex, role, lower)
 
+    partition = {}
+    if joint_pass is not None:
+        partition["partition_fn"] = lambda joint, inputs, **kw: min_cut_rematerialization_partition(
+            joint_pass(joint), inputs, **kw
+        )
     return aot_autograd(
         fw_compiler=role_compiler(GraphRole.FORWARD),
         bw_compiler=role_compiler(GraphRole.BACKWARD),
         inference_compiler=role_compiler(GraphRole.INFERENCE),
+        **partition,
     )(gm, example_inputs)
 
 
 def _compile_inductor(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], hook: GraphHook
+    gm: fx.GraphModule, example_inputs: Sequence[Any], hook: GraphHook, joint_pass: JointPass | None
 ) -> Callable[..., Any]:
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     def inner_compile(g: fx.GraphModule, ex: Sequence[Any], **kwargs: Any) -> Any:
         kwargs.pop("get_decomp_fn", None)
@@ -80,6 +100,14 @@ def _compile_inductor(
 
         return hook(g, ex, role, lower)
 
+    class JointThenMinCut(CustomPartitionerFn):
+        def __call__(self, joint: fx.GraphModule, inputs: Sequence[object], **kwargs: Any) -> Any:
+            return min_cut_rematerialization_partition(joint_pass(joint), inputs, **kwargs)
+
+        def uuid(self) -> Any:
+            return None  # not cacheable: the tags depend on this model's sharding
+
+    patches = {"custom_partitioner_fn": JointThenMinCut()} if joint_pass is not None else {}
     # A cached artifact would skip the hooks, and with them the runtime that dispatches variants.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    with torch._functorch.config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.fx as fx
+from torch._library.fake_class_registry import FakeScriptObject
 
 from dpar.compiler.capture import GraphInput, InputKind
 from dpar.compiler.collectives import collectives
@@ -15,6 +16,11 @@ from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
 from dpar.compiler.inspect.logs import configure as configure_logs, log_pass
 from dpar.compiler.registry import STAGES_KEY, PassStage, record
+from dpar.compiler.passes.all_gather import ParameterGroup, bucket_all_gathers_pass
+from dpar.compiler.passes.prefetch import prefetch_all_gathers_pass
+from dpar.compiler.passes.reduce_scatter import bucket_reduce_scatters_pass
+from dpar.compiler.passes.reshard import tag_gathers_for_recompute
+from dpar.runtime.sharding import ShardSpec
 from dpar.compiler.passes.all_reduce import accumulated_gradient_order, all_reduce_gradients_pass
 from dpar.compiler.passes.broadcast_buffers import broadcast_buffers_pass
 from dpar.compiler.passes.buckets import Bucket, Gradient, plan_buckets
@@ -92,6 +98,23 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[Pass], label: str) -> fx.Gra
     return gm
 
 
+def lower_checked(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    label: str,
+    lower: Lower,
+    world: World,
+    options: Options,
+) -> Callable[..., Any]:
+    """Record the post-pass graph, agree on its collectives across ranks, then compile it."""
+    refresh_fake_values(gm, example_inputs)
+    found = collectives(gm)
+    record(label, gm, found)
+    if found and world.backend != "fake":  # a fake group simulates ranks that do not exist
+        agree(world, label, [c.fingerprint() for c in found], options.check_timeout_s)
+    return lower(gm, example_inputs)
+
+
 class DataParallelHook:
     """Turns each graph AOTAutograd produces into its data-parallel version."""
 
@@ -101,22 +124,12 @@ class DataParallelHook:
         self.options = options
         self.buckets: list[Bucket] = []
 
-    def _lower_checked(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], label: str, lower: Lower
-    ) -> Callable[..., Any]:
-        refresh_fake_values(gm, example_inputs)
-        found = collectives(gm)
-        record(label, gm, found)
-        if found and self.world.backend != "fake":  # a fake group simulates ranks that do not exist
-            agree(self.world, label, [c.fingerprint() for c in found], self.options.check_timeout_s)
-        return lower(gm, example_inputs)
-
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower
     ) -> Callable[..., Any]:
         if role is not GraphRole.BACKWARD:
             gm = run_passes(gm, ddp_forward_passes(self.inputs, self.world, self.options), role.value)
-            return self._lower_checked(gm, example_inputs, f"{role.value} graph", lower)
+            return lower_checked(gm, example_inputs, f"{role.value} graph", lower, self.world, self.options)
 
         self.buckets = plan_buckets(gradients_of(gm, self.inputs), self.options.bucket_cap_bytes)
         log.info(
@@ -136,9 +149,67 @@ class DataParallelHook:
             inputs = list(example_inputs)
             if variant is Variant.SYNC_ACCUMULATED:
                 inputs += [fake_like(outputs[i].meta["val"]) for i in order]
-            return self._lower_checked(graph, inputs, label, lower)
+            return lower_checked(graph, inputs, label, lower, self.world, self.options)
 
         parameters = {i.index: i.tensor for i in self.inputs if i.kind is InputKind.PARAMETER}
         dispatch = BackwardDispatch(parameters, order, build)
         dispatch.prepare(Variant.SYNC)
         return dispatch
+
+
+def flat_positions(example_inputs: Sequence[Any]) -> list[int]:
+    """For each Dynamo graph input, its position among AOTAutograd's flat forward inputs.
+
+    A DTensor input flattens into its local tensor followed by opaque objects
+    (its mesh and placements), which have no Dynamo counterpart.
+    """
+    return [i for i, value in enumerate(example_inputs) if not isinstance(value, FakeScriptObject)]
+
+
+class ShardedDataParallelHook:
+    """zero2 / fsdp: bucketed all-gathers in forward (and backward), reduce-scatters in backward."""
+
+    def __init__(self, inputs: Sequence[GraphInput], specs: dict[int, ShardSpec], world: World, options: Options) -> None:
+        self.inputs = list(inputs)
+        self.specs = specs  # Dynamo input index -> how that parameter is sharded
+        self.world = world
+        self.options = options
+        self.groups: list[ParameterGroup] = []
+        self.reshard_after_forward = any(s.strategy == "fsdp" for s in specs.values())
+        first = next(iter(specs.values()))
+        self.group_name, self.group_size, self.max_inflight = first.group_name, first.world_size, first.max_inflight_gathers
+
+    def tag_joint(self, joint: fx.GraphModule) -> fx.GraphModule:
+        if self.reshard_after_forward:
+            tag_gathers_for_recompute(joint)
+        return joint
+
+    def _plan_groups(self, example_inputs: Sequence[Any]) -> None:
+        positions = flat_positions(example_inputs)
+        if len(positions) != len(self.inputs):
+            raise RuntimeError(
+                f"dpar internal error: {len(self.inputs)} Dynamo inputs but {len(positions)} flat tensors"
+            )
+        by_bucket: dict[str, list[int]] = {}
+        for index, spec in self.specs.items():
+            by_bucket.setdefault(spec.bucket, []).append(positions[index])
+        self.groups = [ParameterGroup(name, tuple(idx)) for name, idx in by_bucket.items()]
+        log.info("sharded buckets: %s", [(g.name, len(g.inputs)) for g in self.groups])
+
+    def _passes(self, role: GraphRole) -> list[Pass]:
+        kw = {"group_name": self.group_name, "world_size": self.group_size}
+        passes: list[Pass] = [("bucket_all_gathers", lambda g: bucket_all_gathers_pass(g, self.groups, **kw))]
+        if role is GraphRole.BACKWARD:
+            passes.append(("bucket_reduce_scatters", lambda g: bucket_reduce_scatters_pass(g, self.groups, **kw)))
+        passes.append(("prefetch_all_gathers", lambda g: prefetch_all_gathers_pass(g, self.max_inflight)))
+        if self.options.sink_waits:
+            passes.append(("sink_waits", sink_waits_pass))
+        return passes
+
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower
+    ) -> Callable[..., Any]:
+        if role is not GraphRole.BACKWARD:
+            self._plan_groups(example_inputs)
+        gm = run_passes(gm, self._passes(role), role.value)
+        return lower_checked(gm, example_inputs, f"{role.value} graph", lower, self.world, self.options)

@@ -62,3 +62,14 @@ class GraphBreak(nn.Module):
         torch._dynamo.graph_break()
         x = torch.tanh(self.shared(x))
         return self.head(x)
+
+
+class Uneven(nn.Module):
+    """Sizes no world size divides: shards need padding (and differ in shape across ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 30), nn.GELU(), nn.Linear(30, 5), nn.GELU(), nn.Linear(5, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)

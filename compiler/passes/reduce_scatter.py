@@ -1,0 +1,89 @@
+"""Sharded gradients: one averaged, flattened reduce-scatter per bucket."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from dpar.compiler.collectives import WAIT
+from dpar.compiler.graph_utils import restore_topological_order
+from dpar.compiler.passes.all_gather import ParameterGroup
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _output_positions(node: fx.Node, output: fx.Node) -> set[int]:
+    """Which graph outputs ``node`` flows into."""
+    outputs = output.args[0]
+    reached, seen, frontier = set(), {node}, [node]
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if user is output:
+                reached |= {i for i, o in enumerate(outputs) if o is current}
+            elif user not in seen:
+                seen.add(user)
+                frontier.append(user)
+    return reached
+
+
+def bucket_reduce_scatters_pass(
+    gm: fx.GraphModule, groups: Sequence[ParameterGroup], *, group_name: str, world_size: int
+) -> fx.GraphModule:
+    """Replace each group's per-parameter reduce-scatters by one over their concatenation.
+
+    Each full gradient is viewed as [world, shard size]; concatenating those
+    column-wise puts every rank's shards of the whole bucket in one row, so one
+    reduce-scatter hands rank r all of its shards. Gradients are divided by the
+    world size first, so shards hold the average over ranks, as with DDP.
+    """
+    graph = gm.graph
+    output = graph.output_node()
+    scatters: dict[int, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.target is c10d.reduce_scatter_tensor.default:
+            for position in _output_positions(node, output):
+                scatters.setdefault(position, []).append(node)
+    for group in groups:
+        members = [rs for i in group.inputs for rs in scatters.get(i, [])]
+        by_dtype: dict[torch.dtype, list[fx.Node]] = {}
+        for rs in dict.fromkeys(members):
+            by_dtype.setdefault(rs.args[0].meta["val"].dtype, []).append(rs)
+        for nodes in by_dtype.values():
+            _bucket(graph, nodes, group_name, world_size)
+    restore_topological_order(graph)  # consumers of a reduced shard (unpadding) follow the bucket
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _bucket(graph: fx.Graph, scatters: list[fx.Node], group_name: str, world_size: int) -> None:
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    grads = [rs.args[0] for rs in scatters]
+    sizes = [int(g.meta["val"].numel()) // world_size for g in grads]
+    last = max(grads, key=position.__getitem__)
+    with graph.inserting_before(last.next):
+        rows = []
+        for grad, size in zip(grads, sizes):
+            if not grad.meta["val"].is_contiguous():
+                grad = graph.call_function(aten.clone.default, (grad,), {"memory_format": torch.contiguous_format})
+            rows.append(graph.call_function(aten.view.default, (grad, [world_size, size])))
+        matrix = rows[0] if len(rows) == 1 else graph.call_function(aten.cat.default, (rows, 1))
+        flat = graph.call_function(aten.view.default, (matrix, [world_size * sum(sizes)]))
+        flat = graph.call_function(aten.div.Tensor, (flat, world_size))
+        reduced = graph.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", world_size, group_name))
+        waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
+        pieces = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
+        for i, rs in enumerate(scatters):
+            piece = graph.call_function(operator.getitem, (pieces, i))
+            shard = graph.call_function(aten.view.default, (piece, list(rs.meta["val"].shape)))
+            for old_wait in [u for u in rs.users if u.target is WAIT]:
+                old_wait.replace_all_uses_with(shard)
+                graph.erase_node(old_wait)
+    for rs in scatters:
+        graph.erase_node(rs)  # collectives are side-effectful: dead-code elimination keeps them

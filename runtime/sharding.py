@@ -1,0 +1,142 @@
+"""Parameters at rest as dim-0 shards (DTensor), read by the forward as full tensors.
+
+[Note: how a sharded parameter reaches the graph]
+Each parameter is replaced by an ``nn.Parameter`` holding a ``Shard(0)`` DTensor,
+so ``model.parameters()``, optimizers (whose state is then sharded too),
+``state_dict`` and ``torch.distributed.checkpoint`` all see shards. The module's
+class is swapped for a subclass whose attribute of the same name returns
+``shard.full_tensor(grad_placements=[Partial()])``: Dynamo and AOTAutograd trace
+that into an ``all_gather_into_tensor`` in the forward and, for its gradient, a
+``reduce_scatter_tensor`` in the backward. dpar's passes then own what happens
+to those collectives: buckets, averaging, prefetch order and whether the
+gathered parameter is kept for the backward (zero2) or gathered again (fsdp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from dpar.runtime.errors import OptionsError
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is sharded and which collectives carry it."""
+
+    name: str
+    strategy: str  # "fsdp" or "zero2"
+    bucket: str  # parameters of one bucket are gathered and reduce-scattered together
+    global_shape: tuple[int, ...]
+    group_name: str
+    world_size: int
+    max_inflight_gathers: int
+
+
+# Identity-keyed: parameters compare elementwise.
+_specs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_retired: WeakIdKeyDictionary = WeakIdKeyDictionary()  # full parameters replaced by shards
+
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+def block_of(name: str) -> str:
+    """``layers.3.attn.qkv.weight`` -> ``layers.3``; parameters outside a numbered block -> ``root``."""
+    match = _BLOCK.match(name)
+    return match.group(1) if match else "root"
+
+
+def spec_of(param: torch.Tensor) -> ShardSpec | None:
+    return _specs.get(param)
+
+
+def is_retired(param: torch.Tensor) -> bool:
+    return param in _retired
+
+
+def _gathering_class(cls: type[nn.Module], names: list[str]) -> type[nn.Module]:
+    def full(name: str) -> property:
+        def read(self: nn.Module) -> torch.Tensor:
+            return self._parameters[name].full_tensor(grad_placements=[Partial()])
+
+        return property(read)
+
+    return type(f"Sharded{cls.__name__}", (cls,), {n: full(n) for n in names})
+
+
+def shard_parameters(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    strategy: str,
+    bucket_of: dict[str, str],
+    max_inflight_gathers: int,
+) -> list[ShardSpec]:
+    """Replace every parameter of ``model`` by its dim-0 shard over ``mesh``, in place."""
+    group = mesh.get_group()
+    specs = []
+    shard_of: dict[int, nn.Parameter] = {}  # tied weights: one shard, read by every owner
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        names = [n for n, p in module._parameters.items() if p is not None]
+        if not names:
+            continue
+        for name in names:
+            full = module._parameters[name]
+            if id(full) in shard_of:
+                module._parameters[name] = shard_of[id(full)]
+                continue
+            qualified = f"{module_name}.{name}" if module_name else name
+            if full.dim() == 0:
+                raise OptionsError(
+                    f"parameter {qualified} is a scalar, which cannot be sharded on dim 0; "
+                    "give it shape [1] or keep the model unsharded"
+                )
+            shard = nn.Parameter(
+                distribute_tensor(full.detach(), mesh, [Shard(0)]), requires_grad=full.requires_grad
+            )
+            spec = ShardSpec(
+                name=qualified,
+                strategy=strategy,
+                bucket=bucket_of[qualified],
+                global_shape=tuple(full.shape),
+                group_name=group.group_name,
+                world_size=mesh.size(),
+                max_inflight_gathers=max_inflight_gathers,
+            )
+            module._parameters[name] = shard_of[id(full)] = shard
+            _specs[shard] = spec
+            _retired[full] = True
+            specs.append(spec)
+        module.__class__ = _gathering_class(type(module), names)
+    return specs
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) and p in _specs for p in model.parameters())
+
+
+_guard_installed = False
+
+
+def _refuse_retired_parameters(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    for group in optimizer.param_groups:
+        if any(is_retired(p) for p in group["params"]):
+            raise OptionsError(
+                f"this {type(optimizer).__name__} was built before dpar.parallelize, so it holds the "
+                "full parameters that parallelize replaced by shards (their gradients never come): "
+                "build the optimizer after parallelize, from model.parameters()"
+            )
+
+
+def guard_optimizers_built_too_early() -> None:
+    """From now on, an optimizer step over replaced full parameters fails instead of doing nothing."""
+    global _guard_installed
+    if not _guard_installed:
+        register_optimizer_step_pre_hook(_refuse_retired_parameters)
+        _guard_installed = True

@@ -157,13 +157,22 @@ class DataParallelHook:
         return dispatch
 
 
-def flat_positions(example_inputs: Sequence[Any]) -> list[int]:
-    """For each Dynamo graph input, its position among AOTAutograd's flat forward inputs.
+def flat_layout(inputs: Sequence[GraphInput], example_inputs: Sequence[Any]) -> list[tuple[int, int]]:
+    """For each Dynamo graph input: its position among AOTAutograd's flat forward inputs, and
+    the position of its gradient among the backward graph's outputs.
 
-    A DTensor input flattens into its local tensor followed by opaque objects
-    (its mesh and placements), which have no Dynamo counterpart.
+    A DTensor flattens into its local tensor followed by opaque objects (its
+    spec), which have no Dynamo counterpart; its gradient takes as many outputs
+    when it requires grad, and one (None) when it does not.
     """
-    return [i for i, value in enumerate(example_inputs) if not isinstance(value, FakeScriptObject)]
+    starts = [i for i, value in enumerate(example_inputs) if not isinstance(value, FakeScriptObject)]
+    if len(starts) != len(inputs):
+        raise RuntimeError(f"dpar internal error: {len(inputs)} Dynamo inputs but {len(starts)} flat tensors")
+    layout, gradient = [], 0
+    for inp, start, end in zip(inputs, starts, [*starts[1:], len(example_inputs)]):
+        layout.append((start, gradient))
+        gradient += (end - start) if inp.requires_grad else 1
+    return layout
 
 
 class ShardedDataParallelHook:
@@ -185,15 +194,14 @@ class ShardedDataParallelHook:
         return joint
 
     def _plan_groups(self, example_inputs: Sequence[Any]) -> None:
-        positions = flat_positions(example_inputs)
-        if len(positions) != len(self.inputs):
-            raise RuntimeError(
-                f"dpar internal error: {len(self.inputs)} Dynamo inputs but {len(positions)} flat tensors"
-            )
-        by_bucket: dict[str, list[int]] = {}
+        layout = flat_layout(self.inputs, example_inputs)
+        by_bucket: dict[str, list[tuple[int, int]]] = {}
         for index, spec in self.specs.items():
-            by_bucket.setdefault(spec.bucket, []).append(positions[index])
-        self.groups = [ParameterGroup(name, tuple(idx)) for name, idx in by_bucket.items()]
+            by_bucket.setdefault(spec.bucket, []).append(layout[index])
+        self.groups = [
+            ParameterGroup(name, tuple(i for i, _ in pairs), tuple(g for _, g in pairs))
+            for name, pairs in by_bucket.items()
+        ]
         log.info("sharded buckets: %s", [(g.name, len(g.inputs)) for g in self.groups])
 
     def _passes(self, role: GraphRole) -> list[Pass]:

@@ -18,13 +18,15 @@ c10d = torch.ops._c10d_functional
 class ParameterGroup:
     """Sharded parameters that share collectives.
 
-    ``inputs`` are positions among AOTAutograd's flat forward inputs: the
-    placeholder ``primals_{i + 1}`` in the forward graph, and in the backward
-    graph both the saved input of that name and the gradient output ``i``.
+    ``inputs`` are positions among AOTAutograd's flat forward inputs (the
+    placeholder ``primals_{i + 1}``, in the forward graph and, when saved, in
+    the backward graph); ``gradients`` are the backward graph's outputs that
+    hold those parameters' gradients.
     """
 
     name: str
     inputs: tuple[int, ...]
+    gradients: tuple[int, ...]
 
 
 def primal_placeholders(graph: fx.Graph) -> dict[int, fx.Node]:

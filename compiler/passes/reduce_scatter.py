@@ -49,7 +49,7 @@ def bucket_reduce_scatters_pass(
             for position in _output_positions(node, output):
                 scatters.setdefault(position, []).append(node)
     for group in groups:
-        members = [rs for i in group.inputs for rs in scatters.get(i, [])]
+        members = [rs for i in group.gradients for rs in scatters.get(i, [])]
         by_dtype: dict[torch.dtype, list[fx.Node]] = {}
         for rs in dict.fromkeys(members):
             by_dtype.setdefault(rs.args[0].meta["val"].dtype, []).append(rs)

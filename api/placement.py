@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import weakref
 
 import torch.distributed as dist
@@ -54,7 +55,9 @@ def parallelize(
     issued ahead of their use (the memory prefetch costs).
     """
     if strategy not in STRATEGIES:
-        raise OptionsError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+        close = difflib.get_close_matches(str(strategy), STRATEGIES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise OptionsError(f"unknown strategy {strategy!r}{hint}; choose one of {list(STRATEGIES)}")
     if model in _plans or sharding.is_sharded(model):
         raise OptionsError(
             "parallelize was already called on this model; build a fresh model to choose another strategy"

@@ -209,9 +209,10 @@ class ShardedDataParallelHook:
         passes: list[Pass] = [("bucket_all_gathers", lambda g: bucket_all_gathers_pass(g, self.groups, **kw))]
         if role is GraphRole.BACKWARD:
             passes.append(("bucket_reduce_scatters", lambda g: bucket_reduce_scatters_pass(g, self.groups, **kw)))
-        passes.append(("prefetch_all_gathers", lambda g: prefetch_all_gathers_pass(g, self.max_inflight)))
         if self.options.sink_waits:
             passes.append(("sink_waits", sink_waits_pass))
+        # Last: the in-flight bound counts from where the waits finally are.
+        passes.append(("prefetch_all_gathers", lambda g: prefetch_all_gathers_pass(g, self.max_inflight)))
         return passes
 
     def __call__(

@@ -79,6 +79,12 @@ def shard_parameters(
     max_inflight_gathers: int,
 ) -> list[ShardSpec]:
     """Replace every parameter of ``model`` by its dim-0 shard over ``mesh``, in place."""
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:  # refuse before anything is replaced
+        raise OptionsError(
+            f"parameter {scalars[0]} is a scalar, which cannot be sharded on dim 0; "
+            "give it shape [1] or keep the model unsharded"
+        )
     group = mesh.get_group()
     specs = []
     shard_of: dict[int, nn.Parameter] = {}  # tied weights: one shard, read by every owner
@@ -92,11 +98,6 @@ def shard_parameters(
                 module._parameters[name] = shard_of[id(full)]
                 continue
             qualified = f"{module_name}.{name}" if module_name else name
-            if full.dim() == 0:
-                raise OptionsError(
-                    f"parameter {qualified} is a scalar, which cannot be sharded on dim 0; "
-                    "give it shape [1] or keep the model unsharded"
-                )
             shard = nn.Parameter(
                 distribute_tensor(full.detach(), mesh, [Shard(0)]), requires_grad=full.requires_grad
             )

@@ -1,0 +1,63 @@
+"""parallelize refuses what it cannot do, naming the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import dpar
+from fake_world import fake_world
+from models import MLP
+
+
+@pytest.fixture
+def world_of_four():
+    with fake_world(4):
+        yield
+
+
+def test_unknown_strategy_suggests_the_closest(world_of_four) -> None:
+    with pytest.raises(ValueError, match=r"unknown strategy 'fdsp' \(did you mean 'fsdp'\?\); choose one of \['ddp', 'zero2', 'fsdp'\]"):
+        dpar.parallelize(MLP(), strategy="fdsp")
+
+
+def test_mesh_that_does_not_cover_the_world(world_of_four) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match=r"needs a 1-D mesh over the whole world \(4 ranks\), got mesh shape \(2, 2\)"):
+        dpar.parallelize(MLP(), strategy="fsdp", mesh=mesh)
+
+
+def test_parallelize_twice(world_of_four) -> None:
+    model = MLP()
+    dpar.parallelize(model, strategy="fsdp")
+    with pytest.raises(ValueError, match="parallelize was already called on this model"):
+        dpar.parallelize(model, strategy="zero2")
+
+
+def test_optimizer_built_before_parallelize_fails_at_its_first_step(world_of_four) -> None:
+    model = MLP()
+    early = torch.optim.AdamW(model.parameters())
+    dpar.parallelize(model, strategy="fsdp")
+    with pytest.raises(ValueError, match="built before dpar.parallelize.*build the optimizer after parallelize"):
+        early.step()
+    torch.optim.AdamW(model.parameters()).step()  # one built afterwards steps on the shards
+
+
+def test_sharding_needs_a_process_group() -> None:
+    with pytest.raises(dpar.ProcessGroupError, match="call torch.distributed.init_process_group"):
+        dpar.parallelize(MLP(), strategy="zero2")
+
+
+def test_scalar_parameters_cannot_be_sharded(world_of_four) -> None:
+    model = nn.Module()
+    model.scale = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="parameter scale is a scalar"):
+        dpar.parallelize(model, strategy="fsdp")
+
+
+@pytest.mark.parametrize("bad", [0, -2, "two"])
+def test_in_flight_limit_must_be_a_positive_integer(world_of_four, bad) -> None:
+    with pytest.raises(ValueError, match="max_inflight_gathers must be an integer >= 1"):
+        dpar.parallelize(MLP(), strategy="fsdp", max_inflight_gathers=bad)

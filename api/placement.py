@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import weakref
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -46,13 +47,18 @@ def parallelize(
     mesh: DeviceMesh | None = None,
     bucket_cap_mb: float | None = None,
     max_inflight_gathers: int = 2,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place for ``strategy``; build the optimizer afterwards.
 
     ``bucket_cap_mb=None`` groups parameters per numbered block (``layers.3``), the
     rest in one ``root`` bucket; a number groups consecutive parameters up to that
     many MiB instead. ``max_inflight_gathers`` bounds how many all-gathers may be
-    issued ahead of their use (the memory prefetch costs).
+    issued ahead of their use (the memory prefetch costs). ``param_dtype`` (e.g.
+    ``torch.bfloat16``) is the dtype parameters are gathered and computed in, and
+    ``reduce_dtype`` the one gradients are reduce-scattered in; shards, their
+    gradients and the optimizer state stay in the stored dtype (float32).
     """
     if strategy not in STRATEGIES:
         close = difflib.get_close_matches(str(strategy), STRATEGIES, n=1)
@@ -66,7 +72,12 @@ def parallelize(
         raise OptionsError(f"max_inflight_gathers must be an integer >= 1, got {max_inflight_gathers!r}")
     if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
         raise OptionsError(f"bucket_cap_mb must be None (per block) or a number > 0, got {bucket_cap_mb!r}")
+    for knob, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise OptionsError(f"{knob} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
     if strategy == "ddp":
+        if param_dtype is not None or reduce_dtype is not None:
+            raise OptionsError("param_dtype/reduce_dtype apply to zero2 and fsdp; for ddp use torch.autocast")
         return model  # replication needs no change at rest: the backend inserts the all-reduces
     if not dist.is_initialized():
         raise ProcessGroupError(
@@ -89,7 +100,9 @@ def parallelize(
     else:
         sizes = {n: p.numel() * p.element_size() for n, p in named}
         bucket_of = _buckets_by_cap(names, sizes, int(bucket_cap_mb * 1024 * 1024))
-    sharding.shard_parameters(model, mesh, strategy, bucket_of, max_inflight_gathers)
+    sharding.shard_parameters(
+        model, mesh, strategy, bucket_of, max_inflight_gathers, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+    )
     buckets: dict[str, list[str]] = {}
     for name in names:
         buckets.setdefault(bucket_of[name], []).append(name)

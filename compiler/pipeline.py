@@ -186,7 +186,8 @@ class ShardedDataParallelHook:
         self.groups: list[ParameterGroup] = []
         self.reshard_after_forward = any(s.strategy == "fsdp" for s in specs.values())
         first = next(iter(specs.values()))
-        self.group_name, self.group_size, self.max_inflight = first.group_name, first.world_size, first.max_inflight_gathers
+        self.group_name, self.group_size = first.group_name, first.world_size
+        self.max_inflight, self.reduce_dtype = first.max_inflight_gathers, first.reduce_dtype
 
     def tag_joint(self, joint: fx.GraphModule) -> fx.GraphModule:
         if self.reshard_after_forward:
@@ -208,7 +209,12 @@ class ShardedDataParallelHook:
         kw = {"group_name": self.group_name, "world_size": self.group_size}
         passes: list[Pass] = [("bucket_all_gathers", lambda g: bucket_all_gathers_pass(g, self.groups, **kw))]
         if role is GraphRole.BACKWARD:
-            passes.append(("bucket_reduce_scatters", lambda g: bucket_reduce_scatters_pass(g, self.groups, **kw)))
+            passes.append(
+                (
+                    "bucket_reduce_scatters",
+                    lambda g: bucket_reduce_scatters_pass(g, self.groups, reduce_dtype=self.reduce_dtype, **kw),
+                )
+            )
         if self.options.sink_waits:
             passes.append(("sink_waits", sink_waits_pass))
         # Last: the in-flight bound counts from where the waits finally are.

@@ -38,6 +38,8 @@ class ShardSpec:
     group_name: str
     world_size: int
     max_inflight_gathers: int
+    param_dtype: torch.dtype | None = None  # gathered and computed in; None: as stored
+    reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in; None: as computed
 
 
 # Identity-keyed: parameters compare elementwise.
@@ -61,14 +63,34 @@ def is_retired(param: torch.Tensor) -> bool:
     return param in _retired
 
 
-def _gathering_class(cls: type[nn.Module], names: list[str]) -> type[nn.Module]:
+def _gathering_class(
+    cls: type[nn.Module], names: list[str], param_dtype: torch.dtype | None
+) -> type[nn.Module]:
+    """A subclass of ``cls`` whose parameter attributes read the gathered full tensors.
+
+    With ``param_dtype`` the shard is cast before the gather (so the gather moves
+    the smaller dtype), and floating-point inputs of the module are cast too, as
+    FSDP2's MixedPrecisionPolicy does, so compute runs in ``param_dtype``.
+    """
+
     def full(name: str) -> property:
         def read(self: nn.Module) -> torch.Tensor:
-            return self._parameters[name].full_tensor(grad_placements=[Partial()])
+            shard = self._parameters[name]
+            if param_dtype is not None:
+                shard = shard.to(param_dtype)
+            return shard.full_tensor(grad_placements=[Partial()])
 
         return property(read)
 
-    return type(f"Sharded{cls.__name__}", (cls,), {n: full(n) for n in names})
+    members: dict[str, object] = {n: full(n) for n in names}
+    if param_dtype is not None:
+
+        def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+            cast = lambda v: v.to(param_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            return cls.forward(self, *map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+
+        members["forward"] = forward
+    return type(f"Sharded{cls.__name__}", (cls,), members)
 
 
 def shard_parameters(
@@ -77,6 +99,8 @@ def shard_parameters(
     strategy: str,
     bucket_of: dict[str, str],
     max_inflight_gathers: int,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> list[ShardSpec]:
     """Replace every parameter of ``model`` by its dim-0 shard over ``mesh``, in place."""
     scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
@@ -109,12 +133,14 @@ def shard_parameters(
                 group_name=group.group_name,
                 world_size=mesh.size(),
                 max_inflight_gathers=max_inflight_gathers,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
             )
             module._parameters[name] = shard_of[id(full)] = shard
             _specs[shard] = spec
             _retired[full] = True
             specs.append(spec)
-        module.__class__ = _gathering_class(type(module), names)
+        module.__class__ = _gathering_class(type(module), names, param_dtype)
     return specs
 
 

@@ -32,7 +32,12 @@ def _output_positions(node: fx.Node, output: fx.Node) -> set[int]:
 
 
 def bucket_reduce_scatters_pass(
-    gm: fx.GraphModule, groups: Sequence[ParameterGroup], *, group_name: str, world_size: int
+    gm: fx.GraphModule,
+    groups: Sequence[ParameterGroup],
+    *,
+    group_name: str,
+    world_size: int,
+    reduce_dtype: torch.dtype | None = None,
 ) -> fx.GraphModule:
     """Replace each group's per-parameter reduce-scatters by one over their concatenation.
 
@@ -40,6 +45,10 @@ def bucket_reduce_scatters_pass(
     column-wise puts every rank's shards of the whole bucket in one row, so one
     reduce-scatter hands rank r all of its shards. Gradients are divided by the
     world size first, so shards hold the average over ranks, as with DDP.
+
+    With ``reduce_dtype`` the bucket is cast before the reduction; a cast of the
+    result back to ``reduce_dtype`` that the graph already does (mixed precision
+    computes in bf16 and stores float32 gradients) reads the reduced value directly.
     """
     graph = gm.graph
     output = graph.output_node()
@@ -54,7 +63,7 @@ def bucket_reduce_scatters_pass(
         for rs in dict.fromkeys(members):
             by_dtype.setdefault(rs.args[0].meta["val"].dtype, []).append(rs)
         for nodes in by_dtype.values():
-            _bucket(graph, nodes, group_name, world_size)
+            _bucket(graph, nodes, group_name, world_size, reduce_dtype)
     restore_topological_order(graph)  # consumers of a reduced shard (unpadding) follow the bucket
     graph.eliminate_dead_code()
     graph.lint()
@@ -62,7 +71,15 @@ def bucket_reduce_scatters_pass(
     return gm
 
 
-def _bucket(graph: fx.Graph, scatters: list[fx.Node], group_name: str, world_size: int) -> None:
+def _is_cast_to(node: fx.Node, dtype: torch.dtype) -> bool:
+    if node.target is torch.ops.prims.convert_element_type.default:
+        return node.args[1] == dtype
+    return node.target is aten._to_copy.default and node.kwargs.get("dtype") == dtype and len(node.kwargs) == 1
+
+
+def _bucket(
+    graph: fx.Graph, scatters: list[fx.Node], group_name: str, world_size: int, reduce_dtype: torch.dtype | None
+) -> None:
     position = {n: i for i, n in enumerate(graph.nodes)}
     grads = [rs.args[0] for rs in scatters]
     sizes = [int(g.meta["val"].numel()) // world_size for g in grads]
@@ -75,6 +92,9 @@ def _bucket(graph: fx.Graph, scatters: list[fx.Node], group_name: str, world_siz
             rows.append(graph.call_function(aten.view.default, (grad, [world_size, size])))
         matrix = rows[0] if len(rows) == 1 else graph.call_function(aten.cat.default, (rows, 1))
         flat = graph.call_function(aten.view.default, (matrix, [world_size * sum(sizes)]))
+        computed = grads[0].meta["val"].dtype
+        if reduce_dtype is not None and reduce_dtype != computed:
+            flat = graph.call_function(torch.ops.prims.convert_element_type.default, (flat, reduce_dtype))
         flat = graph.call_function(aten.div.Tensor, (flat, world_size))
         reduced = graph.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", world_size, group_name))
         waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
@@ -82,8 +102,15 @@ def _bucket(graph: fx.Graph, scatters: list[fx.Node], group_name: str, world_siz
         for i, rs in enumerate(scatters):
             piece = graph.call_function(operator.getitem, (pieces, i))
             shard = graph.call_function(aten.view.default, (piece, list(rs.meta["val"].shape)))
+            reduced_in = reduce_dtype if reduce_dtype is not None else computed
+            as_computed = shard
+            if reduced_in != computed:
+                as_computed = graph.call_function(torch.ops.prims.convert_element_type.default, (shard, computed))
             for old_wait in [u for u in rs.users if u.target is WAIT]:
-                old_wait.replace_all_uses_with(shard)
+                for cast in [u for u in old_wait.users if _is_cast_to(u, reduced_in)]:
+                    cast.replace_all_uses_with(shard)
+                    graph.erase_node(cast)
+                old_wait.replace_all_uses_with(as_computed)
                 graph.erase_node(old_wait)
     for rs in scatters:
         graph.erase_node(rs)  # collectives are side-effectful: dead-code elimination keeps them

@@ -7,16 +7,25 @@ import torch.fx as fx
 from dpar.compiler.collectives import WAIT, is_compute
 
 
-def _view_closure(wait: fx.Node) -> list[fx.Node]:
-    """The wait and the non-compute nodes (split, getitem, view) that only reshape its result."""
+def _epilogue(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose results only reach the graph's outputs (a gradient's final cast, say)."""
+    tail: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "call_function" and node.users and all(u.op == "output" or u in tail for u in node.users):
+            tail.add(node)
+    return tail
+
+
+def _movable_closure(wait: fx.Node, epilogue: set[fx.Node]) -> list[fx.Node]:
+    """The wait and what only reshapes its result (split, getitem, view) or only feeds outputs."""
     closure, frontier = [wait], [wait]
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if user.op == "call_function" and not is_compute(user) and user not in closure:
-                if all(arg in closure for arg in user.all_input_nodes):
-                    closure.append(user)
-                    frontier.append(user)
+            movable = user.op == "call_function" and (not is_compute(user) or user in epilogue)
+            if movable and user not in closure and all(arg in closure for arg in user.all_input_nodes):
+                closure.append(user)
+                frontier.append(user)
     return closure
 
 
@@ -24,11 +33,13 @@ def sink_waits_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Move every wait_tensor down to just before the first node that needs its data.
 
     Between the collective and its wait, the rest of the graph runs while the
-    communication is in flight. The reshaping that follows a wait moves with it.
+    communication is in flight. The reshaping that follows a wait moves with it,
+    and so does work on its result that only feeds the outputs.
     """
     graph = gm.graph
+    epilogue = _epilogue(graph)
     for wait in [n for n in graph.nodes if n.target is WAIT]:
-        closure = _view_closure(wait)
+        closure = _movable_closure(wait, epilogue)
         position = {n: i for i, n in enumerate(graph.nodes)}
         closure.sort(key=position.__getitem__)
         members = set(closure)

@@ -96,6 +96,15 @@ def moved_bytes(kind: str, nbytes: int, world_size: int) -> float:
     return float(moved_bytes_expr(kind).subs({N: world_size, B: nbytes}))
 
 
+def payload_bytes(collective: fx.Node) -> int:
+    """B for a collective node: its full buffer, the larger of its operand and its result.
+
+    An all-gather's operand is one rank's shard and a reduce-scatter's result is
+    one; the ring formulas above are in the gathered (pre-scatter) size.
+    """
+    return max(_tensor_bytes(_val(collective.args[0])), _tensor_bytes(collective.meta.get("val")))
+
+
 # ---- compute: a roofline per FX node ----------------------------------------------------
 
 

@@ -11,29 +11,45 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.backend import dpar_backend
-from dpar.compiler.capture import classify_inputs
+from dpar.compiler.capture import GraphInput, classify_inputs
 from dpar.compiler.inspect.buckets import bucket_of, graph_buckets
-from dpar.compiler.inspect.costs import DeviceSpec, comm_time, device_spec, moved_bytes
+from dpar.compiler.inspect.costs import DeviceSpec, comm_time, device_spec, moved_bytes, payload_bytes
 from dpar.compiler.inspect.fake_world import fake_world
 from dpar.compiler.inspect.logs import artifact
-from dpar.compiler.inspect.memory import activation_peak, per_rank_memory
+from dpar.compiler.inspect.memory import per_rank_memory, step_peak
 from dpar.compiler.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
 from dpar.compiler.inspect.strategies import strategy as strategy_named
 from dpar.compiler.inspect.timeline import build_timeline
+from dpar.compiler.inspect.uneven_shards import padded_once
 from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
+from dpar.compiler.pipeline import flat_layout
 from dpar.compiler.registry import CompiledGraph, PassStage, compiled_graphs, record
 
 
 @dataclasses.dataclass(frozen=True)
 class _Capture:
-    """What one Dynamo graph became: its input names and the graphs dpar compiled from it."""
+    """What one Dynamo graph became: its inputs, their names and the graphs dpar compiled from it."""
 
+    inputs: tuple[GraphInput, ...]
     input_names: tuple[str, ...]
     graphs: tuple[CompiledGraph, ...]
 
     def role(self, prefix: str) -> CompiledGraph | None:
         return next((g for g in self.graphs if g.label.startswith(prefix)), None)
+
+    def flat_names(self, forward: fx.GraphModule) -> tuple[dict[int, str], dict[int, str]]:
+        """Input names by flat forward-input position, and by backward-output (gradient) position.
+
+        They differ from Dynamo's positions where a DTensor parameter flattens
+        into its local shard and opaque spec objects.
+        """
+        values = [n.meta.get("val") for n in forward.graph.nodes if n.op == "placeholder"]
+        layout = flat_layout(self.inputs, values)
+        return (
+            {start: name for (start, _), name in zip(layout, self.input_names)},
+            {gradient: name for (_, gradient), name in zip(layout, self.input_names)},
+        )
 
 
 def _record_unchanged(gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower):
@@ -52,13 +68,14 @@ def _capture(model: torch.nn.Module, example_inputs: Any, options: Mapping[str, 
     }
 
     def backend(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-        names = tuple(state_names.get(id(v), i.name) for i, v in zip(classify_inputs(gm, inputs), inputs))
+        graph_inputs = tuple(classify_inputs(gm, inputs))
+        names = tuple(state_names.get(id(v), i.name) for i, v in zip(graph_inputs, inputs))
         before = len(compiled_graphs)
         if world_size == 1:
             compiled = compile_graphs(gm, inputs, compiler="aot_eager", hook=_record_unchanged)
         else:
             compiled = dpar_backend(gm, inputs, options=options)
-        captures.append(_Capture(names, tuple(compiled_graphs[before:])))
+        captures.append(_Capture(graph_inputs, names, tuple(compiled_graphs[before:])))
         return compiled
 
     compiled = torch.compile(model, backend=backend)
@@ -90,16 +107,18 @@ def explain(
     arguments, or one tensor. ``options`` are the backend's (bucket_cap_mb,
     sink_waits, ...); the inner compiler is always aot_eager. ``device`` names a
     preset of ``dpar.compiler.inspect.costs.PRESETS`` or is a ``DeviceSpec``.
-    The model and any process group state are left as they were.
+    The model and any process group state are left as they were: a sharding
+    ``strategy`` (zero2, fsdp) runs ``dpar.parallelize`` on the copy, inside the
+    simulated world.
     """
     chosen = strategy_named(strategy)
     spec = device_spec(device)
     parsed = Options.parse({**(options or {}), "compiler": "aot_eager"})
     start = len(compiled_graphs)
-    with fake_world(world_size):
+    with fake_world(world_size), padded_once():
         torch._dynamo.reset()
         try:
-            work = chosen.prepare(copy.deepcopy(model), world_size)
+            work = chosen.prepare(copy.deepcopy(model))
             captures = _capture(work, example_inputs, {**(options or {}), "compiler": "aot_eager"}, world_size)
         finally:
             torch._dynamo.reset()
@@ -128,9 +147,10 @@ def _report(
         for g in cap.graphs:
             views.append(GraphView(prefix + g.label, g.stages, g.graph))
         forward = cap.role("forward") or cap.role("inference")
-        backward = cap.role("backward graph (sync)")
+        backward = cap.role("backward graph (sync)") or cap.role("backward graph")  # ddp: sync variant
         if forward is None:
             continue
+        input_names, gradient_names = cap.flat_names(forward.graph)
         pairs.append((forward.graph, backward.graph if backward else None))
         step.append((prefix + forward.label, forward.graph))
         if backward is not None:
@@ -138,22 +158,26 @@ def _report(
         for g in (forward, backward):
             if g is None:
                 continue
-            found = graph_buckets(g.graph) if g is backward else []
+            found = graph_buckets(g.graph, gradients=g is backward)
             first = len(buckets)
             for b in found:
+                names = input_names if b.kind == "all_gather" else gradient_names
+                sharded = b.kind in ("all_gather", "reduce_scatter")  # parallelize's groups: no byte cap
                 buckets.append(BucketRow(
-                    len(buckets), prefix + g.label, dtype_name(b.dtype),
-                    tuple(cap.input_names[i] for i in b.output_indices), b.nbytes, options.bucket_cap_bytes,
+                    len(buckets), prefix + g.label, dtype_name(b.dtype), tuple(names[i] for i in b.positions),
+                    b.nbytes, None if sharded else options.bucket_cap_bytes, b.kind,
                 ))
+            nodes = {n.name: n for n in g.graph.graph.nodes}
             for c in g.collectives:
                 local = bucket_of(found, c.issue_node)
+                nbytes = payload_bytes(nodes[c.issue_node])
                 rows.append(CollectiveRow(
-                    prefix + g.label, c.kind, c.group, dtype_name(c.dtype), c.bytes,
-                    moved_bytes(c.kind, c.bytes, world_size), None if local is None else first + local,
-                    c.issue_node, c.wait_node, c.compute_between, comm_time(c.kind, c.bytes, world_size, spec),
+                    prefix + g.label, c.kind, c.group, dtype_name(c.dtype), nbytes,
+                    moved_bytes(c.kind, nbytes, world_size), None if local is None else first + local,
+                    c.issue_node, c.wait_node, c.compute_between, comm_time(c.kind, nbytes, world_size, spec),
                 ))
     params = list({id(p): p for p in model.parameters()}.values())
-    memory = per_rank_memory(params, strategy_named(strategy), optimizer, activation_peak(pairs), world_size)
+    memory = per_rank_memory(params, strategy_named(strategy), optimizer, step_peak(pairs), world_size)
     timeline = build_timeline(step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown)
     return Report(
         model=name, world_size=world_size, strategy=strategy, device=spec.name,

@@ -1,8 +1,31 @@
-"""Per-rank memory: parameters, gradients, optimizer state, and an activation peak estimate."""
+"""Per-rank memory: parameters, gradients, optimizer state, gathered parameters and activations.
+
+[Note: what a rank's memory counts]
+At rest, a strategy either replicates a kind of state (all of it on every rank)
+or shards it on dim 0 with ``torch.chunk`` semantics, as DTensor's ``Shard(0)``
+does: rank 0 holds ``ceil(d0 / N)`` rows, the most any rank holds, so the
+sharded bytes below are rank 0's, padding included (with d0 < N, ranks past d0
+hold nothing and rank 0 still holds a row). Gradients are the stored ones (the
+shard a reduce-scatter returns); optimizer state is OPTIMIZER_STATES tensors of
+each trainable parameter's held size (Adam's scalar ``step`` is not counted).
+
+During the step, graph intermediates come on top, read from the graphs by
+liveness (``step_peak``): at the moment their sum peaks, the part that is
+gathered parameters (an all-gather's buffer and the copies and views of it the
+graph makes, padded to N * ceil(d0 / N) rows) and the rest ("activations":
+saved activations, full gradients before their reduce-scatter or all-reduce,
+bucket buffers). How long gathered parameters live is the strategy's doing and
+the graphs show it: fsdp frees each after its last use in the forward and
+gathers again in the backward, so at most the in-flight gathers
+(``max_inflight_gathers``) and the bucket in use are live; zero2 saves what the
+backward reads from the forward to the backward.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 from collections.abc import Sequence
 
 import sympy
@@ -17,26 +40,58 @@ from dpar.compiler.inspect.strategies import Strategy
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
 """Tensors of a parameter's size (and dtype) each optimizer keeps per parameter."""
 
-P, G, S, A = sympy.symbols("P G S A", nonnegative=True)
+P, G, S, W, A = sympy.symbols("P G S W A", nonnegative=True)
+
+aten = torch.ops.aten
+
+_KEEPS_GATHERED = {
+    WAIT, operator.getitem, aten.view.default, aten._unsafe_view.default, aten.slice.Tensor,
+    aten.clone.default, aten.t.default, aten.alias.default, aten.detach.default,
+    aten._to_copy.default, aten.split_with_sizes.default, aten.permute.default,
+}
+"""Ops whose result is still the gathered parameter: a copy, cast or view of it alone."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """Bytes one rank holds at the peak of a step."""
+    """Bytes one rank holds at the peak of a step (see [Note: what a rank's memory counts])."""
 
     parameters: int
     gradients: int
     optimizer: int
-    activations: int  # peak of live intermediate tensors over forward + backward (estimate)
-    formula: sympy.Expr  # total bytes as a function of N (P, G, S, A substituted)
-    symbolic: sympy.Expr  # the same in P, G, S, A and N
+    gathered: int  # full parameters gathered from shards, live at the peak
+    activations: int  # the other live intermediate tensors at the peak (estimate)
+    formula: sympy.Expr  # total bytes as a function of N, padding included (W, A as at this N)
+    symbolic: sympy.Expr  # the same in P, G, S, W, A and N, padding aside
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations
 
     def total_at(self, world_size: int) -> int:
         return int(self.formula.subs(N, world_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class Live:
+    """Bytes of graph tensors alive at one moment: gathered parameters and everything else."""
+
+    gathered: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.gathered + self.activations
+
+    def __add__(self, other: Live) -> Live:
+        return Live(self.gathered + other.gathered, self.activations + other.activations)
+
+    def __sub__(self, other: Live) -> Live:
+        return Live(self.gathered - other.gathered, self.activations - other.activations)
+
+
+def _higher(a: Live, b: Live) -> Live:
+    return b if b.total > a.total else a
 
 
 Storage = tuple[object, int]  # (identity, bytes)
@@ -52,19 +107,41 @@ def _storages(node: fx.Node) -> list[Storage]:
     ]
 
 
+def _gathered_nodes(gm: fx.GraphModule, gathered_inputs: set[str]) -> set[fx.Node]:
+    """All-gathers, the placeholders named in ``gathered_inputs``, and copies, casts and views of them."""
+    gathered: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default or (
+            node.op == "placeholder" and node.name in gathered_inputs
+        ):
+            gathered.add(node)
+        elif node.target in _KEEPS_GATHERED and node.all_input_nodes and all(
+            a in gathered for a in node.all_input_nodes
+        ):
+            gathered.add(node)
+    return gathered
+
+
 @dataclasses.dataclass(frozen=True)
 class _Liveness:
-    peak: int
-    live_at_end: int
-    counted: dict[object, int]  # storage -> bytes counted as activation (0: parameter or input)
+    peak: Live
+    live_at_end: Live
+    counted: dict[object, Live]  # storage -> bytes counted, by kind (nothing: parameter shard or input)
 
 
-def _liveness(gm: fx.GraphModule, same_as: dict[object, object], counted_inputs: set[str], exclude_outputs: bool) -> _Liveness:
+def _liveness(
+    gm: fx.GraphModule,
+    same_as: dict[object, object],
+    counted_inputs: set[str],
+    gathered_inputs: set[str],
+    exclude_outputs: bool,
+) -> _Liveness:
     """Bytes of storages alive over ``gm``'s nodes, a storage dying after its last reader.
 
     Placeholders count only if named in ``counted_inputs``; other placeholders (and
-    views of them) are parameters or user data. ``same_as`` renames storages so
-    that a backward input is the forward storage it was saved from. A storage the
+    views of them) are parameters (or their shards) or user data. ``same_as`` renames
+    storages so that a backward input is the forward storage it was saved from;
+    ``gathered_inputs`` are the inputs that are gathered parameters. A storage the
     graph returns stays alive to the end, or (``exclude_outputs``, for the gradients
     a backward returns) is not counted at all.
     """
@@ -83,91 +160,122 @@ def _liveness(gm: fx.GraphModule, same_as: dict[object, object], counted_inputs:
     def storages(node: fx.Node) -> list[Storage]:
         return [(same_as.get(key, key), nbytes) for key, nbytes in _storages(node)]
 
+    gathered = _gathered_nodes(gm, gathered_inputs)
     kept = {key for n in gm.graph.output_node().all_input_nodes for key, _ in storages(n)}
-    counted: dict[object, int] = {}
+    counted: dict[object, Live] = {}
     alive_until: dict[object, int] = {}
-    live = peak = 0
+    live = peak = Live()
     for i, node in enumerate(nodes):
         skip = node.op == "placeholder" and node.name not in counted_inputs
         for key, nbytes in storages(node):
             if key not in counted:
-                counted[key] = 0 if skip or (exclude_outputs and key in kept) else nbytes
+                nbytes = 0 if skip or (exclude_outputs and key in kept) else nbytes
+                counted[key] = Live(nbytes, 0) if node in gathered else Live(0, nbytes)
                 live += counted[key]
-            if counted[key]:
+            if counted[key].total:
                 end = len(nodes) if key in kept else last_use.get(node, i)
                 alive_until[key] = max(alive_until.get(key, i), end)
-        peak = max(peak, live)
+        peak = _higher(peak, live)
         for key in [k for k, end in alive_until.items() if end == i]:
             live -= counted[key]
             del alive_until[key]
     return _Liveness(peak, live, counted)
 
 
-def _saved_inputs(forward: fx.GraphModule, fw: _Liveness, backward: fx.GraphModule) -> tuple[dict[object, object], set[str]]:
-    """Which backward inputs are activations saved by ``forward``, under the forward's storage names."""
+@dataclasses.dataclass(frozen=True)
+class _SavedInputs:
+    """How a backward graph's inputs relate to what its forward saved."""
+
+    same_as: dict[object, object]  # backward storage -> the forward storage it is
+    counted: set[str]  # placeholders that are activations (or gathered parameters) saved by the forward
+    gathered: set[str]  # those of them that are gathered parameters
+
+
+def _saved_inputs(forward: fx.GraphModule, fw: _Liveness, backward: fx.GraphModule) -> _SavedInputs:
     forward_nodes = {n.name: n for n in forward.graph.nodes}
-    same_as: dict[object, object] = {}
-    counted: set[str] = set()
+    saved = _SavedInputs({}, set(), set())
     for node in backward.graph.nodes:
         if node.op != "placeholder":
             continue
         source = forward_nodes.get(node.name)
         if source is None:  # tangents: made by the caller of backward
-            counted.add(node.name)
+            saved.counted.add(node.name)
             continue
         for (key, _), (fw_key, _) in zip(_storages(node), _storages(source)):
-            same_as[key] = fw_key
-        if source.op != "placeholder" and any(fw.counted.get(k) for k, _ in _storages(source)):
-            counted.add(node.name)
-    return same_as, counted
+            saved.same_as[key] = fw_key
+        held = [fw.counted.get(k, Live()) for k, _ in _storages(source)]
+        if source.op != "placeholder" and any(h.total for h in held):
+            saved.counted.add(node.name)
+            if any(h.gathered for h in held):
+                saved.gathered.add(node.name)
+    return saved
 
 
-def activation_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]]) -> int:
-    """Peak activation bytes over the forward graphs in order, then the backward graphs in reverse.
+def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]]) -> Live:
+    """Peak live bytes over the forward graphs in order, then the backward graphs in reverse.
 
-    What a forward graph returns (saved activations, outputs) stays live until
-    its backward; parameters, user inputs and views of them are not activations.
+    What a forward graph returns (saved activations, gathered parameters kept
+    for the backward, outputs) stays live until its backward; parameters (or
+    their shards), user inputs and views of them are not counted.
     """
-    peak = saved = 0
+    peak = saved = Live()
     forwards = []
     for forward, _ in pairs:
-        fw = _liveness(forward, {}, set(), exclude_outputs=False)
-        peak = max(peak, saved + fw.peak)
+        fw = _liveness(forward, {}, set(), set(), exclude_outputs=False)
+        peak = _higher(peak, saved + fw.peak)
         saved += fw.live_at_end
         forwards.append(fw)
     for (forward, backward), fw in reversed(list(zip(pairs, forwards))):
         saved -= fw.live_at_end
         if backward is None:
             continue
-        same_as, counted = _saved_inputs(forward, fw, backward)
-        bw = _liveness(backward, same_as, counted, exclude_outputs=True)
-        peak = max(peak, saved + bw.peak)
+        inputs = _saved_inputs(forward, fw, backward)
+        bw = _liveness(backward, inputs.same_as, inputs.counted, inputs.gathered, exclude_outputs=True)
+        peak = _higher(peak, saved + bw.peak)
     return peak
+
+
+def held_bytes(param: torch.Tensor, sharded: bool) -> sympy.Expr:
+    """Bytes of ``param`` rank 0 holds, in N: all of it, or its ``ceil(d0 / N)`` rows."""
+    shape = tuple(param.shape)  # a DTensor's is the global shape
+    if not sharded:
+        return sympy.Integer(math.prod(shape) * param.element_size())
+    row_bytes = math.prod(shape[1:]) * param.element_size()
+    return sympy.ceiling(sympy.Integer(shape[0]) / N) * row_bytes
 
 
 def per_rank_memory(
     parameters: Sequence[torch.nn.Parameter],
     strategy: Strategy,
     optimizer: str,
-    activations: int,
+    peak: Live,
     world_size: int,
 ) -> Memory:
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATES)}")
-    param_bytes = sum(p.numel() * p.element_size() for p in parameters)
-    grad_bytes = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
-    state_bytes = OPTIMIZER_STATES[optimizer] * grad_bytes
-    symbolic = strategy.parameters * P + strategy.gradients * G + strategy.optimizer * S + A
-    formula = symbolic.subs({P: param_bytes, G: grad_bytes, S: state_bytes, A: activations})
+    trainable = [p for p in parameters if p.requires_grad]
+    param_bytes = sum(held_bytes(p, strategy.shards_parameters) for p in parameters)
+    grad_bytes = sum(held_bytes(p, strategy.shards_gradients) for p in trainable)
+    state_bytes = OPTIMIZER_STATES[optimizer] * sum(held_bytes(p, strategy.shards_optimizer) for p in trainable)
+    formula = sympy.Integer(0) + param_bytes + grad_bytes + state_bytes + peak.gathered + peak.activations
 
-    def at_n(share: sympy.Expr, total: int) -> int:
-        return int(sympy.ceiling(share.subs(N, world_size) * total))
+    def share(sharded: bool) -> sympy.Expr:
+        return 1 / N if sharded else sympy.Integer(1)
+
+    symbolic = (
+        share(strategy.shards_parameters) * P + share(strategy.shards_gradients) * G
+        + share(strategy.shards_optimizer) * S + W + A
+    )
+
+    def at_n(expr: sympy.Expr) -> int:
+        return int(sympy.sympify(expr).subs(N, world_size))
 
     return Memory(
-        parameters=at_n(strategy.parameters, param_bytes),
-        gradients=at_n(strategy.gradients, grad_bytes),
-        optimizer=at_n(strategy.optimizer, state_bytes),
-        activations=activations,
+        parameters=at_n(param_bytes),
+        gradients=at_n(grad_bytes),
+        optimizer=at_n(state_bytes),
+        gathered=peak.gathered,
+        activations=peak.activations,
         formula=formula,
         symbolic=symbolic,
     )

@@ -43,7 +43,7 @@ class CollectiveRow:
     kind: str
     group: str
     dtype: str
-    bytes: int  # payload
+    bytes: int  # payload: the full buffer (gathered, or before the scatter)
     moved_bytes: float  # what one rank sends, by the ring model
     bucket: int | None
     issue_node: str
@@ -59,11 +59,12 @@ class BucketRow:
     dtype: str
     parameters: tuple[str, ...]
     bytes: int
-    cap_bytes: int
+    cap_bytes: int | None  # None: grouped per block, not by size
+    collective: str = "all_reduce"
 
     @property
-    def fill(self) -> float:
-        return self.bytes / self.cap_bytes
+    def fill(self) -> float | None:
+        return None if self.cap_bytes is None else self.bytes / self.cap_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,11 +119,11 @@ class Report:
 
     def bucket_table(self) -> Table:
         return Table(
-            "Gradient buckets",
-            ("bucket", "graph", "dtype", "parameters", "bytes", "fill of cap"),
+            "Buckets",
+            ("bucket", "graph", "dtype", "parameters", "bytes", "fill of cap", "collective"),
             tuple(
                 (str(b.index), b.graph, b.dtype, ", ".join(b.parameters), f"{b.bytes:,}",
-                 f"{b.fill:.1%} of {_mib(b.cap_bytes)}")
+                 "per block" if b.fill is None else f"{b.fill:.1%} of {_mib(b.cap_bytes)}", b.collective)
                 for b in self.buckets
             ),
         )
@@ -131,7 +132,8 @@ class Report:
         m = self.memory
         rows = [
             ("parameters", m.parameters), ("gradients", m.gradients),
-            ("optimizer state", m.optimizer), ("activations (peak estimate)", m.activations),
+            ("optimizer state", m.optimizer), ("gathered parameters (at the peak)", m.gathered),
+            ("activations (at the peak, estimate)", m.activations),
             ("total", m.total),
         ]
         return Table(

@@ -1,9 +1,10 @@
-"""How each parallel strategy plugs into ``explain``: what it holds per rank, how it prepares a model.
+"""How each parallel strategy plugs into ``explain``: what it shards at rest, how it prepares a model.
 
 A strategy's passes run inside the backend; what inspection needs from it
-beyond the graphs is the fraction of each kind of state one rank keeps, as a
-sympy expression in N, and any preparation of the model before compiling.
-Adding a strategy is adding an entry to ``STRATEGIES``.
+beyond the graphs is which kinds of state one rank holds only a dim-0 shard of
+(see [Note: what a rank's memory counts] in ``memory.py``), and any preparation
+of the model before compiling, run inside the simulated world. Adding a
+strategy is adding an entry to ``STRATEGIES``.
 """
 
 from __future__ import annotations
@@ -11,33 +12,44 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import sympy
 import torch
 
-from dpar.compiler.inspect.costs import N
 from dpar.runtime.errors import OptionsError
 
 
-def _unchanged(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
+def _unchanged(model: torch.nn.Module) -> torch.nn.Module:
     return model
+
+
+def _parallelized(strategy: str) -> Callable[[torch.nn.Module], torch.nn.Module]:
+    """``dpar.parallelize`` with its defaults (per-block buckets), as a user would call it."""
+
+    def prepare(model: torch.nn.Module) -> torch.nn.Module:
+        from dpar.placement import parallelize  # the api layer; imported late, it imports the runtime
+
+        return parallelize(model, strategy=strategy)
+
+    return prepare
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     name: str
-    parameters: sympy.Expr  # share of the parameters one rank holds
-    gradients: sympy.Expr
-    optimizer: sympy.Expr
-    prepare: Callable[[torch.nn.Module, int], torch.nn.Module] = _unchanged
-    """Applied to a copy of the model before compiling (dpar.parallelize for sharding strategies)."""
+    shards_parameters: bool = False  # at rest; gathered parameters are counted from the graphs
+    shards_gradients: bool = False
+    shards_optimizer: bool = False
+    prepare: Callable[[torch.nn.Module], torch.nn.Module] = _unchanged
+    """Applied to a copy of the model inside the simulated world, before compiling."""
 
 
 STRATEGIES: dict[str, Strategy] = {
     # DDP replicates everything: nothing per rank shrinks with N.
-    "ddp": Strategy("ddp", sympy.Integer(1), sympy.Integer(1), sympy.Integer(1)),
+    "ddp": Strategy("ddp"),
+    # dpar's zero2 keeps shards of everything at rest, like fsdp; the two differ in how
+    # long gathered parameters live during the step, which the graphs show.
+    "zero2": Strategy("zero2", True, True, True, _parallelized("zero2")),
+    "fsdp": Strategy("fsdp", True, True, True, _parallelized("fsdp")),
 }
-
-assert all(s.parameters.free_symbols <= {N} for s in STRATEGIES.values())
 
 
 def strategy(name: str) -> Strategy:

@@ -10,7 +10,7 @@ import sympy
 import torch.fx as fx
 
 from dpar.compiler.collectives import COLLECTIVE_KINDS, WAIT
-from dpar.compiler.inspect.costs import ALPHA, B, BETA, N, DeviceSpec, comm_time_expr, node_cost
+from dpar.compiler.inspect.costs import ALPHA, B, BETA, N, DeviceSpec, comm_time_expr, node_cost, payload_bytes
 from dpar.compiler.inspect.simulate import Event, Op, OpKind, PathTime, simulate
 
 
@@ -22,9 +22,7 @@ def step_program(graphs: Sequence[tuple[str, fx.GraphModule]], spec: DeviceSpec)
         for node in gm.graph.nodes:
             kind = COLLECTIVE_KINDS.get(node.target)
             if kind is not None:
-                val = node.args[0].meta["val"]
-                nbytes = int(val.numel()) * val.element_size()
-                seconds = comm_time_expr(kind).subs({B: nbytes, ALPHA: spec.alpha, BETA: spec.beta})
+                seconds = comm_time_expr(kind).subs({B: payload_bytes(node), ALPHA: spec.alpha, BETA: spec.beta})
                 issued[node] = len(issued)
                 program.append(Op(OpKind.ISSUE, node.name, seconds, issued[node], label))
             elif node.target is WAIT:

@@ -12,8 +12,9 @@ torch's ``get_state_dict`` / ``set_state_dict`` give the same numbers but resolv
 parameter name with ``getattr(module, name)``, which on a sharded module is the attribute that
 returns the gathered full tensor (runtime/sharding.py): each call all-gathers every parameter
 about three times, eagerly, outside the graph (86 gathers for the 28 parameters of the tiny
-GPT). So the model goes through ``model.state_dict()``, and the optimizer through
-``optimizer.state_dict()`` re-keyed by parameter name, which is the one thing of theirs we keep.
+GPT; as many again in ``set_state_dict``). So the model goes through ``model.state_dict()``,
+and the optimizer through ``optimizer.state_dict()`` keyed by parameter name, as torch's
+``get_state_dict`` keys it.
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Checkp
 
     Works at any world size: DCP reshards the saved global tensors onto this run's shards,
     or into a plain model's full tensors without a process group. Call it after
-    ``dpar.parallelize`` and after the optimizer is built; before or after ``torch.compile``.
+    ``dpar.parallelize`` and after the optimizer is built.
     """
     module = _unwrap(model)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
         _create_optimizer_state(optimizer)
-        state["optimizer"] = _optimizer_state_by_name(module, optimizer)
+        state["optimizer"] = _saved_part(_optimizer_state_by_name(module, optimizer), path)
     dcp.load(state, checkpoint_id=path)
     # DCP filled the tensors in place; these also restore what it replaces (extra state, hyperparameters).
     module.load_state_dict(state["model"])
@@ -136,13 +137,32 @@ def _optimizer_state_by_position(
     }
 
 
+def _saved_part(by_name: dict[str, Any], path: CheckpointDir) -> dict[str, Any]:
+    """The optimizer state to read: only that of the parameters the saved optimizer had state for.
+
+    A parameter no gradient reached (a layer the forward never reads) has no state in the
+    saved run, but has some after ``_create_optimizer_state``: DCP would fail on the missing
+    keys. Dropped here, it has none after ``optimizer.load_state_dict``, as when it was saved.
+    """
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if not any(key.startswith("optimizer.") for key in saved):
+        raise OptionsError(f"the checkpoint at {os.fspath(path)!r} has no optimizer state: load it with optimizer=None")
+    stepped = {
+        name: param_state
+        for name, param_state in by_name["state"].items()
+        if any(f"optimizer.state.{name}.{key}" in saved for key in param_state)  # DCP's flat names
+    }
+    return {**by_name, "state": stepped}
+
+
 def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give a fresh optimizer its state tensors, so that DCP has tensors to load into.
 
-    An optimizer creates its state in its first step, with the layout of its parameters
-    (sharded here). One step with zero gradients at learning rate 0 creates it without
-    moving a parameter; torch's ``set_state_dict`` does the same. The step count and
-    moments it leaves are overwritten by the load.
+    DCP loads into the tensors it is given, and a fresh optimizer's ``state_dict()`` has
+    none: the moments would silently stay unloaded. An optimizer creates its state in its
+    first step, with the layout of its parameters (sharded here); one step with zero
+    gradients at learning rate 0 creates it without moving a parameter, as torch's
+    ``set_state_dict`` does. The load overwrites the step count and moments it leaves.
     """
     if optimizer.state:
         return

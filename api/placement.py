@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from dpar.runtime import sharding
 from dpar.runtime.errors import OptionsError, ProcessGroupError
 
-STRATEGIES = ("ddp", "zero2", "fsdp")
+STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,8 @@ def parallelize(
 ) -> nn.Module:
     """Shard ``model``'s parameters in place for ``strategy``; build the optimizer afterwards.
 
-    ``bucket_cap_mb=None`` groups parameters per numbered block (``layers.3``), the
+    ``hsdp`` shards over the second dimension of a 2-D ``mesh`` and replicates
+    over the first. ``bucket_cap_mb=None`` groups parameters per numbered block (``layers.3``), the
     rest in one ``root`` bucket; a number groups consecutive parameters up to that
     many MiB instead. ``max_inflight_gathers`` bounds how many all-gathers may be
     issued ahead of their use (the memory prefetch costs). ``param_dtype`` (e.g.
@@ -85,14 +86,23 @@ def parallelize(
             "initialized: call torch.distributed.init_process_group() before dpar.parallelize"
         )
     world = dist.get_world_size()
-    if mesh is None:
-        device_type = next((p.device.type for p in model.parameters()), "cpu")
-        mesh = init_device_mesh(device_type, (world,))
-    if mesh.ndim != 1 or mesh.size() != world:
-        raise OptionsError(
-            f"strategy {strategy!r} needs a 1-D mesh over the whole world ({world} ranks), got "
-            f"mesh shape {tuple(mesh.shape)}; pass init_device_mesh(device, ({world},)) or omit mesh"
-        )
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    if strategy == "hsdp":
+        if mesh is None or mesh.ndim != 2 or mesh.size() != world:
+            shape = tuple(mesh.shape) if mesh is not None else None
+            raise OptionsError(
+                f"strategy 'hsdp' needs a 2-D mesh (replicate, shard) over the whole world ({world} "
+                f"ranks), got {shape}; e.g. init_device_mesh({device_type!r}, (2, {max(world // 2, 1)}), "
+                "mesh_dim_names=('replicate', 'shard'))"
+            )
+    else:
+        mesh = mesh if mesh is not None else init_device_mesh(device_type, (world,))
+        if mesh.ndim != 1 or mesh.size() != world:
+            raise OptionsError(
+                f"strategy {strategy!r} needs a 1-D mesh over the whole world ({world} ranks), got "
+                f"mesh shape {tuple(mesh.shape)}; pass init_device_mesh(device, ({world},)) or omit "
+                "mesh (for a 2-D mesh use strategy='hsdp')"
+            )
     named = [(n, p) for n, p in model.named_parameters()]
     names = [n for n, _ in named]
     if bucket_cap_mb is None:

@@ -41,8 +41,10 @@ class Collective:
     wait_node: str
     compute_between: int
 
-    def fingerprint(self) -> str:
-        return f"{self.kind} {str(self.dtype).removeprefix('torch.')}[{', '.join(self.shape)}] group={self.group}"
+    def fingerprint(self, group: str | None = None) -> str:
+        """One line per collective; ``group`` replaces the group name where names are per rank."""
+        where = group if group is not None else f"group={self.group}"
+        return f"{self.kind} {str(self.dtype).removeprefix('torch.')}[{', '.join(self.shape)}] {where}"
 
 
 def _group_arg(node: fx.Node) -> str:

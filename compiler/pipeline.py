@@ -27,7 +27,7 @@ from dpar.compiler.passes.buckets import Bucket, Gradient, plan_buckets
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.runtime.agreement import agree
 from dpar.runtime.gradient_sync import BackwardDispatch, Variant
-from dpar.runtime.world import World
+from dpar.runtime.world import World, group_size
 
 log = logging.getLogger("dpar")
 
@@ -111,7 +111,10 @@ def lower_checked(
     found = collectives(gm)
     record(label, gm, found)
     if found and world.backend != "fake":  # a fake group simulates ranks that do not exist
-        agree(world, label, [c.fingerprint() for c in found], options.check_timeout_s)
+        # Sub-groups of a mesh have a different name on each rank: compare their sizes.
+        sizes = {c.group: group_size(c.group) for c in found}
+        lines = [c.fingerprint(f"over {sizes[c.group]} ranks") for c in found]
+        agree(world, label, lines, options.check_timeout_s)
     return lower(gm, example_inputs)
 
 
@@ -184,10 +187,11 @@ class ShardedDataParallelHook:
         self.world = world
         self.options = options
         self.groups: list[ParameterGroup] = []
-        self.reshard_after_forward = any(s.strategy == "fsdp" for s in specs.values())
+        self.reshard_after_forward = any(s.strategy in ("fsdp", "hsdp") for s in specs.values())
         first = next(iter(specs.values()))
         self.group_name, self.group_size = first.group_name, first.world_size
         self.max_inflight, self.reduce_dtype = first.max_inflight_gathers, first.reduce_dtype
+        self.replicate = (first.replicate_group_name, first.replicate_size) if first.replicate_group_name else None
 
     def tag_joint(self, joint: fx.GraphModule) -> fx.GraphModule:
         if self.reshard_after_forward:
@@ -212,7 +216,9 @@ class ShardedDataParallelHook:
             passes.append(
                 (
                     "bucket_reduce_scatters",
-                    lambda g: bucket_reduce_scatters_pass(g, self.groups, reduce_dtype=self.reduce_dtype, **kw),
+                    lambda g: bucket_reduce_scatters_pass(
+                        g, self.groups, reduce_dtype=self.reduce_dtype, replicate=self.replicate, **kw
+                    ),
                 )
             )
         if self.options.sink_waits:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dpar.runtime.errors import OptionsError
@@ -32,12 +32,14 @@ class ShardSpec:
     """How one parameter is sharded and which collectives carry it."""
 
     name: str
-    strategy: str  # "fsdp" or "zero2"
+    strategy: str  # "fsdp", "zero2" or "hsdp"
     bucket: str  # parameters of one bucket are gathered and reduce-scattered together
     global_shape: tuple[int, ...]
     group_name: str
     world_size: int
     max_inflight_gathers: int
+    replicate_group_name: str | None = None  # hsdp: the group the shards are replicated over
+    replicate_size: int = 1
     param_dtype: torch.dtype | None = None  # gathered and computed in; None: as stored
     reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in; None: as computed
 
@@ -78,7 +80,7 @@ def _gathering_class(
             shard = self._parameters[name]
             if param_dtype is not None:
                 shard = shard.to(param_dtype)
-            return shard.full_tensor(grad_placements=[Partial()])
+            return shard.full_tensor(grad_placements=[Partial()] * shard.device_mesh.ndim)
 
         return property(read)
 
@@ -109,7 +111,10 @@ def shard_parameters(
             f"parameter {scalars[0]} is a scalar, which cannot be sharded on dim 0; "
             "give it shape [1] or keep the model unsharded"
         )
-    group = mesh.get_group()
+    # 1-D: shard over the mesh. 2-D (hsdp): replicate over dim 0, shard over dim 1.
+    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    group = mesh.get_group(mesh.ndim - 1)
+    replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     specs = []
     shard_of: dict[int, nn.Parameter] = {}  # tied weights: one shard, read by every owner
     for module_name, module in model.named_modules(remove_duplicate=False):
@@ -123,7 +128,7 @@ def shard_parameters(
                 continue
             qualified = f"{module_name}.{name}" if module_name else name
             shard = nn.Parameter(
-                distribute_tensor(full.detach(), mesh, [Shard(0)]), requires_grad=full.requires_grad
+                distribute_tensor(full.detach(), mesh, placements), requires_grad=full.requires_grad
             )
             spec = ShardSpec(
                 name=qualified,
@@ -131,8 +136,10 @@ def shard_parameters(
                 bucket=bucket_of[qualified],
                 global_shape=tuple(full.shape),
                 group_name=group.group_name,
-                world_size=mesh.size(),
+                world_size=mesh.size(mesh.ndim - 1),
                 max_inflight_gathers=max_inflight_gathers,
+                replicate_group_name=replicate.group_name if replicate is not None else None,
+                replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
             )

@@ -86,3 +86,7 @@ def check_devices(tensors: dict[str, torch.Tensor], world: World) -> torch.devic
             f"group with {'nccl' if device.type == 'cuda' else 'gloo'}."
         )
     return device
+
+
+def group_size(group_name: str) -> int:
+    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))

@@ -19,7 +19,7 @@ def world_of_four():
 
 
 def test_unknown_strategy_suggests_the_closest(world_of_four) -> None:
-    with pytest.raises(ValueError, match=r"unknown strategy 'fdsp' \(did you mean 'fsdp'\?\); choose one of \['ddp', 'zero2', 'fsdp'\]"):
+    with pytest.raises(ValueError, match=r"unknown strategy 'fdsp' \(did you mean 'fsdp'\?\); choose one of \['ddp', 'zero2', 'fsdp', 'hsdp'\]"):
         dpar.parallelize(MLP(), strategy="fdsp")
 
 
@@ -27,6 +27,11 @@ def test_mesh_that_does_not_cover_the_world(world_of_four) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     with pytest.raises(ValueError, match=r"needs a 1-D mesh over the whole world \(4 ranks\), got mesh shape \(2, 2\)"):
         dpar.parallelize(MLP(), strategy="fsdp", mesh=mesh)
+
+
+def test_hsdp_needs_a_two_dimensional_mesh(world_of_four) -> None:
+    with pytest.raises(ValueError, match=r"'hsdp' needs a 2-D mesh \(replicate, shard\).*got None.*mesh_dim_names"):
+        dpar.parallelize(MLP(), strategy="hsdp")
 
 
 def test_parallelize_twice(world_of_four) -> None:

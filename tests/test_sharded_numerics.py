@@ -1,4 +1,4 @@
-"""Numerics: zero2 and fsdp on 2 and 4 gloo ranks against one process and torch's FSDP2."""
+"""Numerics: zero2 and fsdp on 2 and 4 gloo ranks, hsdp on 2x2, against one process and torch's FSDP2."""
 
 from __future__ import annotations
 
@@ -26,15 +26,24 @@ def gathered(state: dict) -> dict:
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
 
 
-def fsdp2_reference(case: Case, rank: int, world_size: int) -> dict:
-    """torch's FSDP2: every transformer block and the root are fully_shard units."""
+def mesh_for(strategy: str, world_size: int):
+    """hsdp: two replicas of a shard group of world/2; the others shard over the whole world."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if strategy == "hsdp":
+        return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world_size,))
+
+
+def fsdp2_reference(case: Case, rank: int, world_size: int, mesh) -> dict:
+    """torch's FSDP2 (HSDP on a 2-D mesh): every transformer block and the root are fully_shard units."""
     from torch.distributed.fsdp import fully_shard
 
     model = seeded_model(case)
     for module in model.modules():
         if type(module).__name__ == "Block":
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     # FSDP2 reduce-scatters every micro-batch here; the sum is the same as accumulating first.
     return gathered(train(case, model, model, rank, world_size, contextlib.nullcontext))
 
@@ -46,17 +55,27 @@ def rank_main(rank: int, world_size: int, strategy: str, cases: list[Case]) -> d
     for case in cases:
         torch._dynamo.reset()
         model = seeded_model(case)
-        dpar.parallelize(model, strategy=strategy)
+        mesh = mesh_for(strategy, world_size)
+        dpar.parallelize(model, strategy=strategy, mesh=mesh)
+        shard_ranks = mesh.size(mesh.ndim - 1)
         for shard, full in zip(model.parameters(), seeded_model(case).parameters()):
-            assert shard.to_local().shape[0] <= -(-full.shape[0] // world_size)  # a shard, not a copy
+            assert shard.to_local().shape[0] <= -(-full.shape[0] // shard_ranks)  # a shard, not a copy
         compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
         got = gathered(train(case, model, compiled, rank, world_size, lambda: dpar.no_sync(compiled)))
-        results[case.id] = {"dpar": got, "fsdp2": fsdp2_reference(case, rank, world_size)}
+        results[case.id] = {"dpar": got, "fsdp2": fsdp2_reference(case, rank, world_size, mesh)}
     return results
 
 
 # Four ranks share two CPU cores in CI: there, the cases that shard unevenly or deeply.
-FOUR_RANK_CASES = {"gpt-sgd", "gpt-adamw", "gpt-adamw-accumulate4", "uneven-sgd", "convbn-adamw", "graph_break-sgd-accumulate4"}
+FOUR_RANK_CASES = {
+    "gpt-sgd",
+    "gpt-adamw",
+    "gpt-adamw-accumulate4",
+    "uneven-sgd",
+    "convbn-adamw",
+    "graph_break-sgd",
+    "graph_break-sgd-accumulate4",
+}
 
 
 def cases_for(world_size: int) -> list[Case]:
@@ -65,7 +84,7 @@ def cases_for(world_size: int) -> list[Case]:
 
 @pytest.fixture(
     scope="module",
-    params=[("fsdp", 2), ("fsdp", 4), ("zero2", 2), ("zero2", 4)],
+    params=[("fsdp", 2), ("fsdp", 4), ("zero2", 2), ("zero2", 4), ("hsdp", 4)],
     ids=lambda p: f"{p[0]}-{p[1]}ranks",
 )
 def trained(request) -> tuple[str, int, list[dict]]:

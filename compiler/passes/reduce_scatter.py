@@ -38,6 +38,7 @@ def bucket_reduce_scatters_pass(
     group_name: str,
     world_size: int,
     reduce_dtype: torch.dtype | None = None,
+    replicate: tuple[str, int] | None = None,
 ) -> fx.GraphModule:
     """Replace each group's per-parameter reduce-scatters by one over their concatenation.
 
@@ -49,8 +50,15 @@ def bucket_reduce_scatters_pass(
     With ``reduce_dtype`` the bucket is cast before the reduction; a cast of the
     result back to ``reduce_dtype`` that the graph already does (mixed precision
     computes in bf16 and stores float32 gradients) reads the reduced value directly.
+
+    With ``replicate`` (hsdp: group name and size), the all-reduce that DTensor
+    places on each full gradient before its reduce-scatter is dropped, and each
+    bucket's reduced shards are all-reduced (averaged) across replicas instead:
+    1/N of the bytes.
     """
     graph = gm.graph
+    if replicate is not None:
+        _drop_full_gradient_all_reduces(graph, replicate[0])
     output = graph.output_node()
     scatters: dict[int, list[fx.Node]] = {}
     for node in graph.nodes:
@@ -63,7 +71,7 @@ def bucket_reduce_scatters_pass(
         for rs in dict.fromkeys(members):
             by_dtype.setdefault(rs.args[0].meta["val"].dtype, []).append(rs)
         for nodes in by_dtype.values():
-            _bucket(graph, nodes, group_name, world_size, reduce_dtype)
+            _bucket(graph, nodes, group_name, world_size, reduce_dtype, replicate)
     restore_topological_order(graph)  # consumers of a reduced shard (unpadding) follow the bucket
     graph.eliminate_dead_code()
     graph.lint()
@@ -77,8 +85,44 @@ def _is_cast_to(node: fx.Node, dtype: torch.dtype) -> bool:
     return node.target is aten._to_copy.default and node.kwargs.get("dtype") == dtype and len(node.kwargs) == 1
 
 
+# What DTensor puts between a gradient and its reduce-scatter: padding of uneven shards.
+_RESHAPING = {
+    aten.constant_pad_nd.default,
+    aten.split.Tensor,
+    aten.cat.default,
+    aten.view.default,
+    aten.slice.Tensor,
+    aten.clone.default,
+    operator.getitem,
+}
+
+
+def _drop_full_gradient_all_reduces(graph: fx.Graph, replicate_group: str) -> None:
+    """Remove each replicate-group all-reduce whose result only feeds a reduce-scatter."""
+    for rs in [n for n in graph.nodes if n.target is c10d.reduce_scatter_tensor.default]:
+        frontier, seen = [rs.args[0]], set()
+        while frontier:
+            node = frontier.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node.target is WAIT:
+                reduce = node.args[0]
+                if reduce.target is c10d.all_reduce.default and str(reduce.args[2]) == replicate_group:
+                    node.replace_all_uses_with(reduce.args[0])
+                    graph.erase_node(node)
+                    graph.erase_node(reduce)
+            elif node.target in _RESHAPING:
+                frontier.extend(node.all_input_nodes)
+
+
 def _bucket(
-    graph: fx.Graph, scatters: list[fx.Node], group_name: str, world_size: int, reduce_dtype: torch.dtype | None
+    graph: fx.Graph,
+    scatters: list[fx.Node],
+    group_name: str,
+    world_size: int,
+    reduce_dtype: torch.dtype | None,
+    replicate: tuple[str, int] | None,
 ) -> None:
     position = {n: i for i, n in enumerate(graph.nodes)}
     grads = [rs.args[0] for rs in scatters]
@@ -98,6 +142,11 @@ def _bucket(
         flat = graph.call_function(aten.div.Tensor, (flat, world_size))
         reduced = graph.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", world_size, group_name))
         waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
+        if replicate is not None:
+            replica_group, replicas = replicate
+            averaged = graph.call_function(aten.div.Tensor, (waited, replicas))
+            across = graph.call_function(c10d.all_reduce.default, (averaged, "sum", replica_group))
+            waited = graph.call_function(c10d.wait_tensor.default, (across,))
         pieces = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
         for i, rs in enumerate(scatters):
             piece = graph.call_function(operator.getitem, (pieces, i))

@@ -58,7 +58,7 @@ def bucket_reduce_scatters_pass(
     """
     graph = gm.graph
     if replicate is not None:
-        _drop_full_gradient_all_reduces(graph, replicate[0])
+        _drop_full_gradient_all_reduces(graph)
     output = graph.output_node()
     scatters: dict[int, list[fx.Node]] = {}
     for node in graph.nodes:
@@ -97,8 +97,12 @@ _RESHAPING = {
 }
 
 
-def _drop_full_gradient_all_reduces(graph: fx.Graph, replicate_group: str) -> None:
-    """Remove each replicate-group all-reduce whose result only feeds a reduce-scatter."""
+def _drop_full_gradient_all_reduces(graph: fx.Graph) -> None:
+    """Remove each all-reduce whose result only feeds a reduce-scatter (through padding).
+
+    Matched by position, not group name: DTensor caches redistribution plans per
+    equal mesh, so a second mesh of the same shape may trace the first one's groups.
+    """
     for rs in [n for n in graph.nodes if n.target is c10d.reduce_scatter_tensor.default]:
         frontier, seen = [rs.args[0]], set()
         while frontier:
@@ -108,7 +112,7 @@ def _drop_full_gradient_all_reduces(graph: fx.Graph, replicate_group: str) -> No
             seen.add(node)
             if node.target is WAIT:
                 reduce = node.args[0]
-                if reduce.target is c10d.all_reduce.default and str(reduce.args[2]) == replicate_group:
+                if reduce.target is c10d.all_reduce.default:
                     node.replace_all_uses_with(reduce.args[0])
                     graph.erase_node(node)
                     graph.erase_node(reduce)

@@ -107,7 +107,8 @@ def _compile_inductor(
         def uuid(self) -> Any:
             return None  # not cacheable: the tags depend on this model's sharding
 
-    patches = {"custom_partitioner_fn": JointThenMinCut()} if joint_pass is not None else {}
+    # The partitioner is specific to this model's sharding and cannot key a cache entry.
+    patches = {"custom_partitioner_fn": JointThenMinCut(), "fx_graph_cache": False} if joint_pass is not None else {}
     # A cached artifact would skip the hooks, and with them the runtime that dispatches variants.
     with torch._functorch.config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)

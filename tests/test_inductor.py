@@ -1,4 +1,7 @@
-"""dpar composes with Inductor: the post-pass graphs, collectives included, compile and train."""
+"""dpar composes with Inductor: the post-pass graphs, collectives included, compile and train.
+
+fsdp also goes through Inductor's partitioner with dpar's recompute tags.
+"""
 
 from __future__ import annotations
 
@@ -17,11 +20,12 @@ def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)
 
 
-def rank_main(rank: int, world_size: int) -> dict:
+def rank_main(rank: int, world_size: int, strategy: str) -> dict:
     import dpar
 
-    torch.manual_seed(rank)
+    torch.manual_seed(rank if strategy == "ddp" else 0)  # ddp broadcasts rank 0's; shards come from rank 0
     model = MLP()
+    dpar.parallelize(model, strategy=strategy)
     compiled = torch.compile(model, backend="dpar", options={"compiler": "inductor", "bucket_cap_mb": 0.01})
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(STEPS):
@@ -31,12 +35,13 @@ def rank_main(rank: int, world_size: int) -> dict:
         F.mse_loss(compiled(x * 2), y).backward()
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.slow
-def test_inductor_with_no_sync_matches_one_process_on_the_whole_batch() -> None:
-    per_rank = run_ranks(rank_main, 2, timeout_s=600)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_inductor_with_no_sync_matches_one_process_on_the_whole_batch(strategy: str) -> None:
+    per_rank = run_ranks(rank_main, 2, strategy, timeout_s=600)
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

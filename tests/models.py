@@ -17,13 +17,18 @@ class MLP(nn.Module):
 
 
 class ConvBN(nn.Module):
-    """BatchNorm: running statistics are buffers, broadcast from rank 0 as DDP does."""
+    """BatchNorm: running statistics are buffers, broadcast from rank 0 as DDP does.
+
+    The convolutions have no bias: BatchNorm removes it, so its gradient would be
+    pure rounding noise, which Adam turns into full-size steps that no two
+    reduction orders agree on.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(8)
         self.head = nn.Linear(8, 4)
 

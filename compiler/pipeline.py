@@ -194,8 +194,11 @@ class ShardedDataParallelHook:
         self.replicate = (first.replicate_group_name, first.replicate_size) if first.replicate_group_name else None
 
     def tag_joint(self, joint: fx.GraphModule) -> fx.GraphModule:
+        """Runs before the forward is compiled: plan the groups from the joint graph's inputs."""
+        primals = [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals_")]
+        self._plan_groups(primals)
         if self.reshard_after_forward:
-            tag_gathers_for_recompute(joint)
+            tag_gathers_for_recompute(joint, self.groups)
         return joint
 
     def _plan_groups(self, example_inputs: Sequence[Any]) -> None:
@@ -230,7 +233,7 @@ class ShardedDataParallelHook:
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower
     ) -> Callable[..., Any]:
-        if role is not GraphRole.BACKWARD:
+        if role is GraphRole.INFERENCE:  # no joint graph was partitioned
             self._plan_groups(example_inputs)
         gm = run_passes(gm, self._passes(role), role.value)
         return lower_checked(gm, example_inputs, f"{role.value} graph", lower, self.world, self.options)

@@ -38,10 +38,13 @@ def test_fsdp_gathers_again_in_backward_and_zero2_does_not() -> None:
     for graphs in (fsdp, zero2):
         assert kinds(graphs["forward graph"]) == ["all_gather"] * (blocks + 1)  # a bucket per block + root
         assert kinds(graphs["backward graph"]).count("reduce_scatter") == blocks + 1
-    assert kinds(fsdp["backward graph"]).count("all_gather") == blocks + 1
+    # fsdp gathers every block again; the root bucket, used last in forward and first in
+    # backward, stays gathered across the boundary (as FSDP2 keeps its root).
+    assert kinds(fsdp["backward graph"]).count("all_gather") == blocks
     assert kinds(zero2["backward graph"]).count("all_gather") == 0
-    # zero2 keeps the gathered parameters for the backward, fsdp only their shards.
-    params = sum(p.numel() * 4 for p in GPT(CONFIG).parameters())
+    # zero2 keeps the gathered block parameters for the backward, fsdp only their shards
+    # (both keep the root bucket gathered).
+    params = sum(p.numel() * 4 for n, p in GPT(CONFIG).named_parameters() if n.startswith("blocks."))
     extra = saved_bytes(zero2["forward graph"]) - saved_bytes(fsdp["forward graph"])
     print(f"saved for backward: zero2 - fsdp = {extra} B, parameters {params} B")
     assert extra >= (WORLD - 1) / WORLD * params * 0.9

@@ -65,6 +65,9 @@ def bucket_reduce_scatters_pass(
         if node.target is c10d.reduce_scatter_tensor.default:
             for position in _output_positions(node, output):
                 scatters.setdefault(position, []).append(node)
+    for position, tied in scatters.items():
+        if len(tied) > 1:
+            scatters[position] = [_sum_before_reducing(graph, tied)]
     for group in groups:
         members = [rs for i in group.gradients for rs in scatters.get(i, [])]
         by_dtype: dict[torch.dtype, list[fx.Node]] = {}
@@ -77,6 +80,30 @@ def bucket_reduce_scatters_pass(
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _sum_before_reducing(graph: fx.Graph, tied: list[fx.Node]) -> fx.Node:
+    """A parameter read twice (tied weights) gets two gradients: add them, reduce-scatter once.
+
+    The other reduce-scatters' results become zeros, so the graph's own sum of
+    the shards stays right; their collectives are gone.
+    """
+    kept, *others = tied
+    total = kept.args[0]
+    with graph.inserting_before(kept):
+        for other in others:
+            total = graph.call_function(aten.add.Tensor, (total, other.args[0]))
+            total.meta["val"] = kept.args[0].meta["val"]  # the bucketing reads shapes from it
+            val = other.meta["val"]
+            for wait in [u for u in other.users if u.target is WAIT]:
+                zeros = graph.call_function(
+                    aten.zeros.default, (list(val.shape),), {"dtype": val.dtype, "device": val.device}
+                )
+                wait.replace_all_uses_with(zeros)
+                graph.erase_node(wait)
+            graph.erase_node(other)
+    kept.args = (total, *kept.args[1:])
+    return kept
 
 
 def _is_cast_to(node: fx.Node, dtype: torch.dtype) -> bool:

@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dpar.compiler.passes.all_gather import c10d, shard_source
+from dpar.compiler.passes.all_gather import ParameterGroup, c10d, primal_placeholders, shard_source
 
 
-def tag_gathers_for_recompute(joint: fx.GraphModule) -> fx.GraphModule:
+def tag_gathers_for_recompute(joint: fx.GraphModule, groups: Sequence[ParameterGroup]) -> fx.GraphModule:
     """Mark every gathered parameter, and what is computed from it alone, as must-recompute.
 
     The partitioner then saves the shard (a graph input, free to keep) instead
     of the full parameter, and the backward graph gathers it again: the full
     parameter lives only from its gather to its last use in each graph.
+
+    The group gathered last in the forward is left alone, as FSDP2 leaves its
+    root unsharded: the backward starts with it, so gathering it again right
+    away would only cost a collective.
     """
+    primals = primal_placeholders(joint.graph)
+    group_of = {primals[i]: g.name for g in groups for i in g.inputs if i in primals}
+    gathers = [n for n in joint.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    kept = group_of.get(shard_source(gathers[-1].args[0])) if gathers else None
     derived: set[fx.Node] = set()
     for node in joint.graph.nodes:
         if node.target is c10d.all_gather_into_tensor.default:
+            if kept is not None and group_of.get(shard_source(node.args[0])) == kept:
+                continue
             source, chain = shard_source(node.args[0]), [node]
             while chain[-1].all_input_nodes and chain[-1].all_input_nodes[0] is not source:
                 chain.append(chain[-1].all_input_nodes[0])

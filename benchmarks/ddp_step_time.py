@@ -5,10 +5,11 @@
 
 Every mode starts from the same weights, trains on the same batches (rank r
 draws from a generator seeded with seed + r), with AdamW and the same bucket
-cap. Warm-up steps (compilation, DDP's bucket rebuild) are not measured. Each
-rank times its own steps without a barrier, as a training loop runs; the table
-reports rank 0's median. The final loss column shows the modes computed the
-same training run.
+cap. Warm-up steps (compilation, DDP's bucket rebuild) are not measured; then
+the modes take turns at the measured steps, so that load from other users of
+the machine hits all of them alike. Each rank times its own steps without a
+barrier, as a training loop runs; the table reports rank 0's median. The final
+loss column shows the modes computed the same training run.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,17 +36,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpar.compiler.registry import communication_per_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
 from gpt import GPT, GPTConfig, get_batch, load_corpus  # noqa: E402
 
 WORLD_SIZE = 2  # the CPU machines have 2 cores: one rank per core
 MODES = ("ddp_eager", "ddp_compiled", "dpar")
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = REPO / "benchmarks" / "results"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModeResult:
-    step_ms: list[float]  # measured steps (every round), after warm-up
+    step_ms: list[float]  # measured steps, after warm-up
     first_step_ms: float  # includes compilation
     collectives_per_step: int
     bytes_per_step: int
@@ -123,10 +126,11 @@ def build(mode: str, args: argparse.Namespace) -> Trainer:
 
 
 def run_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    """Warm every mode up (compiling it), then time ``rounds`` x ``steps`` steps of each.
+    """Warm every mode up (compiling it), then time ``steps`` steps of each, in ``rounds`` turns.
 
-    With several rounds the modes take turns, so a neighbour's burst of CPU load
-    on a shared machine spreads over all of them instead of landing on one.
+    The modes take turns of steps / rounds steps each, so a neighbour's burst
+    of CPU load on a shared machine (which doubles a step's time here) spreads
+    over all of them instead of landing on one.
     """
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE)
@@ -143,13 +147,15 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None
             get_batch(data, args.batch_size, config.block_size, generator)
             for _ in range(args.warmup + args.steps)
         ]
+        per_turn = args.steps // args.rounds
         trainers = {mode: build(mode, args) for mode in args.modes}
         first_step_ms = {mode: t.train(batches[: args.warmup])[0][0] for mode, t in trainers.items()}
         step_ms: dict[str, list[float]] = {mode: [] for mode in args.modes}
         final_loss: dict[str, float] = {}
-        for _ in range(args.rounds):
+        for turn in range(args.rounds):
+            start = args.warmup + turn * per_turn
             for mode, trainer in trainers.items():
-                times, final_loss[mode] = trainer.train(batches[args.warmup :])
+                times, final_loss[mode] = trainer.train(batches[start : start + per_turn])
                 step_ms[mode] += times
         results = {}
         for mode, trainer in trainers.items():
@@ -197,7 +203,7 @@ def report(results: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespa
     dpar_ms = rank0["dpar"].median_ms if "dpar" in rank0 else None
     print(
         f"GPT {GPTConfig()}, {WORLD_SIZE} gloo ranks x 1 thread, batch {args.batch_size}/rank, "
-        f"{args.rounds} x {args.steps} measured steps after {args.warmup} warm-up, "
+        f"{args.steps} measured steps in {args.rounds} turns after {args.warmup} warm-up, "
         f"bucket cap {args.bucket_cap_mb} MB, compiled with {args.compiler}"
     )
     header = (
@@ -238,9 +244,18 @@ def report(results: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespa
         "rounds": args.rounds,
         "bucket_cap_mb": args.bucket_cap_mb,
         "torch": torch.__version__,
+        "dpar_revision": _revision(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "modes": modes,
     }
+
+
+def _revision() -> str:
+    """The commit measured; "-dirty" when the working tree had uncommitted changes."""
+    described = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    return described.stdout.strip() or "unknown"
 
 
 def parse_args() -> argparse.Namespace:
@@ -251,8 +266,10 @@ def parse_args() -> argparse.Namespace:
         default="aot_eager",
         help="backend of compiled DDP, and dpar's inner compiler",
     )
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per mode and round")
-    parser.add_argument("--rounds", type=int, default=1, help="times the modes take turns at --steps steps")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per mode")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="turns the modes take, steps / rounds steps each"
+    )
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, compilation included")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
@@ -270,6 +287,8 @@ def main() -> None:
     args = parse_args()
     if args.warmup < 1:
         raise SystemExit("--warmup must be at least 1: the first step compiles")
+    if args.rounds < 1 or args.steps % args.rounds:
+        raise SystemExit(f"--steps ({args.steps}) must be a multiple of --rounds ({args.rounds})")
     record = report(run_ranks(args), args)
     suffix = "" if args.compiler == "aot_eager" else f"_{args.compiler}"
     out = args.out or RESULTS / f"ddp_step_time{suffix}.json"

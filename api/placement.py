@@ -46,7 +46,7 @@ def parallelize(
     strategy: str = "fsdp",
     mesh: DeviceMesh | None = None,
     bucket_cap_mb: float | None = None,
-    max_inflight_gathers: int = 2,
+    max_inflight_gathers: int = 1,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> nn.Module:

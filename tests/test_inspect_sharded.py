@@ -132,11 +132,16 @@ def test_forward_gathers_one_bucket_per_block_plus_root_with_formula_bytes(repor
 
 def test_each_gather_is_issued_before_the_previous_blocks_compute(report):
     (forward,) = [g for g in report.graphs if g.label == "forward graph"]
-    position = {n.name: i for i, n in enumerate(forward.graph.graph.nodes)}
+    nodes = list(forward.graph.graph.nodes)
+    position = {n.name: i for i, n in enumerate(nodes)}
     gathers = rows(report, "forward graph", "all_gather")
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
     for previous, gather in zip(gathers, gathers[1:]):
-        # The previous bucket's wait sits right before its first use: this gather is already in flight.
-        assert position[gather.issue_node] < position[previous.wait_node]
+        # One ahead (max_inflight_gathers=1): issued once the previous bucket is waited for,
+        # before any of that bucket's matrix multiplies.
+        start, issue = position[previous.wait_node], position[gather.issue_node]
+        assert start < issue
+        assert not any(n.target in matmuls for n in nodes[start:issue])
     assert all(c.compute_between > 0 for c in gathers[1:])
 
 

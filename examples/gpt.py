@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import dpar.compiler.registry  # for the communication report; backend="dpar" needs no import
+import dpar  # parallelize and the communication report; backend="dpar" alone needs no import
+import dpar.compiler.registry
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -167,6 +168,18 @@ def parse_args() -> argparse.Namespace:
         help="dpar's inner compiler (Inductor compiles for about a minute on a small CPU)",
     )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument(
+        "--strategy",
+        choices=("ddp", "zero2", "fsdp"),
+        default="ddp",
+        help="ddp replicates; zero2/fsdp shard parameters, gradients and optimizer state (needs torchrun)",
+    )
+    parser.add_argument(
+        "--param-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="zero2/fsdp: dtype parameters are gathered and computed in (gradients reduced in float32)",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
@@ -190,6 +203,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     config = GPTConfig()
     model = GPT(config).to(device)
+    if args.strategy != "ddp":
+        param_dtype = getattr(torch, args.param_dtype)
+        dpar.parallelize(model, strategy=args.strategy, param_dtype=param_dtype, reduce_dtype=torch.float32)
     model = torch.compile(
         model,
         backend="dpar",

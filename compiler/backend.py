@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from dpar.compiler.capture import InputKind, classify_inputs
 from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
-from dpar.compiler.pipeline import DataParallelHook, ShardedDataParallelHook
+from dpar.compiler.data_parallel import DataParallelHook
+from dpar.compiler.sharded_data_parallel import ShardedDataParallelHook
 from dpar.runtime.errors import OptionsError
 from dpar.runtime.replicate import synchronize_replicas
 from dpar.runtime.sharding import spec_of

@@ -6,14 +6,12 @@ import contextlib
 
 import pytest
 import torch
-import torch.nn as nn
 
 from distributed import run_ranks
 from training import (
     CASES,
     HAS_BATCHNORM,
     TOLERANCE,
-    BUILDERS,
     Case,
     max_abs_diff,
     seeded_model,

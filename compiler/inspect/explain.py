@@ -23,7 +23,7 @@ from dpar.compiler.inspect.timeline import build_timeline
 from dpar.compiler.inspect.uneven_shards import padded_once
 from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
-from dpar.compiler.pipeline import flat_layout
+from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.compiler.registry import CompiledGraph, PassStage, compiled_graphs, record
 
 

@@ -46,6 +46,17 @@ def fsdp2_reference(case: Case, rank: int, world_size: int, mesh) -> dict:
     return gathered(train(case, model, model, rank, world_size, contextlib.nullcontext))
 
 
+def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What this rank holds after training: parameter shards, their gradients, optimizer state."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    tensors = [local(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+    return {
+        "parameters": sum(local(p).nbytes for p in model.parameters()),
+        "gradients": sum(local(p.grad).nbytes for p in model.parameters() if p.grad is not None),
+        "optimizer": sum(t.nbytes for t in tensors),
+    }
+
+
 def rank_main(rank: int, world_size: int, strategy: str, cases: list[Case]) -> dict:
     import dpar
 
@@ -59,8 +70,15 @@ def rank_main(rank: int, world_size: int, strategy: str, cases: list[Case]) -> d
         for shard, full in zip(model.parameters(), seeded_model(case).parameters()):
             assert shard.to_local().shape[0] <= -(-full.shape[0] // shard_ranks)  # a shard, not a copy
         compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
-        got = gathered(train(case, model, compiled, rank, world_size, lambda: dpar.no_sync(compiled)))
-        results[case.id] = {"dpar": got, "fsdp2": fsdp2_reference(case, rank, world_size, mesh)}
+        optimizers: list[torch.optim.Optimizer] = []
+        got = gathered(train(case, model, compiled, rank, world_size, lambda: dpar.no_sync(compiled), optimizers))
+        results[case.id] = {
+            "dpar": got,
+            "fsdp2": fsdp2_reference(case, rank, world_size, mesh),
+            "bytes": local_state_bytes(model, optimizers[0]),
+            "shard_rank": mesh.get_local_rank(mesh.ndim - 1),
+            "shard_ranks": mesh.size(mesh.ndim - 1),
+        }
     return results
 
 
@@ -107,3 +125,28 @@ def test_gathered_parameters_match_one_process_on_the_whole_batch(trained, case:
         pytest.skip("run at 2 ranks only")
     want = single_process_reference(case, seeded_model(case), world_size)
     assert max_abs_diff(per_rank[0][case.id]["dpar"], want) <= TOLERANCE[case.optimizer]
+
+
+def shard_rows(rows: int, shards: int, index: int) -> int:
+    """Rows of shard ``index`` under dim-0 sharding: ceil-sized chunks, the last ones short or empty."""
+    chunk = -(-rows // shards)
+    return max(0, min(chunk, rows - index * chunk))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("gpt-adamw", "uneven-sgd")], ids=lambda c: c.id)
+def test_per_rank_state_bytes_follow_the_zero_formulas(trained, case: Case) -> None:
+    """ZeRO-3 (ANCHORS.md): parameters, gradients and optimizer state are each ~1/N per rank."""
+    _, world_size, per_rank = trained
+    full = seeded_model(case)
+    moments = {"adamw": 2, "sgd": 1}[case.optimizer]  # exp_avg + exp_avg_sq; momentum buffer
+    unique = {id(p): p for p in full.parameters()}.values()
+    for result in per_rank:
+        r, n = result[case.id]["shard_rank"], result[case.id]["shard_ranks"]
+        held = sum(shard_rows(p.shape[0], n, r) * (p.numel() // p.shape[0]) * 4 for p in unique)
+        trained_held = sum(
+            shard_rows(p.shape[0], n, r) * (p.numel() // p.shape[0]) * 4 for p in unique if p.requires_grad
+        )
+        got = result[case.id]["bytes"]
+        assert got == {"parameters": held, "gradients": trained_held, "optimizer": moments * trained_held}
+        total = sum(p.numel() * 4 for p in unique)
+        assert held <= -(-total // n) + 4 * sum(p.numel() // p.shape[0] for p in unique)  # 1/N up to padding

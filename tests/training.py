@@ -74,8 +74,19 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def train(case: Case, model: nn.Module, runner: nn.Module, rank: int, world_size: int, no_sync) -> dict:
+def train(
+    case: Case,
+    model: nn.Module,
+    runner: nn.Module,
+    rank: int,
+    world_size: int,
+    no_sync,
+    optimizers: list[torch.optim.Optimizer] | None = None,
+) -> dict:
+    """Train ``model`` through ``runner``; the optimizer is appended to ``optimizers`` if given."""
     opt = make_optimizer(case.optimizer, [p for p in model.parameters() if p.requires_grad])
+    if optimizers is not None:
+        optimizers.append(opt)
     rows_per_rank = 4
     for step in range(STEPS):
         opt.zero_grad()

@@ -87,3 +87,43 @@ def test_parameters_match_single_process_on_whole_batch(trained, case: Case) -> 
     world_size, per_rank = trained
     want = single_process_reference(case, seeded_model(case), world_size)
     assert max_abs_diff(per_rank[0][case.id]["dpar"], want) <= TOLERANCE[case.optimizer]
+
+
+def varying_batches(rank: int, world_size: int) -> dict:
+    """Batch sizes that change (a recompile, then dynamic shapes): dpar against DDP."""
+    import dpar
+    import torch.nn.functional as F
+
+    from models import MLP
+
+    states = {}
+    for mode in ("dpar", "ddp"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MLP()
+        runner = (
+            torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+            if mode == "dpar"
+            else nn.parallel.DistributedDataParallel(model)
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step, rows in enumerate([4, 4, 6, 6, 3, 5]):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(rows * world_size, 16, generator=g), torch.randn(rows * world_size, 4, generator=g)
+            opt.zero_grad()
+            F.mse_loss(runner(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+            opt.step()
+        states[mode] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if mode == "dpar":
+            from dpar.compiler import registry
+
+            states["backward graphs"] = sum(1 for c in registry.compiled_graphs if c.label.startswith("backward"))
+    return states
+
+
+def test_recompiles_for_new_batch_sizes_keep_matching_ddp() -> None:
+    per_rank = run_ranks(varying_batches, 2, timeout_s=300)
+    for result in per_rank:
+        assert max_abs_diff(result["dpar"], result["ddp"]) <= TOLERANCE["sgd"]
+    # The second batch size recompiles once with a dynamic batch dimension, then no more.
+    assert per_rank[0]["backward graphs"] == 2

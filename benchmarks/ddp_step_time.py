@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,10 +37,10 @@ from dpar.compiler.registry import communication_per_step
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 from gpt import GPT, GPTConfig, get_batch, load_corpus  # noqa: E402
+from harness import check_schedule, revision, step_time_parser, timed_steps, write_record  # noqa: E402  (beside this file)
 
 WORLD_SIZE = 2  # the CPU machines have 2 cores: one rank per core
 MODES = ("ddp_eager", "ddp_compiled", "dpar")
-RESULTS = REPO / "benchmarks" / "results"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,16 +95,7 @@ class Trainer:
     ddp: DistributedDataParallel | None
 
     def train(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], float]:
-        """Per-step wall times (ms) and the last loss; no barrier, as a training loop runs."""
-        step_ms = []
-        for x, y in batches:
-            start = time.perf_counter()
-            loss = self.step_model(x, y)
-            loss.backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            step_ms.append((time.perf_counter() - start) * 1e3)
-        return step_ms, loss.item()
+        return timed_steps(self.step_model, self.optimizer, batches)
 
     def communication(self) -> tuple[int, int]:
         return dpar_communication() if self.ddp is None else ddp_communication(self.ddp)
@@ -244,56 +233,24 @@ def report(results: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespa
         "rounds": args.rounds,
         "bucket_cap_mb": args.bucket_cap_mb,
         "torch": torch.__version__,
-        "dpar_revision": _revision(),
+        "dpar_revision": revision(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "modes": modes,
     }
 
 
-def _revision() -> str:
-    """The commit measured; "-dirty" when the working tree had uncommitted changes."""
-    described = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True, check=False
-    )
-    return described.stdout.strip() or "unknown"
-
-
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--compiler",
-        choices=("aot_eager", "inductor"),
-        default="aot_eager",
-        help="backend of compiled DDP, and dpar's inner compiler",
-    )
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per mode")
-    parser.add_argument(
-        "--rounds", type=int, default=5, help="turns the modes take, steps / rounds steps each"
-    )
+    parser = step_time_parser(__doc__.split("\n\n")[0], "compiled DDP", "ddp_step_time")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, compilation included")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--timeout-s", type=float, default=900.0, help="fail (and kill the ranks) after this")
-    parser.add_argument(
-        "--out", type=Path, help="JSON file (default benchmarks/results/ddp_step_time[_inductor].json)"
-    )
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if args.warmup < 1:
-        raise SystemExit("--warmup must be at least 1: the first step compiles")
-    if args.rounds < 1 or args.steps % args.rounds:
-        raise SystemExit(f"--steps ({args.steps}) must be a multiple of --rounds ({args.rounds})")
-    record = report(run_ranks(args), args)
-    suffix = "" if args.compiler == "aot_eager" else f"_{args.compiler}"
-    out = args.out or RESULTS / f"ddp_step_time{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    check_schedule(args, 1, "the first step compiles")
+    out = write_record(report(run_ranks(args), args), "ddp_step_time", args)
     print(f"wrote {out}")
 
 

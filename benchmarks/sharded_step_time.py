@@ -30,11 +30,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -56,13 +54,13 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent / "tests")]
 from distributed import run_ranks  # noqa: E402
 from gpt import GPT, Block, GPTConfig, get_batch, load_corpus  # noqa: E402
+from harness import check_schedule, revision, step_time_parser, timed_steps, write_record  # noqa: E402
 from peak_memory import _live_bytes  # noqa: E402
 
 WORLD_SIZE = 2  # the CPU machines have 2 cores: one rank per core
 MODES = ("fsdp2_eager", "fsdp2_compiled", "dpar_fsdp", "dpar_zero2")
 FORMULA = {"dpar_fsdp": 3, "dpar_zero2": 2}  # parameter bytes moved per step (ANCHORS.md)
 ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}  # profiler dtype names
-RESULTS = HERE / "results"
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -75,16 +73,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
 
     def train(self, batches: Sequence[Batch]) -> tuple[list[float], float]:
-        """Per-step wall times (ms) and the last loss; no barrier, as a training loop runs."""
-        step_ms = []
-        for x, y in batches:
-            start = time.perf_counter()
-            loss = self.step_model(x, y)
-            loss.backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            step_ms.append((time.perf_counter() - start) * 1e3)
-        return step_ms, loss.item()
+        return timed_steps(self.step_model, self.optimizer, batches)
 
 
 def build(mode: str, args: argparse.Namespace) -> Trainer:
@@ -338,7 +327,7 @@ def report(ranks: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> 
         "memory_method": "torch.profiler profile_memory: running sum of allocator events, last warm-up step",
         "bytes_convention": "full size: all-gather output, reduce-scatter input (gloo runs it as all_reduce)",
         "torch": torch.__version__,
-        "dpar_revision": _revision(),
+        "dpar_revision": revision(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "modes": modes,
     }
@@ -349,50 +338,19 @@ def _iqr(values: list[float]) -> float:
     return q3 - q1
 
 
-def _revision() -> str:
-    """The commit measured; "-dirty" when the working tree had uncommitted changes."""
-    described = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], cwd=HERE.parent, capture_output=True, text=True, check=False
-    )
-    return described.stdout.strip() or "unknown"
-
-
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--compiler",
-        choices=("aot_eager", "inductor"),
-        default="aot_eager",
-        help="backend of compiled FSDP2, and dpar's inner compiler",
-    )
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per mode")
-    parser.add_argument("--rounds", type=int, default=5, help="turns the modes take, steps / rounds steps each")
+    parser = step_time_parser(__doc__.split("\n\n")[0], "compiled FSDP2", "sharded_step_time")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first; compiles, the last is profiled")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--timeout-s", type=float, default=900.0, help="per pair of ranks: fail (and kill them) after this"
-    )
-    parser.add_argument(
-        "--out", type=Path, help="JSON file (default benchmarks/results/sharded_step_time[_inductor].json)"
-    )
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if args.warmup < 2:
-        raise SystemExit("--warmup must be at least 2: the first step compiles, the last is profiled")
-    if args.rounds < 1 or args.steps % args.rounds:
-        raise SystemExit(f"--steps ({args.steps}) must be a multiple of --rounds ({args.rounds})")
+    check_schedule(args, 3, "the first step compiles, one is timed, the last is profiled")
     start = time.perf_counter()
     record = report(run_all(args), args)
     record["wall_s"] = time.perf_counter() - start
-    suffix = "" if args.compiler == "aot_eager" else f"_{args.compiler}"
-    out = args.out or RESULTS / f"sharded_step_time{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    out = write_record(record, "sharded_step_time", args)
     print(f"wrote {out} after {record['wall_s']:.0f} s")
 
 

@@ -1,0 +1,75 @@
+"""What the step-time benchmarks share: their command line, the revision measured, the results file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def revision() -> str:
+    """The commit measured; "-dirty" when the working tree had uncommitted changes."""
+    described = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    return described.stdout.strip() or "unknown"
+
+
+def step_time_parser(description: str, anchor: str, stem: str) -> argparse.ArgumentParser:
+    """The options every step-time benchmark takes; ``anchor`` is the compiled torch mode compared."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--compiler",
+        choices=("aot_eager", "inductor"),
+        default="aot_eager",
+        help=f"backend of {anchor}, and dpar's inner compiler",
+    )
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per mode")
+    parser.add_argument("--rounds", type=int, default=5, help="turns the modes take, steps / rounds steps each")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="fail (and kill the ranks) after this")
+    parser.add_argument("--out", type=Path, help=f"JSON file (default benchmarks/results/{stem}[_inductor].json)")
+    return parser
+
+
+def check_schedule(args: argparse.Namespace, min_warmup: int, why: str) -> None:
+    if args.warmup < min_warmup:
+        raise SystemExit(f"--warmup must be at least {min_warmup}: {why}")
+    if args.rounds < 1 or args.steps % args.rounds:
+        raise SystemExit(f"--steps ({args.steps}) must be a multiple of --rounds ({args.rounds})")
+
+
+def write_record(record: dict[str, Any], stem: str, args: argparse.Namespace) -> Path:
+    suffix = "" if args.compiler == "aot_eager" else f"_{args.compiler}"
+    out = args.out or RESULTS / f"{stem}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    return out
+
+
+def timed_steps(
+    step_model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[float], float]:
+    """Per-step wall times (ms) and the last loss; no barrier, as a training loop runs."""
+    step_ms = []
+    for x, y in batches:
+        start = time.perf_counter()
+        loss = step_model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_ms.append((time.perf_counter() - start) * 1e3)
+    return step_ms, loss.item()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -98,33 +99,36 @@ def cases_for(world_size: int) -> list[Case]:
     return CASES if world_size == 2 else [c for c in CASES if c.id in FOUR_RANK_CASES]
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("fsdp", 2), ("fsdp", 4), ("zero2", 2), ("zero2", 4), ("hsdp", 4)],
-    ids=lambda p: f"{p[0]}-{p[1]}ranks",
-)
-def trained(request) -> tuple[str, int, list[dict]]:
-    strategy, world_size = request.param
-    return strategy, world_size, run_ranks(rank_main, world_size, strategy, cases_for(world_size), timeout_s=900)
+CONFIGS = [("fsdp", 2), ("fsdp", 4), ("zero2", 2), ("zero2", 4), ("hsdp", 4)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_gathered_parameters_match_torch_fsdp2(trained, case: Case) -> None:
-    _, world_size, per_rank = trained
-    if case not in cases_for(world_size):
-        pytest.skip("run at 2 ranks only")
+@functools.cache
+def trained(strategy: str, world_size: int) -> list[dict]:
+    """One run of every case per configuration, shared by the tests below."""
+    return run_ranks(rank_main, world_size, strategy, cases_for(world_size), timeout_s=900)
+
+
+def runs(cases: list[Case]) -> list:
+    return [
+        pytest.param(strategy, world_size, case, id=f"{strategy}-{world_size}ranks-{case.id}")
+        for strategy, world_size in CONFIGS
+        for case in cases
+        if case in cases_for(world_size)
+    ]
+
+
+@pytest.mark.parametrize("strategy, world_size, case", runs(CASES))
+def test_gathered_parameters_match_torch_fsdp2(strategy: str, world_size: int, case: Case) -> None:
+    per_rank = trained(strategy, world_size)
     for rank, result in enumerate(per_rank):
         assert max_abs_diff(result[case.id]["dpar"], result[case.id]["fsdp2"]) <= TOLERANCE[case.optimizer], rank
     assert max_abs_diff(per_rank[0][case.id]["dpar"], seeded_model(case).state_dict()) > 10 * TOLERANCE[case.optimizer]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.model not in HAS_BATCHNORM], ids=lambda c: c.id)
-def test_gathered_parameters_match_one_process_on_the_whole_batch(trained, case: Case) -> None:
-    _, world_size, per_rank = trained
-    if case not in cases_for(world_size):
-        pytest.skip("run at 2 ranks only")
+@pytest.mark.parametrize("strategy, world_size, case", runs([c for c in CASES if c.model not in HAS_BATCHNORM]))
+def test_gathered_parameters_match_one_process_on_the_whole_batch(strategy: str, world_size: int, case: Case) -> None:
     want = single_process_reference(case, seeded_model(case), world_size)
-    assert max_abs_diff(per_rank[0][case.id]["dpar"], want) <= TOLERANCE[case.optimizer]
+    assert max_abs_diff(trained(strategy, world_size)[0][case.id]["dpar"], want) <= TOLERANCE[case.optimizer]
 
 
 def shard_rows(rows: int, shards: int, index: int) -> int:
@@ -133,10 +137,10 @@ def shard_rows(rows: int, shards: int, index: int) -> int:
     return max(0, min(chunk, rows - index * chunk))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("gpt-adamw", "uneven-sgd")], ids=lambda c: c.id)
-def test_per_rank_state_bytes_follow_the_zero_formulas(trained, case: Case) -> None:
+@pytest.mark.parametrize("strategy, world_size, case", runs([c for c in CASES if c.id in ("gpt-adamw", "uneven-sgd")]))
+def test_per_rank_state_bytes_follow_the_zero_formulas(strategy: str, world_size: int, case: Case) -> None:
     """ZeRO-3 (ANCHORS.md): parameters, gradients and optimizer state are each ~1/N per rank."""
-    _, world_size, per_rank = trained
+    per_rank = trained(strategy, world_size)
     full = seeded_model(case)
     moments = {"adamw": 2, "sgd": 1}[case.optimizer]  # exp_avg + exp_avg_sq; momentum buffer
     unique = {id(p): p for p in full.parameters()}.values()

@@ -15,6 +15,7 @@ gathered parameter is kept for the backward (zero2) or gathered again (fsdp).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import torch
@@ -148,7 +149,23 @@ def shard_parameters(
             _retired[full] = True
             specs.append(spec)
         module.__class__ = _gathering_class(type(module), names, param_dtype)
+        module.register_load_state_dict_pre_hook(functools.partial(_shard_full_tensors, names=names))
     return specs
+
+
+def _shard_full_tensors(
+    module: nn.Module, state_dict: dict[str, object], prefix: str, *args: object, names: list[str]
+) -> None:
+    """``load_state_dict`` of a plain (full) state dict: shard each full tensor as its parameter is.
+
+    Every rank loads, as every rank holds shards; rank 0's values are scattered.
+    """
+    for name in names:
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            shard = module._parameters[name]
+            full = value.to(device=shard.device, dtype=shard.dtype)
+            state_dict[prefix + name] = distribute_tensor(full, shard.device_mesh, shard.placements)
 
 
 def is_sharded(model: nn.Module) -> bool:

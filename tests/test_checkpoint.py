@@ -252,3 +252,24 @@ def test_optimizer_load_from_a_weights_only_checkpoint_names_the_fix(tmp_path) -
     model = MLP()
     with pytest.raises(OptionsError, match="load it with optimizer=None"):
         checkpoint.load(model, torch.optim.AdamW(model.parameters()), tmp_path)
+
+
+def load_full_into_parallelized(rank: int, world_size: int) -> dict:
+    """A plain state dict (pretrained weights, say) loaded after parallelize lands as shards."""
+    import dpar
+    from dpar.runtime import checkpoint
+
+    torch.manual_seed(123)
+    pretrained = tiny_gpt().state_dict()
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    dpar.parallelize(model, strategy="fsdp")
+    model.load_state_dict(pretrained)
+    return {"full": checkpoint.full_state_dict(model), "pretrained": pretrained}
+
+
+def test_plain_state_dict_loads_into_a_parallelized_model() -> None:
+    rank0, rank1 = run_ranks(load_full_into_parallelized, 2, timeout_s=300)
+    assert rank1["full"] is None
+    assert rank0["full"].keys() == rank0["pretrained"].keys()
+    assert max_abs_diff(rank0["full"], rank0["pretrained"]) == 0

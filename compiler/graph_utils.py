@@ -19,6 +19,16 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def view_contiguous(graph: fx.Graph, node: fx.Node, shape: list[int]) -> fx.Node:
+    """A view of ``node`` as ``shape``, after a contiguous copy if its layout needs one."""
+    val = node.meta.get("val")
+    if val is not None and not val.is_contiguous():
+        node = graph.call_function(
+            torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format}
+        )
+    return graph.call_function(torch.ops.aten.view.default, (node, shape))
+
+
 def restore_topological_order(graph: fx.Graph) -> None:
     """Move nodes a rewrite left before their inputs down, keeping every other node in place."""
     from torch._inductor.pattern_matcher import stable_topological_sort

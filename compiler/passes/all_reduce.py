@@ -8,17 +8,11 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
+from dpar.compiler.graph_utils import view_contiguous
 from dpar.compiler.passes.buckets import Bucket
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-def _flatten(graph: fx.Graph, node: fx.Node, numel: int) -> fx.Node:
-    val = node.meta.get("val")
-    if val is not None and not val.is_contiguous():
-        node = graph.call_function(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
-    return graph.call_function(aten.view.default, (node, [numel]))
 
 
 def accumulated_gradient_order(buckets: Sequence[Bucket]) -> list[int]:
@@ -62,7 +56,7 @@ def all_reduce_gradients_pass(
             for grad, node in zip(bucket.gradients, grad_nodes):
                 if accumulate:
                     node = graph.call_function(aten.add.Tensor, (node, accumulated[grad.output_index]))
-                flats.append(_flatten(graph, node, grad.numel))
+                flats.append(view_contiguous(graph, node, [grad.numel]))
             flat = flats[0] if len(flats) == 1 else graph.call_function(aten.cat.default, (flats,))
             flat = graph.call_function(aten.div.Tensor, (flat, world_size))
             reduced = graph.call_function(c10d.all_reduce.default, (flat, "sum", group_name))

@@ -23,9 +23,7 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, max_inflight: int) -> fx.Graph
     top = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for k, gather in enumerate(gathers):
         chain = operand_chain(gather)
-        if any(n.op == "placeholder" for n in chain) or any(
-            a.op != "placeholder" and a not in chain for n in chain for a in n.all_input_nodes
-        ):
+        if any(a.op != "placeholder" and a not in chain for n in chain for a in n.all_input_nodes):
             continue  # its operand depends on compute: it cannot move above it
         anchor = top if k < max_inflight else waits[gathers[k - max_inflight]]
         chain.sort(key=position.__getitem__)

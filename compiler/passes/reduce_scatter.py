@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.collectives import WAIT
-from dpar.compiler.graph_utils import restore_topological_order
+from dpar.compiler.graph_utils import restore_topological_order, view_contiguous
 from dpar.compiler.passes.all_gather import ParameterGroup
 
 aten = torch.ops.aten
@@ -162,9 +162,7 @@ def _bucket(
     with graph.inserting_before(last.next):
         rows = []
         for grad, size in zip(grads, sizes):
-            if not grad.meta["val"].is_contiguous():
-                grad = graph.call_function(aten.clone.default, (grad,), {"memory_format": torch.contiguous_format})
-            rows.append(graph.call_function(aten.view.default, (grad, [world_size, size])))
+            rows.append(view_contiguous(graph, grad, [world_size, size]))
         matrix = rows[0] if len(rows) == 1 else graph.call_function(aten.cat.default, (rows, 1))
         flat = graph.call_function(aten.view.default, (matrix, [world_size * sum(sizes)]))
         computed = grads[0].meta["val"].dtype

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dpar.compiler.passes.all_gather import ParameterGroup, c10d, primal_placeholders, shard_source
+from dpar.compiler.passes.all_gather import ParameterGroup, c10d, operand_chain, primal_placeholders, shard_source
 
 
 def tag_gathers_for_recompute(joint: fx.GraphModule, groups: Sequence[ParameterGroup]) -> fx.GraphModule:
@@ -28,12 +28,8 @@ def tag_gathers_for_recompute(joint: fx.GraphModule, groups: Sequence[ParameterG
     derived: set[fx.Node] = set()
     for node in joint.graph.nodes:
         if node.target is c10d.all_gather_into_tensor.default:
-            if kept is not None and group_of.get(shard_source(node.args[0])) == kept:
-                continue
-            source, chain = shard_source(node.args[0]), [node]
-            while chain[-1].all_input_nodes and chain[-1].all_input_nodes[0] is not source:
-                chain.append(chain[-1].all_input_nodes[0])
-            derived.update(chain)
+            if kept is None or group_of.get(shard_source(node.args[0])) != kept:
+                derived.update(operand_chain(node))
         elif node.op == "call_function" and node.all_input_nodes and all(a in derived for a in node.all_input_nodes):
             derived.add(node)
     for node in derived:

@@ -1,0 +1,161 @@
+"""The planner's op graph: the model's forward captured on fake tensors, one node per compute op.
+
+[Note: why torch.export(strict=False) captures the graph]
+Non-strict export runs the model's own Python forward under a ``FakeTensorMode``: parameters
+and inputs become fake tensors, so no real compute runs and no activation memory is taken
+(a 24-block GPT exports in about a second whether its weights are real, fake or on the meta
+device). What it hands back is what the planner needs and ``make_fx`` does not give: an ATen
+graph with a shape on every node, the ``nn_module_stack`` of every node (the module path that
+names ops and finds repeated blocks) and a graph signature mapping placeholders to parameter
+names. Dynamo's export would do too but breaks on more Python; the planner only reads
+shapes, so non-strict tracing is enough.
+
+View ops (view, transpose, reshape, ...) move no data: they are folded into the edges, so an
+edge runs from the op that produced a tensor to the op that reads it, through any views.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from dpar.compiler.planner.opgraph import Op, OpGraph
+from dpar.compiler.planner.repeats import collapse_repeats
+
+aten = torch.ops.aten
+
+LINEAR = {aten.linear.default}
+EMBEDDING = {aten.embedding.default}
+NORM = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default, aten.group_norm.default}
+ATTENTION = {
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+}
+SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
+LOSS = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default, aten.nll_loss_nd.default}
+MATMUL = {aten.matmul.default, aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+DROPOUT = {aten.dropout.default, aten.native_dropout.default}
+NOT_VIEWS = {aten.clone.default, aten._unsafe_view.default, aten.lift_fresh_copy.default}  # copies that act as views here
+
+# FLOPs per output element of the ops whose cost is elementwise (norm: mean, var, scale, shift).
+ELEMENTWISE_FLOPS = {"norm": 8, "softmax": 5, "loss": 5, "pointwise": 1, "other": 1, "embedding": 0}
+
+
+def capture(model: nn.Module, example_inputs: Sequence[object]) -> torch.export.ExportedProgram:
+    """The forward as an ATen graph on fake tensors (see the Note above)."""
+    return torch.export.export(model, tuple(example_inputs), strict=False)
+
+
+def _shape(value: object) -> tuple[int, ...]:
+    return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def _kind(node: fx.Node, params: list[str]) -> str:
+    target = node.target
+    if target in LINEAR:
+        return "linear"
+    if target in EMBEDDING:
+        return "embedding"
+    if target in NORM:
+        return "norm"
+    if target in ATTENTION:
+        return "attention"
+    if target in SOFTMAX:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+        return "softmax" if dim in (-1, len(_shape(node.meta["val"])) - 1) else "other"
+    if target in LOSS:
+        return "loss"
+    if target in MATMUL and not params:
+        return "matmul"
+    if target in DROPOUT or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
+        return "pointwise"
+    return "other"
+
+
+def _flops(kind: str, node: fx.Node, in_shapes: list[tuple[int, ...]], param_shapes: list[tuple[int, ...]]) -> int:
+    out = _shape(node.meta["val"]) if isinstance(node.meta.get("val"), torch.Tensor) else ()
+    if kind == "linear":  # 2·M·K·N (+ M·N for the bias)
+        return 2 * math.prod(out) * param_shapes[0][1] + (math.prod(out) if len(param_shapes) > 1 else 0)
+    if kind == "matmul" or (node.target in MATMUL):
+        return 2 * math.prod(out) * in_shapes[0][-1]
+    if kind == "attention":  # Q·Kᵀ and P·V: 4·B·H·S_q·S_k·D
+        q, k = in_shapes[0], in_shapes[1]
+        return 4 * math.prod(q[:-1]) * k[-2] * q[-1]
+    per_element = math.prod(in_shapes[0]) if kind == "loss" and in_shapes else math.prod(out)
+    return per_element * ELEMENTWISE_FLOPS[kind]
+
+
+def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGraph:
+    """Capture ``model`` and turn its ATen graph into ops, edges and parameter owners, repeats collapsed."""
+    program = capture(model, example_inputs)
+    names = {id(p): n for n, p in model.named_parameters()}  # tied weights: one (the first) name
+    signature = program.graph_signature
+    placeholder_param = {ph: names[id(model.get_parameter(fqn))] for ph, fqn in signature.inputs_to_parameters.items()}
+    user_inputs = set(signature.user_inputs)
+    flat_inputs = [x for x in torch.utils._pytree.tree_leaves(tuple(example_inputs)) if isinstance(x, torch.Tensor)]
+    batch_size = int(flat_inputs[0].shape[0]) if flat_inputs and flat_inputs[0].dim() else 1
+    user_grad = any(x.requires_grad for x in flat_inputs)
+    parameters = dict(model.named_parameters())
+
+    source: dict[fx.Node, object] = {}  # node -> op index, ("param", name), "input" or None
+    ops: list[Op] = []
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in placeholder_param:
+                source[node] = ("param", placeholder_param[node.name])
+            else:
+                source[node] = "input" if node.name in user_inputs else None
+            continue
+        if node.op == "call_function" and _is_view(node):
+            source[node] = source.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            continue
+        if node.op not in ("call_function", "output"):
+            continue
+        leaves = node.args[0] if node.op == "output" else (node.args, dict(node.kwargs))
+        inputs, in_shapes, params, batched, in_grad = [], [], [], False, False
+        for arg in torch.utils._pytree.tree_leaves(leaves):
+            src = source.get(arg) if isinstance(arg, fx.Node) else None
+            if isinstance(src, tuple):
+                params.append(src[1])
+            elif isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor):
+                inputs.append(src if isinstance(src, int) else -1)
+                in_shapes.append(_shape(arg.meta["val"]))
+                if isinstance(src, int):
+                    batched, in_grad = batched or ops[src].batched, in_grad or ops[src].needs_grad
+                elif src == "input":
+                    batched, in_grad = True, in_grad or user_grad
+        kind = "output" if node.op == "output" else _kind(node, params)
+        p_shapes = [tuple(parameters[p].shape) for p in params]
+        ops.append(
+            Op(
+                name=node.name,
+                kind=kind,
+                module=_module_path(node),
+                inputs=tuple(inputs),
+                input_shapes=tuple(in_shapes),
+                output_shape=() if kind == "output" else _shape(node.meta.get("val")),
+                flops=0 if kind == "output" else _flops(kind, node, in_shapes, p_shapes),
+                params=tuple(params),
+                param_shapes=tuple(p_shapes),
+                param_grad=any(parameters[p].requires_grad for p in params),
+                input_grad=in_grad,
+                batched=batched,
+            )
+        )
+        source[node] = len(ops) - 1
+    return collapse_repeats(ops, list(parameters.items()), batch_size)
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.target is operator.getitem or getattr(node.target, "is_view", False) or node.target in NOT_VIEWS
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""

@@ -1,0 +1,66 @@
+"""The planner's op graph: compute ops, the tensors between them, and which op decides each parameter."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One compute op (a representative when it stands for ``count`` identical ones in repeated blocks)."""
+
+    name: str
+    kind: str  # linear, embedding, norm, attention, softmax, loss, matmul, pointwise, other, output
+    module: str
+    inputs: tuple[int, ...]  # producing op per activation input; -1: a graph input, buffer or constant
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_shape: tuple[int, ...]
+    flops: int  # forward, unsharded
+    params: tuple[str, ...]  # parameters read, in argument order (names of this instance)
+    param_shapes: tuple[tuple[int, ...], ...]
+    param_grad: bool  # some parameter it reads is trained
+    input_grad: bool  # some activation input needs a gradient
+    batched: bool  # the output carries the batch dimension (split by data parallel)
+    count: int = 1
+
+    @property
+    def output_numel(self) -> int:
+        return math.prod(self.output_shape)
+
+    @property
+    def needs_grad(self) -> bool:
+        return self.param_grad or self.input_grad
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    """A tensor flowing from op ``src`` into input ``position`` of op ``dst``, ``count`` times."""
+
+    src: int
+    dst: int
+    position: int
+    numel: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """A parameter, the representative op that decides its placement, and the bucket it is reduced in."""
+
+    name: str
+    shape: tuple[int, ...]
+    requires_grad: bool
+    op: int | None  # representative op index; None: no op reads it
+    slot: int | None  # its position in that op's ``params``
+    bucket: str | None  # name of the (unrepresented) op instance owning it: one collective per bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class OpGraph:
+    ops: tuple[Op, ...]
+    edges: tuple[Edge, ...]
+    params: tuple[ParamInfo, ...]  # every parameter, in model.named_parameters() order
+    shared: tuple[tuple[int, int, int, int], ...]  # (op, slot, other op, other slot) reading one parameter
+    batch_size: int
+    traced_ops: int  # compute ops before repeated blocks were collapsed

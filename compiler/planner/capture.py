@@ -118,7 +118,7 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
         if node.op not in ("call_function", "output"):
             continue
         leaves = node.args[0] if node.op == "output" else (node.args, dict(node.kwargs))
-        inputs, in_shapes, params, batched, in_grad = [], [], [], False, False
+        inputs, in_shapes, in_batched, params, in_grad = [], [], [], [], False
         for arg in torch.utils._pytree.tree_leaves(leaves):
             src = source.get(arg) if isinstance(arg, fx.Node) else None
             if isinstance(src, tuple):
@@ -126,10 +126,8 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
             elif isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor):
                 inputs.append(src if isinstance(src, int) else -1)
                 in_shapes.append(_shape(arg.meta["val"]))
-                if isinstance(src, int):
-                    batched, in_grad = batched or ops[src].batched, in_grad or ops[src].needs_grad
-                elif src == "input":
-                    batched, in_grad = True, in_grad or user_grad
+                in_batched.append(ops[src].batched if isinstance(src, int) else src == "input")
+                in_grad = in_grad or (ops[src].needs_grad if isinstance(src, int) else src == "input" and user_grad)
         kind = "output" if node.op == "output" else _kind(node, params)
         p_shapes = [tuple(parameters[p].shape) for p in params]
         ops.append(
@@ -139,13 +137,14 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
                 module=_module_path(node),
                 inputs=tuple(inputs),
                 input_shapes=tuple(in_shapes),
+                input_batched=tuple(in_batched),
                 output_shape=() if kind == "output" else _shape(node.meta.get("val")),
                 flops=0 if kind == "output" else _flops(kind, node, in_shapes, p_shapes),
                 params=tuple(params),
                 param_shapes=tuple(p_shapes),
                 param_grad=any(parameters[p].requires_grad for p in params),
                 input_grad=in_grad,
-                batched=batched,
+                batched=any(in_batched),
             )
         )
         source[node] = len(ops) - 1

@@ -15,6 +15,7 @@ class Op:
     module: str
     inputs: tuple[int, ...]  # producing op per activation input; -1: a graph input, buffer or constant
     input_shapes: tuple[tuple[int, ...], ...]
+    input_batched: tuple[bool, ...]  # the input carries the batch dimension
     output_shape: tuple[int, ...]
     flops: int  # forward, unsharded
     params: tuple[str, ...]  # parameters read, in argument order (names of this instance)
@@ -46,14 +47,14 @@ class Edge:
 
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
-    """A parameter, the representative op that decides its placement, and the bucket it is reduced in."""
+    """A parameter, the representative op that decides its placement, and the bucket it is communicated in."""
 
     name: str
     shape: tuple[int, ...]
     requires_grad: bool
     op: int | None  # representative op index; None: no op reads it
     slot: int | None  # its position in that op's ``params``
-    bucket: str | None  # name of the (unrepresented) op instance owning it: one collective per bucket
+    bucket: str | None  # its numbered block (``blocks.3``) or ``root``: one data-parallel collective per bucket
 
 
 @dataclasses.dataclass(frozen=True)

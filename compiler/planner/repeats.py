@@ -42,7 +42,7 @@ def _signature(ops: list[Op], members: list[int], instance: str) -> tuple:
     return tuple(
         (
             op.kind, _relative(op.module, instance), op.output_shape, op.input_shapes, op.param_shapes,
-            tuple(_relative(p, instance) for p in op.params), op.param_grad, op.input_grad, op.batched,
+            tuple(_relative(p, instance) for p in op.params), op.param_grad, op.input_grad, op.input_batched,
             tuple(local.get(i, -1) for i in op.inputs),
         )
         for op in (ops[m] for m in members)
@@ -97,7 +97,9 @@ def collapse_repeats(ops: list[Op], named_params: list[tuple[str, nn.Parameter]]
         found = readers.get(name, [])
         if found:
             (first, slot), others = found[0], found[1:]
-            params.append(ParamInfo(name, tuple(param.shape), param.requires_grad, new[rep[first]], slot, ops[first].name))
+            block = _instance(ops[first].module)
+            bucket = f"{block[0]}.{block[1]}" if block else "root"
+            params.append(ParamInfo(name, tuple(param.shape), param.requires_grad, new[rep[first]], slot, bucket))
             shared.update(
                 (new[rep[first]], slot, new[rep[j]], s) for j, s in others if new[rep[j]] != new[rep[first]]
             )

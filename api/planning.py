@@ -1,0 +1,99 @@
+"""``dpar.plan``: capture the model on fake tensors, price every layout and candidate, solve the ILP.
+
+See ``docs/planner.md`` and the Notes in ``compiler/planner/`` (the cost model, the ILP,
+repeated blocks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dpar.compiler.planner.capture import build_op_graph
+from dpar.compiler.planner.evaluate import evaluate
+from dpar.compiler.planner.hardware import Hardware, h100
+from dpar.compiler.planner.layout import ROLES, Layout, layouts
+from dpar.compiler.planner.opgraph import OpGraph
+from dpar.compiler.planner.plan import CostBreakdown, ParameterPlan, Plan
+from dpar.compiler.planner.rules import candidates
+from dpar.compiler.planner.solver import solve
+from dpar.runtime.errors import OptionsError
+
+__all__ = ["CostBreakdown", "Hardware", "ParameterPlan", "Plan", "plan"]
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Sequence[object] | torch.Tensor,
+    *,
+    mesh_shape: int | Sequence[int],
+    memory_budget_gb: float | None = None,
+    mesh_dim_names: Sequence[str] | None = None,
+    hardware: Hardware | None = None,
+) -> Plan:
+    """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank.
+
+    ``example_inputs`` is one training batch (the global batch: data parallel splits it);
+    real, fake or meta tensors all work, and the model may live on the meta device.
+    ``mesh_dim_names`` fixes each dimension's role (``"dp"`` or ``"tp"``) instead of letting
+    the solver choose. ``hardware`` defaults to H100 nodes of 8 (see ``hardware.h100``).
+    """
+    shape = _mesh_shape(mesh_shape)
+    names = _mesh_dim_names(mesh_dim_names, shape)
+    hardware = hardware or h100(shape)
+    hardware.check_mesh(shape)
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    graph = build_op_graph(model, inputs)
+    found = _usable_layouts(graph, shape, names)
+    budget = None if memory_budget_gb is None else memory_budget_gb * 1e9
+    return evaluate(graph, solve(graph, found, hardware, budget), hardware)
+
+
+def _mesh_shape(mesh_shape: int | Sequence[int]) -> tuple[int, ...]:
+    shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
+    if not shape or any(not isinstance(n, int) or n < 1 for n in shape):
+        raise OptionsError(f"mesh_shape must be positive ints, such as (8,) or (2, 4); got {mesh_shape!r}")
+    if dist.is_available() and dist.is_initialized() and math.prod(shape) != dist.get_world_size():
+        world = dist.get_world_size()
+        raise OptionsError(
+            f"mesh_shape {shape} covers {math.prod(shape)} ranks but the world has {world}; "
+            f"use a mesh_shape whose product is {world}, such as ({world},)"
+        )
+    return shape
+
+
+def _mesh_dim_names(names: Sequence[str] | None, shape: tuple[int, ...]) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    names = tuple(names)
+    if len(names) != len(shape) or any(n not in ROLES for n in names):
+        raise OptionsError(f"mesh_dim_names must name each of the {len(shape)} mesh dimension(s) 'dp' or 'tp'; got {names}")
+    if names.count("tp") > 1:
+        raise OptionsError(f"mesh_dim_names {names}: at most one dimension can be 'tp' (the runtime applies one tp axis)")
+    return names
+
+
+def _usable_layouts(graph: OpGraph, shape: tuple[int, ...], names: tuple[str, ...] | None) -> list[Layout]:
+    """Layouts whose dp degree divides the batch; a forced tp degree must shard something."""
+    found = [layout for layout in layouts(shape, names) if graph.batch_size % layout.dp_degree == 0]
+    if not found:
+        dp = layouts(shape, names)[0].dp_degree if names else min(layout.dp_degree for layout in layouts(shape, None))
+        raise OptionsError(
+            f"the batch of {graph.batch_size} does not split over a data-parallel degree of {dp} (mesh_shape {shape}"
+            f"{', mesh_dim_names ' + str(names) if names else ''}); use a batch that is a multiple of {dp}, or make "
+            "a dimension 'tp' (mesh_dim_names)"
+        )
+    if names is not None and "tp" in names:
+        tp = found[0].tp_degree
+        if tp > 1 and not any(len(candidates(op, tp)) > 1 for op in graph.ops):
+            linear = [op for op in graph.ops if op.kind in ("linear", "embedding")]
+            example = f" ({linear[0].module}: weight {linear[0].param_shapes[0]})" if linear else ""
+            raise OptionsError(
+                f"mesh_dim_names {names} asks for tensor parallel over {tp} ranks, but {tp} divides no shardable "
+                f"dimension of the model{example}; use a tp degree that divides the hidden sizes, or make that dimension 'dp'"
+            )
+    return found

@@ -1,0 +1,203 @@
+"""The planner's cost model: sympy closed forms, evaluated for every op, candidate and layout.
+
+[Note: the planner's cost model]
+Compute is a roofline on each rank's share: ``max(F / peak_flops, M / mem_bandwidth)`` with
+F the op's FLOPs and M the bytes it reads and writes, both divided by how the op is split
+(the batch over the data-parallel degree D, the sharded tensors over the tp degree T; a
+replicated weight is read whole by every rank). Backward costs one more forward per
+gradient it produces (dX and dW of a Linear; twice the forward for ops without weights).
+
+Communication is the α-β ring model of ``dpar.compiler.inspect.costs`` per mesh dimension,
+each with its own α and β. Data-parallel collectives run per bucket, one bucket per
+numbered block (``blocks.3``) and one for the rest, as dpar's sharded runtime buckets them:
+their α terms depend on the layout only, their β terms on each parameter's tp placement. A collective over several data-parallel dimensions runs
+hierarchically, innermost (last, fastest) dimension first on the whole payload, the next
+on what is left: all-reduce over (a, b) = all-reduce_b(B) + all-reduce_a(B / n_b).
+
+Precision follows ZeRO's mixed-precision accounting: parameters, gradients, activations
+and every collective payload in 2-byte bf16, optimizer state 12 bytes per parameter (fp32
+master copy and AdamW's two moments), so a replicated trained parameter costs 16Ψ, zero2
+2Ψ + 14Ψ/D and fsdp 16Ψ/D. Activations saved for backward: every op's output that a
+gradient flows through (the gathered parameters fsdp holds for one layer are not counted).
+
+Overlap: data-parallel collectives of the forward (zero2/fsdp gathers) hide behind forward
+compute and those of the backward (gradient reduction, fsdp's second gather) behind
+backward compute: exposed = max(0, comm - compute) per phase. Tensor-parallel collectives
+sit on the critical path and are never hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+
+import sympy
+
+from dpar.compiler.inspect.costs import ALPHA, BETA, B, N, comm_time_expr, moved_bytes_expr
+from dpar.compiler.planner.hardware import Hardware
+from dpar.compiler.planner.layout import Layout
+from dpar.compiler.planner.opgraph import Edge, Op, OpGraph, ParamInfo
+from dpar.compiler.planner.rules import BACKWARD_CONVERT, FORWARD_CONVERT, Candidate
+
+BYTES = 2  # bf16 parameters, gradients, activations and collective payloads
+STATS_BYTES = 4  # fp32 per-row statistics of a vocab-parallel softmax / loss
+OPTIMIZER_BYTES = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq
+
+F, M, PEAK, BW = sympy.symbols("F M peak_flops mem_bandwidth", positive=True)
+PSI, D, G = sympy.symbols("Psi D g", nonnegative=True)  # elements per rank after tp, dp degree, trained (0/1)
+
+ROOFLINE = sympy.Max(F / PEAK, M / BW)
+STATE_BYTES = {  # parameter + gradient + optimizer state of Ψ elements
+    "replicate": BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI,
+    "zero2": BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI / D,
+    "fsdp": (BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI) / D,
+}
+# (collective, phase, only for trained parameters) per data-parallel mode.
+DP_COLLECTIVES = {
+    "replicate": (("all_reduce", "backward", True),),
+    "zero2": (("all_gather", "forward", False), ("reduce_scatter", "backward", True)),
+    "fsdp": (("all_gather", "forward", False), ("all_gather", "backward", False), ("reduce_scatter", "backward", True)),
+}
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+_roofline = sympy.lambdify((F, M, PEAK, BW), ROOFLINE, "math")
+_comm_time = {k: sympy.lambdify((N, B, ALPHA, BETA), comm_time_expr(k), "math") for k in KINDS}
+_moved = {k: sympy.lambdify((N, B), moved_bytes_expr(k), "math") for k in KINDS}
+_state_bytes = {k: sympy.lambdify((PSI, D, G), e, "math") for k, e in STATE_BYTES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """One op's share of a step on one rank, times its repeat count."""
+
+    compute_fwd: float
+    compute_bwd: float
+    tp_comm: float  # critical path
+    dp_fwd: float  # bandwidth term of the data-parallel collectives that may hide behind forward compute
+    dp_bwd: float  # ... behind backward compute (the α terms are per bucket: CostModel.dp_latency)
+    memory: float  # parameter state + saved activations, bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a plan, for the report and the tests that count them."""
+
+    kind: str
+    mesh_dim: int
+    phase: str  # forward | backward
+    bytes: int  # payload of one
+    count: int
+    where: str
+
+
+def local_numel(shape: tuple[int, ...], placement: str, tp: int) -> float:
+    """Elements per rank of a parameter placed ``R``/``S(d)`` on a tp axis of ``tp`` ranks."""
+    return math.prod(shape) / (tp if placement.startswith("S") else 1)
+
+
+class CostModel:
+    """Prices ops, edges and parameters of one graph under one layout on one machine."""
+
+    def __init__(self, graph: OpGraph, layout: Layout, hardware: Hardware) -> None:
+        self.graph, self.layout, self.hw = graph, layout, hardware
+        self.dp, self.tp = layout.dp_degree, layout.tp_degree
+        self.owned: dict[int, list[ParamInfo]] = defaultdict(list)
+        for info in graph.params:
+            if info.op is not None:
+                self.owned[info.op].append(info)
+        trained = {p.bucket for p in graph.params if p.op is not None and p.requires_grad}
+        self.buckets = {True: len(trained), False: len(trained | {p.bucket for p in graph.params if p.op is not None})}
+
+    def collective(self, kind: str, nbytes: float, axes: tuple[int, ...], alpha: bool = True) -> float:
+        """Hierarchical ring over ``axes``, innermost first (see the Note); ``alpha=False``: bandwidth term only."""
+        seconds, payload = 0.0, nbytes
+        for axis in sorted(axes, reverse=True):
+            n = self.layout.mesh_shape[axis]
+            seconds += _comm_time[kind](n, payload, self.hw.alpha[axis] if alpha else 0.0, self.hw.beta[axis])
+            payload /= n
+        return seconds
+
+    def moved(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> float:
+        total, payload = 0.0, nbytes
+        for axis in sorted(axes, reverse=True):
+            total += _moved[kind](self.layout.mesh_shape[axis], payload)
+            payload /= self.layout.mesh_shape[axis]
+        return total
+
+    def dp_collectives(self) -> list[tuple[str, str, bool, int]]:
+        """(kind, phase, trained only, buckets) of this layout's data-parallel collectives per step."""
+        if self.dp == 1:
+            return []
+        return [(k, phase, t, self.buckets[t]) for k, phase, t in DP_COLLECTIVES[self.layout.data_parallel]]
+
+    def dp_latency(self) -> dict[str, float]:
+        """The α part of the data-parallel collectives: one per bucket and kind, whatever the candidates."""
+        seconds = {"forward": 0.0, "backward": 0.0}
+        for kind, phase, _, buckets in self.dp_collectives():
+            seconds[phase] += buckets * self.collective(kind, 0.0, self.layout.dp_axes)
+        return seconds
+
+    def tp_collective(self, kind: str, nbytes: float) -> float:
+        return 0.0 if self.layout.tp_axis is None else self.collective(kind, nbytes, (self.layout.tp_axis,))
+
+    def activation_bytes(self, numel: float, batched: bool, placement: str) -> float:
+        """Bytes per rank of an activation: batch split over dp, ``S`` split over tp (``P`` is whole)."""
+        return numel * BYTES / (self.dp if batched else 1) / (self.tp if placement == "S" else 1)
+
+    def stats_bytes(self, op: Op) -> float:
+        """One fp32 value per row of the (vocab-)sharded input, on this rank."""
+        rows = math.prod(op.input_shapes[0][:-1])
+        return rows * STATS_BYTES / (self.dp if op.batched else 1)
+
+    def op_cost(self, index: int, cand: Candidate) -> OpCost:
+        op = self.graph.ops[index]
+        if op.kind == "output":
+            return OpCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        moved = sum(
+            self.activation_bytes(math.prod(s), b, p) for s, b, p in zip(op.input_shapes, op.input_batched, cand.inputs)
+        )
+        moved += sum(local_numel(s, p, self.tp) * BYTES for s, p in zip(op.param_shapes, cand.params))
+        moved += self.activation_bytes(op.output_numel, op.batched, cand.output)
+        flops = op.flops / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
+        fwd = _roofline(flops, moved, self.hw.peak_flops, self.hw.mem_bandwidth)
+        grads = int(op.input_grad) + int(op.param_grad) if op.params else 2 * int(op.input_grad)
+        stats = cand.stats * self.tp_collective("all_reduce", self.stats_bytes(op)) if cand.stats else 0.0
+        saved = self.activation_bytes(op.output_numel, op.batched, cand.output) if op.needs_grad else 0.0
+        numel = {True: 0.0, False: 0.0}  # owned parameter elements per rank, trained or frozen
+        for info in self.owned.get(index, []):
+            numel[info.requires_grad] += local_numel(info.shape, cand.params[info.slot], self.tp)
+        dp = {"forward": 0.0, "backward": 0.0}
+        for kind, phase, trained_only, _ in self.dp_collectives():
+            payload = (numel[True] + (0.0 if trained_only else numel[False])) * BYTES
+            dp[phase] += self.collective(kind, payload, self.layout.dp_axes, alpha=False)
+        state = self.param_state_bytes(numel[True], True) + self.param_state_bytes(numel[False], False)
+        n = op.count
+        return OpCost(n * fwd, n * fwd * grads, n * stats, dp["forward"], dp["backward"], n * saved + state)
+
+    def param_state_bytes(self, numel: float, trained: bool) -> float:
+        return _state_bytes[self.layout.data_parallel](numel, self.dp, int(trained))
+
+    def param_moved_bytes(self, info: ParamInfo, placement: str) -> float:
+        """Bytes one rank sends per step for this parameter's data-parallel collectives."""
+        payload = local_numel(info.shape, placement, self.tp) * BYTES
+        return sum(
+            self.moved(kind, payload, self.layout.dp_axes)
+            for kind, _, trained_only, _ in self.dp_collectives()
+            if info.requires_grad or not trained_only
+        )
+
+    def edge_forward(self, edge: Edge, src: Candidate, dst: Candidate) -> tuple[str | None, float]:
+        kind = FORWARD_CONVERT.get((src.output, dst.inputs[edge.position]))
+        if kind is None:
+            return None, 0.0
+        nbytes = self.activation_bytes(edge.numel, self.graph.ops[edge.src].batched, "R")
+        return kind, edge.count * self.tp_collective(kind, nbytes)
+
+    def backward_convert(self, src: int, arriving: str, wanted: str) -> tuple[str | None, float]:
+        """Gradients of op ``src``'s output summed in placement ``arriving``, converted to ``wanted``."""
+        kind = BACKWARD_CONVERT.get((arriving, wanted))
+        op = self.graph.ops[src]
+        if kind is None or not op.needs_grad:
+            return None, 0.0
+        return kind, op.count * self.tp_collective(kind, self.activation_bytes(op.output_numel, op.batched, "R"))

@@ -1,0 +1,144 @@
+"""Price one assignment (a layout and a candidate per op) and write it out as a Plan.
+
+The ILP's solution and every hand-written strategy go through here, so the planner's
+optimum and the strategies it is compared with are priced by the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from dpar.compiler.planner.costs import BYTES, CostModel, OpCost, local_numel
+from dpar.compiler.planner.hardware import Hardware
+from dpar.compiler.planner.layout import Layout
+from dpar.compiler.planner.opgraph import OpGraph
+from dpar.compiler.planner.plan import CollectivePlan, CostBreakdown, OpPlan, ParameterPlan, Plan
+from dpar.compiler.planner.rules import Candidate, candidates
+from dpar.runtime.errors import OptionsError
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    layout: Layout
+    choices: tuple[int, ...]  # index into candidates(op, tp degree) per op of the graph
+
+
+def chosen(graph: OpGraph, assignment: Assignment) -> list[Candidate]:
+    tp = assignment.layout.tp_degree
+    picked = [candidates(op, tp)[c] for op, c in zip(graph.ops, assignment.choices)]
+    for a, sa, b, sb in graph.shared:
+        if picked[a].params[sa] != picked[b].params[sb]:
+            raise OptionsError(
+                f"{graph.ops[a].params[sa]} is read by {graph.ops[a].name} ({picked[a].name}) and {graph.ops[b].name} "
+                f"({picked[b].name}), which place it {picked[a].params[sa]} and {picked[b].params[sb]}; a tied "
+                "parameter needs one placement"
+            )
+    return picked
+
+
+def backward_arrivals(graph: OpGraph, picked: list[Candidate]) -> dict[int, set[str]]:
+    """Per producer, the placements its output's gradients arrive in (summed per placement first)."""
+    arriving: dict[int, set[str]] = defaultdict(set)
+    for e in graph.edges:
+        arriving[e.src].add(picked[e.dst].input_grads[e.position])
+    return arriving
+
+
+def evaluate(graph: OpGraph, assignment: Assignment, hardware: Hardware) -> Plan:
+    layout = assignment.layout
+    model = CostModel(graph, layout, hardware)
+    picked = chosen(graph, assignment)
+    costs = [model.op_cost(i, c) for i, c in enumerate(picked)]
+    total = OpCost(*(sum(getattr(c, f.name) for c in costs) for f in dataclasses.fields(OpCost)))
+    collectives: list[CollectivePlan] = []
+    tp_comm = total.tp_comm
+    for e in graph.edges:
+        kind, seconds = model.edge_forward(e, picked[e.src], picked[e.dst])
+        if kind:
+            tp_comm += seconds
+            nbytes = model.activation_bytes(e.numel, graph.ops[e.src].batched, "R")
+            collectives.append(_tp(kind, "forward", nbytes, e.count, f"{graph.ops[e.src].name} -> {graph.ops[e.dst].name}"))
+    for src, placements in backward_arrivals(graph, picked).items():
+        for arriving in sorted(placements):
+            kind, seconds = model.backward_convert(src, arriving, picked[src].output_grad)
+            if kind:
+                tp_comm += seconds
+                op = graph.ops[src]
+                nbytes = model.activation_bytes(op.output_numel, op.batched, "R")
+                collectives.append(_tp(kind, "backward", nbytes, op.count, f"gradient of {op.name}"))
+    for op, cand in zip(graph.ops, picked):
+        if cand.stats and layout.tp_degree > 1:
+            collectives.append(_tp("all_reduce", "forward", model.stats_bytes(op), cand.stats * op.count, op.name))
+    collectives += _dp_collectives(graph, model, picked)
+    latency = model.dp_latency()
+    dp_fwd, dp_bwd = total.dp_fwd + latency["forward"], total.dp_bwd + latency["backward"]
+    exposed = tp_comm + max(0.0, dp_fwd - total.compute_fwd) + max(0.0, dp_bwd - total.compute_bwd)
+    compute = total.compute_fwd + total.compute_bwd
+    activations = sum(
+        op.count * model.activation_bytes(op.output_numel, op.batched, c.output)
+        for op, c in zip(graph.ops, picked)
+        if op.needs_grad and op.kind != "output"
+    )
+    cost = CostBreakdown(
+        compute_s=compute,
+        comm_s=tp_comm + dp_fwd + dp_bwd,
+        exposed_comm_s=exposed,
+        step_s=compute + exposed,
+        memory_bytes_per_rank=round(total.memory),
+        tp_comm_s=tp_comm,
+        dp_comm_s=dp_fwd + dp_bwd,
+        activation_bytes_per_rank=round(activations),
+    )
+    names = tuple(layout.roles)
+    return Plan(
+        mesh_shape=layout.mesh_shape,
+        mesh_dim_names=names,
+        data_parallel=layout.data_parallel,
+        strategy=layout.strategy,
+        parameters=_parameters(graph, model, picked),
+        cost=cost,
+        collectives=tuple(collectives),
+        ops=tuple(OpPlan(op.name, op.module, op.kind, c.name, op.count) for op, c in zip(graph.ops, picked)),
+    )
+
+
+def _tp(kind: str, phase: str, nbytes: float, count: int, where: str) -> CollectivePlan:
+    return CollectivePlan(kind, "tp", phase, round(nbytes * count), count, where)
+
+
+def _dp_collectives(graph: OpGraph, model: CostModel, picked: list[Candidate]) -> list[CollectivePlan]:
+    """One entry per kind and phase: ``count`` buckets moving ``bytes`` between them."""
+    found = []
+    for kind, phase, trained_only, buckets in model.dp_collectives():
+        numel = sum(
+            local_numel(p.shape, picked[p.op].params[p.slot], model.tp)
+            for p in graph.params
+            if p.op is not None and (p.requires_grad or not trained_only)
+        )
+        found.append(CollectivePlan(kind, "dp", phase, round(numel * BYTES), buckets, "one per bucket (numbered block, root)"))
+    return found
+
+
+def _parameters(graph: OpGraph, model: CostModel, picked: list[Candidate]) -> tuple[ParameterPlan, ...]:
+    layout = model.layout
+    dp_placement = "R" if layout.data_parallel == "replicate" else "S(0)"
+    found = []
+    for info in graph.params:
+        tp_placement = "R" if info.op is None else picked[info.op].params[info.slot]
+        placements = tuple(
+            (tp_placement if role == "tp" else dp_placement) if n > 1 else "R"
+            for role, n in zip(layout.roles, layout.mesh_shape)
+        )
+        numel = local_numel(info.shape, tp_placement, model.tp)
+        found.append(
+            ParameterPlan(
+                name=info.name,
+                shape=info.shape,
+                placements=placements,
+                comm_bytes=round(model.param_moved_bytes(info, tp_placement)),
+                memory_bytes=round(model.param_state_bytes(numel, info.requires_grad)),
+            )
+        )
+    return tuple(found)
+

@@ -1,0 +1,158 @@
+"""A plan: what the runtime applies (placements per parameter and mesh dimension) and what it costs.
+
+Frozen dataclasses with a JSON round trip; ``str(plan)`` is the table ``dpar plan`` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterPlan:
+    name: str  # qualified name as in model.named_parameters()
+    shape: tuple[int, ...]
+    placements: tuple[str, ...]  # one per mesh dim: "R", "S(0)", "S(1)"
+    comm_bytes: int  # per rank per step: this parameter's data-parallel collectives
+    memory_bytes: int  # per rank: parameter + gradient + optimizer state
+
+
+@dataclasses.dataclass(frozen=True)
+class CostBreakdown:
+    """Modelled seconds per training step (forward + backward) and bytes, on one rank."""
+
+    compute_s: float  # roofline of every op's share, forward and backward
+    comm_s: float  # every collective, hidden or not: tp_comm_s + dp_comm_s
+    exposed_comm_s: float  # tp_comm_s + the dp communication compute does not hide
+    step_s: float  # compute_s + exposed_comm_s
+    memory_bytes_per_rank: int  # parameter state + saved activations
+    tp_comm_s: float = 0.0  # tensor-parallel collectives (critical path)
+    dp_comm_s: float = 0.0  # data-parallel collectives (overlap with compute)
+    activation_bytes_per_rank: int = 0  # the saved-activation part of memory_bytes_per_rank
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectivePlan:
+    """``count`` collectives of one kind per step moving ``bytes`` of payload between them (B of the ring formulas)."""
+
+    kind: str  # all_reduce | all_gather | reduce_scatter
+    mesh_dim: str  # "dp" or "tp" (a dp collective over several dp dims runs over all of them)
+    phase: str  # forward | backward
+    bytes: int  # summed over the ``count`` collectives
+    count: int
+    where: str  # the op (or edge "producer -> consumer") it belongs to
+
+
+@dataclasses.dataclass(frozen=True)
+class OpPlan:
+    """What one (representative) op does on the tp axis; ``count`` ops in repeated blocks share it."""
+
+    name: str
+    module: str
+    kind: str
+    choice: str  # replicate | column | row | vocab | shard
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]  # each "dp" or "tp"
+    data_parallel: str  # replicate | zero2 | fsdp: what the dp axes do to parameters
+    strategy: str  # ddp, zero2, fsdp, tp, ddp+tp, zero2+tp, fsdp+tp
+    parameters: tuple[ParameterPlan, ...]
+    cost: CostBreakdown
+    collectives: tuple[CollectivePlan, ...] = ()
+    ops: tuple[OpPlan, ...] = ()
+
+    def tp_dims(self) -> dict[str, int | None]:
+        """Parameter name -> the dim sharded over the tp axis (None: replicated over it, or no tp axis)."""
+        if "tp" not in self.mesh_dim_names:
+            return {p.name: None for p in self.parameters}
+        axis = self.mesh_dim_names.index("tp")
+        return {p.name: _dim(p.placements[axis]) for p in self.parameters}
+
+    def count(self, kind: str, mesh_dim: str, phase: str | None = None) -> int:
+        """Collectives of ``kind`` on ``mesh_dim`` per step (in ``phase`` if given)."""
+        return sum(c.count for c in self.collectives if c.kind == kind and c.mesh_dim == mesh_dim and phase in (None, c.phase))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        raw = json.loads(text)
+        return cls(
+            mesh_shape=tuple(raw["mesh_shape"]),
+            mesh_dim_names=tuple(raw["mesh_dim_names"]),
+            data_parallel=raw["data_parallel"],
+            strategy=raw["strategy"],
+            parameters=tuple(
+                ParameterPlan(**{**p, "shape": tuple(p["shape"]), "placements": tuple(p["placements"])})
+                for p in raw["parameters"]
+            ),
+            cost=CostBreakdown(**raw["cost"]),
+            collectives=tuple(CollectivePlan(**c) for c in raw["collectives"]),
+            ops=tuple(OpPlan(**o) for o in raw["ops"]),
+        )
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        render(self, Console(file=buffer, width=140, force_terminal=False, color_system=None))
+        return buffer.getvalue()
+
+
+def _dim(placement: str) -> int | None:
+    return int(placement[2:-1]) if placement.startswith("S(") else None
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"
+
+
+def render(plan: Plan, console: Any) -> None:
+    """The plan as rich tables: parameters, then collectives, then the cost breakdown."""
+    from rich.table import Table
+
+    mesh = " x ".join(f"{n} {name}" for n, name in zip(plan.mesh_shape, plan.mesh_dim_names))
+    console.print(f"plan: {plan.strategy} (data_parallel={plan.data_parallel}) on mesh {mesh}")
+    params = Table(title="parameters")
+    for column in ("parameter", "shape", *(f"{n} ({i})" for i, n in enumerate(plan.mesh_dim_names)), "comm/step", "memory/rank"):
+        params.add_column(column, justify="right" if column in ("comm/step", "memory/rank") else "left")
+    for p in plan.parameters:
+        params.add_row(p.name, "x".join(map(str, p.shape)), *p.placements, _bytes(p.comm_bytes), _bytes(p.memory_bytes))
+    console.print(params)
+    if plan.collectives:
+        comm = Table(title="collectives per step")
+        for column in ("kind", "mesh dim", "phase", "count", "bytes", "where"):
+            comm.add_column(column)
+        for c in plan.collectives:
+            comm.add_row(c.kind, c.mesh_dim, c.phase, str(c.count), _bytes(c.bytes), c.where)
+        console.print(comm)
+    cost = Table(title="modelled cost per step, per rank")
+    cost.add_column("term")
+    cost.add_column("value", justify="right")
+    c = plan.cost
+    for term, value in (
+        ("compute", _seconds(c.compute_s)),
+        ("tp comm (critical path)", _seconds(c.tp_comm_s)),
+        ("dp comm (overlappable)", _seconds(c.dp_comm_s)),
+        ("exposed comm", _seconds(c.exposed_comm_s)),
+        ("step", _seconds(c.step_s)),
+        ("memory", _bytes(c.memory_bytes_per_rank)),
+        ("  of which activations", _bytes(c.activation_bytes_per_rank)),
+    ):
+        cost.add_row(term, value)
+    console.print(cost)

@@ -1,0 +1,95 @@
+"""The named strategies written by hand, priced by the planner's own cost model.
+
+``ddp``/``zero2``/``fsdp`` make every mesh dimension data parallel and replicate every op on
+it. ``tp`` is Megatron-LM on a 1-D mesh: a Linear whose input arrives sharded is a row
+Linear, any other a column Linear (so column -> row pairs with the heads split between
+them), the embedding is vocab-parallel and the tied LM head a column Linear over the vocab,
+and every other op takes the candidate that needs the least resharding of its inputs.
+``<dp>+tp`` on a 2-D mesh: data parallel on dimension 0, Megatron on dimension 1.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from dpar.compiler.planner.evaluate import Assignment, evaluate
+from dpar.compiler.planner.hardware import Hardware
+from dpar.compiler.planner.layout import Layout
+from dpar.compiler.planner.opgraph import OpGraph
+from dpar.compiler.planner.plan import Plan
+from dpar.compiler.planner.rules import FORWARD_CONVERT, Candidate, candidates
+from dpar.runtime.errors import OptionsError
+
+DP_MODES = {"ddp": "replicate", "zero2": "zero2", "fsdp": "fsdp"}
+STRATEGIES = ("ddp", "zero2", "fsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp")
+PREFERRED = {"embedding": ("vocab",)}  # a Linear is column or row by what arrives
+
+
+def strategy_layout(name: str, mesh_shape: tuple[int, ...]) -> Layout:
+    dp, _, tp = name.partition("+")
+    if name not in STRATEGIES:
+        raise OptionsError(f"unknown strategy {name!r}; the named strategies are {', '.join(STRATEGIES)}")
+    if name == "tp":
+        if len(mesh_shape) != 1:
+            raise OptionsError(f"strategy 'tp' takes a 1-D mesh, not {mesh_shape}; use 'ddp+tp' or 'fsdp+tp' on 2-D")
+        return Layout(tuple(mesh_shape), ("tp",), "replicate")
+    if tp:
+        if len(mesh_shape) != 2:
+            raise OptionsError(f"strategy {name!r} takes a 2-D mesh (dp, tp), not {mesh_shape}")
+        return Layout(tuple(mesh_shape), ("dp", "tp"), DP_MODES[dp])
+    return Layout(tuple(mesh_shape), ("dp",) * len(mesh_shape), DP_MODES[dp])
+
+
+def megatron(graph: OpGraph, tp: int) -> tuple[int, ...]:
+    """Candidate per op for Megatron tensor parallel (see the module docstring)."""
+    picked: list[Candidate | None] = [None] * len(graph.ops)
+    partners: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    for a, sa, b, sb in graph.shared:
+        partners[a, sa].append((b, sb))
+        partners[b, sb].append((a, sa))
+
+    def consistent(o: int, cand: Candidate) -> bool:  # with the already placed readers of a tied parameter
+        return all(
+            picked[b] is None or picked[b].params[sb] == cand.params[s]
+            for s in range(len(cand.params)) for b, sb in partners[o, s]
+        )
+
+    choices = []
+    for o, op in enumerate(graph.ops):
+        arriving = [picked[u].output if u >= 0 and picked[u] is not None else "R" for u in op.inputs]
+        options = [(c, cand) for c, cand in enumerate(candidates(op, tp)) if consistent(o, cand)]
+        wanted = (("row",) if arriving[0] == "S" else ("column",)) if op.kind == "linear" else PREFERRED.get(op.kind, ())
+        matching = [(c, cand) for c, cand in options if cand.name in wanted]
+        tied = any(partners[o, s] for s in range(len(op.params)))
+        if wanted and not matching and not tied:
+            dims = {"column": "out_features", "row": "in_features", "vocab": "num_embeddings"}
+            raise OptionsError(
+                f"strategy 'tp': tp degree {tp} does not divide the {dims[wanted[0]]} of {op.module or op.name} "
+                f"(weight {op.param_shapes[0]}); use a tp degree that divides it"
+            )
+        c, cand = matching[0] if matching else min(
+            options, key=lambda t: sum(FORWARD_CONVERT.get((a, r)) is not None for a, r in zip(arriving, t[1].inputs))
+        )
+        picked[o] = cand
+        choices.append(c)
+    return tuple(choices)
+
+
+def strategy_assignment(graph: OpGraph, name: str, mesh_shape: tuple[int, ...]) -> Assignment:
+    layout = strategy_layout(name, mesh_shape)
+    if graph.batch_size % layout.dp_degree:
+        raise OptionsError(f"strategy {name!r}: batch {graph.batch_size} is not divisible by the dp degree {layout.dp_degree}")
+    if layout.tp_degree == 1:
+        return Assignment(layout, (0,) * len(graph.ops))
+    return Assignment(layout, megatron(graph, layout.tp_degree))
+
+
+def evaluate_strategies(graph: OpGraph, mesh_shape: tuple[int, ...], hardware: Hardware) -> dict[str, Plan | str]:
+    """Every named strategy that applies to ``mesh_shape``: its plan, or why it does not apply."""
+    found: dict[str, Plan | str] = {}
+    for name in STRATEGIES:
+        try:
+            found[name] = evaluate(graph, strategy_assignment(graph, name, mesh_shape), hardware)
+        except OptionsError as error:
+            found[name] = str(error)
+    return found

@@ -31,6 +31,24 @@ class MLP(nn.Module):
         return F.mse_loss(x, target)
 
 
+class Fork(nn.Module):
+    """One normalised tensor read by two Linear layers: their gradients meet before the norm."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.a, self.b, self.out = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return F.mse_loss(self.out(F.gelu(self.a(h)) + self.b(h)), target)
+
+
+def fork(hidden: int, batch: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    with torch.device("meta"):
+        return Fork(hidden), (torch.empty(batch, hidden), torch.empty(batch, hidden))
+
+
 def mlp(hidden: int, batch: int, layers: int = 4) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     with torch.device("meta"):
         return MLP(hidden, layers), (torch.empty(batch, hidden), torch.empty(batch, hidden))

@@ -90,12 +90,12 @@ def evaluate(graph: OpGraph, assignment: Assignment, hardware: Hardware) -> Plan
         dp_comm_s=dp_fwd + dp_bwd,
         activation_bytes_per_rank=round(activations),
     )
-    names = tuple(layout.roles)
+    sharded = any(c.name != "replicate" for c in picked)
     return Plan(
         mesh_shape=layout.mesh_shape,
-        mesh_dim_names=names,
+        mesh_dim_names=tuple(layout.roles),
         data_parallel=layout.data_parallel,
-        strategy=layout.strategy,
+        strategy=layout.strategy if sharded or layout.tp_degree == 1 else layout.strategy.replace("tp", "replicate"),
         parameters=_parameters(graph, model, picked),
         cost=cost,
         collectives=tuple(collectives),

@@ -62,7 +62,7 @@ class Plan:
     mesh_shape: tuple[int, ...]
     mesh_dim_names: tuple[str, ...]  # each "dp" or "tp"
     data_parallel: str  # replicate | zero2 | fsdp: what the dp axes do to parameters
-    strategy: str  # ddp, zero2, fsdp, tp, ddp+tp, zero2+tp, fsdp+tp
+    strategy: str  # ddp, zero2, fsdp, tp, ddp+tp, zero2+tp, fsdp+tp; "replicate" for a tp axis sharding nothing
     parameters: tuple[ParameterPlan, ...]
     cost: CostBreakdown
     collectives: tuple[CollectivePlan, ...] = ()

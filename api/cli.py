@@ -1,4 +1,4 @@
-"""The ``dpar`` command: ``dpar inspect TARGET --world-size N --strategy S``."""
+"""The ``dpar`` command: ``dpar inspect TARGET --world-size N --strategy S`` and ``dpar plan TARGET --mesh-shape 2,4``."""
 
 from __future__ import annotations
 
@@ -69,6 +69,38 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from dpar.compiler.planner.plan import render
+    from dpar.planning import plan
+    from dpar.runtime.errors import OptionsError
+
+    model, example_inputs = load_target(args.target)()
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    try:
+        result = plan(
+            model, example_inputs, mesh_shape=args.mesh_shape, memory_budget_gb=args.memory_budget_gb,
+            mesh_dim_names=args.mesh_dim_names,
+        )
+    except OptionsError as error:
+        console.print(f"dpar plan: {error}")
+        return 2
+    render(result, console)
+    if args.json:
+        Path(args.json).write_text(result.to_json())
+        console.print(f"json: {args.json}")
+    return 0
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    """``8`` or ``2,4``."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes like 8 or 2,4, not {text!r}") from None
+
+
 def parser() -> argparse.ArgumentParser:
     from dpar.compiler.inspect.costs import PRESETS
     from dpar.compiler.inspect.memory import OPTIMIZER_STATES
@@ -90,6 +122,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE", help="write the simulated timeline as Perfetto JSON")
     p.add_argument("--png", metavar="FILE", help="write the simulated timeline as a PNG plot")
     p.set_defaults(run=_inspect)
+    p = sub.add_parser("plan", help="choose data / tensor parallel placements per parameter (the planner's ILP)")
+    p.add_argument("target", help="FILE.py[:fn] or package.module:fn; fn() returns (model, example_inputs)")
+    p.add_argument("--mesh-shape", type=_ints, required=True, help="ranks per mesh dimension: 8, or 2,4")
+    p.add_argument("--memory-budget-gb", type=float, default=None, help="per rank; default: no limit")
+    p.add_argument("--mesh-dim-names", type=lambda t: tuple(t.split(",")), default=None,
+                   help="fix each dimension's role instead of letting the solver choose: dp,tp")
+    p.add_argument("--json", metavar="FILE", help="also write the plan as JSON (Plan.from_json reads it)")
+    p.set_defaults(run=_plan)
     return top
 
 

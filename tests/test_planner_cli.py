@@ -1,0 +1,25 @@
+"""``dpar plan TARGET --mesh-shape ...`` prints the plan and writes it as JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dpar.cli import main
+from dpar.planning import Plan
+
+GPT = str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py")
+
+
+def test_plan_command_prints_every_parameter_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", GPT, "--mesh-shape", "2,4", "--memory-budget-gb", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = Plan.from_json(out.read_text())
+    assert plan.mesh_shape == (2, 4)
+    assert all(p.name in printed for p in plan.parameters)
+    assert "modelled cost per step" in printed and f"json: {out}" in printed
+
+
+def test_plan_command_reports_a_budget_nothing_fits_and_fails(capsys):
+    assert main(["plan", GPT, "--mesh-shape", "8", "--memory-budget-gb", "1e-6"]) == 2
+    assert "no plan fits memory_budget_gb=1e-06" in capsys.readouterr().out

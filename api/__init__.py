@@ -7,6 +7,7 @@ from dpar.compiler.backend import dpar_backend, register
 from dpar.compiler.inspect.explain import explain
 from dpar.compiler.inspect.logs import configure as _configure_logs
 from dpar.placement import parallelize
+from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import CollectiveMismatchError, DparError, OptionsError, ProcessGroupError
 from dpar.runtime.gradient_sync import no_sync
@@ -18,10 +19,12 @@ __all__ = [
     "CollectiveMismatchError",
     "DparError",
     "OptionsError",
+    "Plan",
     "ProcessGroupError",
     "checkpoint",
     "dpar_backend",
     "explain",
     "no_sync",
     "parallelize",
+    "plan",
 ]

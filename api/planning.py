@@ -20,7 +20,6 @@ from dpar.compiler.planner.layout import ROLES, Layout, layouts
 from dpar.compiler.planner.opgraph import OpGraph
 from dpar.compiler.planner.plan import CostBreakdown, ParameterPlan, Plan
 from dpar.compiler.planner.rules import candidates
-from dpar.compiler.planner.solver import solve
 from dpar.runtime.errors import OptionsError
 
 __all__ = ["CostBreakdown", "Hardware", "ParameterPlan", "Plan", "plan"]
@@ -42,6 +41,8 @@ def plan(
     ``mesh_dim_names`` fixes each dimension's role (``"dp"`` or ``"tp"``) instead of letting
     the solver choose. ``hardware`` defaults to H100 nodes of 8 (see ``hardware.h100``).
     """
+    from dpar.compiler.planner.solver import solve  # scipy.optimize: loaded when planning, not on import dpar
+
     shape = _mesh_shape(mesh_shape)
     names = _mesh_dim_names(mesh_dim_names, shape)
     hardware = hardware or h100(shape)

@@ -3,8 +3,9 @@
 [Note: why torch.export(strict=False) captures the graph]
 Non-strict export runs the model's own Python forward under a ``FakeTensorMode``: parameters
 and inputs become fake tensors, so no real compute runs and no activation memory is taken
-(a 24-block, 350M-parameter GPT built on the meta device exports in about 1.5 s on 2 cores). What it hands back is what the planner needs and ``make_fx`` does not give: an ATen
-graph with a shape on every node, the ``nn_module_stack`` of every node (the module path that
+(a 24-block, 350M-parameter GPT built on the meta device exports in about 1.5 s on 2 cores).
+What it hands back is what the planner needs and ``make_fx`` does not give: an ATen graph
+with a shape on every node, the ``nn_module_stack`` of every node (the module path that
 names ops and finds repeated blocks) and a graph signature mapping placeholders to parameter
 names. Dynamo's export would do too but breaks on more Python; the planner only reads
 shapes, so non-strict tracing is enough.

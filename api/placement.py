@@ -5,16 +5,23 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dpar.runtime import sharding
+from dpar.compiler.megatron import megatron_dims
+from dpar.runtime import sharding, tensor_parallel
 from dpar.runtime.errors import OptionsError, ProcessGroupError
 
-STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp")
+if TYPE_CHECKING:
+    from dpar.compiler.planner.plan import Plan
+
+STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "fsdp+tp", "auto")
+TENSOR_PARALLEL = ("tp", "ddp+tp", "fsdp+tp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +56,22 @@ def parallelize(
     max_inflight_gathers: int = 1,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    tp_plan: dict[str, int | None] | None = None,
+    example_inputs: Sequence[Any] | None = None,
+    plan: Plan | None = None,
+    memory_budget_gb: float | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place for ``strategy``; build the optimizer afterwards.
+
+    ``tp`` splits layers over a 1-D ``mesh`` (Megatron: column- then row-parallel
+    Linears, heads split, a tied embedding split by vocabulary); ``ddp+tp`` and
+    ``fsdp+tp`` take a 2-D mesh whose dimensions are named ``("dp", "tp")`` (or
+    are, in that order, data then tensor parallel). Which dimension of each
+    parameter tensor parallel splits comes from ``tp_plan`` (name -> dim, None
+    for replicated) or, without it, from the forward run once on
+    ``example_inputs``. ``plan`` (from ``dpar.plan``) gives strategy, mesh and
+    splits; ``strategy="auto"`` plans first, from ``example_inputs`` and
+    ``memory_budget_gb``.
 
     ``hsdp`` shards over the second dimension of a 2-D ``mesh`` and replicates
     over the first. ``bucket_cap_mb=None`` groups parameters per numbered block (``layers.3``), the
@@ -61,6 +82,8 @@ def parallelize(
     ``reduce_dtype`` the one gradients are reduce-scattered in; shards, their
     gradients and the optimizer state stay in the stored dtype (float32).
     """
+    if plan is not None:
+        strategy, tp_plan = plan.strategy, plan.tp_dims()
     if strategy not in STRATEGIES:
         close = difflib.get_close_matches(str(strategy), STRATEGIES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -87,6 +110,18 @@ def parallelize(
         )
     world = dist.get_world_size()
     device_type = next((p.device.type for p in model.parameters()), "cpu")
+    if plan is not None and mesh is None:
+        mesh = _mesh_of_plan(model, plan)
+    if strategy == "auto":
+        return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype)
+    if strategy in TENSOR_PARALLEL:
+        if param_dtype is not None or reduce_dtype is not None:
+            raise OptionsError(f"param_dtype/reduce_dtype are not supported with {strategy!r} yet; use torch.autocast")
+        _parallelize_tensor_parallel(
+            model, strategy, mesh, tp_plan, example_inputs, world, device_type, max_inflight_gathers
+        )
+        sharding.guard_optimizers_built_too_early()
+        return model
     if strategy == "hsdp":
         if mesh is None or mesh.ndim != 2 or mesh.size() != world:
             shape = tuple(mesh.shape) if mesh is not None else None
@@ -124,6 +159,96 @@ def parallelize(
     )
     sharding.guard_optimizers_built_too_early()
     return model
+
+
+def _tensor_parallel_mesh(strategy: str, mesh: DeviceMesh | None, world: int, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh]:
+    """(data-parallel sub-mesh or None, tensor-parallel sub-mesh), checked against the world."""
+    if strategy == "tp":
+        mesh = mesh if mesh is not None else init_device_mesh(device_type, (world,))
+        if mesh.ndim != 1 or mesh.size() != world:
+            raise OptionsError(
+                f"strategy 'tp' needs a 1-D mesh over the whole world ({world} ranks), got mesh shape "
+                f"{tuple(mesh.shape)}; for a 2-D mesh use 'ddp+tp' or 'fsdp+tp'"
+            )
+        return None, mesh
+    if mesh is None or mesh.ndim != 2 or mesh.size() != world:
+        shape = tuple(mesh.shape) if mesh is not None else None
+        raise OptionsError(
+            f"strategy {strategy!r} needs a 2-D mesh (dp, tp) over the whole world ({world} ranks), got "
+            f"{shape}; e.g. init_device_mesh({device_type!r}, (2, {max(world // 2, 1)}), mesh_dim_names=('dp', 'tp'))"
+        )
+    if mesh.mesh_dim_names is None or sorted(mesh.mesh_dim_names) != ["dp", "tp"]:
+        raise OptionsError(
+            f"strategy {strategy!r} needs the 2-D mesh's dimensions named ('dp', 'tp'), got "
+            f"{mesh.mesh_dim_names}; pass init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
+    return mesh["dp"], mesh["tp"]
+
+
+def _mesh_of_plan(model: nn.Module, plan: Plan) -> DeviceMesh:
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    if len(plan.mesh_shape) == 1:
+        return init_device_mesh(device_type, plan.mesh_shape)
+    return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+
+
+def _parallelize_auto(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    example_inputs: Sequence[Any] | None,
+    memory_budget_gb: float | None,
+    world: int,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> nn.Module:
+    """``plan`` on the given mesh's shape (default: the whole world in 1-D), then apply it."""
+    from dpar.planning import plan as make_plan
+
+    if example_inputs is None:
+        raise OptionsError("strategy 'auto' plans from one batch: pass example_inputs=(...)")
+    shape = tuple(mesh.shape) if mesh is not None else (world,)
+    chosen = make_plan(model, example_inputs, mesh_shape=shape, memory_budget_gb=memory_budget_gb)
+    return parallelize(model, plan=chosen, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def _parallelize_tensor_parallel(
+    model: nn.Module,
+    strategy: str,
+    mesh: DeviceMesh | None,
+    tp_plan: dict[str, int | None] | None,
+    example_inputs: Sequence[Any] | None,
+    world: int,
+    device_type: str,
+    max_inflight_gathers: int,
+) -> None:
+    dp_mesh, tp_mesh = _tensor_parallel_mesh(strategy, mesh, world, device_type)
+    if tp_plan is None:
+        if example_inputs is None:
+            raise OptionsError(
+                f"strategy {strategy!r} needs to know which dimension of each parameter to split: pass "
+                "example_inputs=(...) (one batch; the forward runs once on fake tensors to pair "
+                "column- and row-parallel layers) or tp_plan={name: dim or None}"
+            )
+        tp_plan = megatron_dims(model, example_inputs)
+        if strategy == "fsdp+tp":  # a vocabulary-split embedding under fsdp is not supported yet
+            embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+            tp_plan = {n: None if id(p) in embeddings else tp_plan[n] for n, p in model.named_parameters()}
+    names = [n for n, _ in model.named_parameters()]
+    ddp_group = dp_mesh.get_group() if strategy == "ddp+tp" else None
+    splits = tensor_parallel.split_parameters(model, tp_plan, tp_mesh.get_group(), ddp_group)
+    buckets = {n: sharding.block_of(n) for n in names}
+    if strategy == "fsdp+tp":
+        sharding.shard_parameters(model, dp_mesh, "fsdp", buckets, max_inflight_gathers)
+    tensor_parallel.install_markers(splits)
+    grouped: dict[str, list[str]] = {}
+    for name in names:
+        grouped.setdefault(buckets[name], []).append(name)
+    _plans[model] = ShardedPlan(
+        strategy=strategy,
+        mesh_shape=tuple((mesh or tp_mesh).shape),
+        buckets={b: tuple(ns) for b, ns in grouped.items()},
+        max_inflight_gathers=max_inflight_gathers,
+    )
 
 
 def plan_of(model: nn.Module) -> ShardedPlan | None:

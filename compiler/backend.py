@@ -5,18 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
-from dpar.compiler.capture import InputKind, classify_inputs
+from dpar.compiler.capture import GraphInput, InputKind, classify_inputs
 from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.data_parallel import DataParallelHook
 from dpar.compiler.sharded_data_parallel import ShardedDataParallelHook
+from dpar.compiler.tensor_parallel import TensorParallelHook, ThenInference, tensor_parallel_mesh
 from dpar.runtime.errors import OptionsError
 from dpar.runtime.replicate import synchronize_replicas
-from dpar.runtime.sharding import spec_of
-from dpar.runtime.world import check_devices, current_world
+from dpar.runtime.sharding import ShardSpec, spec_of
+from dpar.runtime.tensor_parallel import TensorParallelSpec, tensor_parallel_spec_of
+from dpar.runtime.world import World, check_devices, current_world
 
 
 def _single_device_hook(
@@ -47,6 +51,10 @@ def dpar_backend(
     check_devices({name: t for kind, name, t in state if kind == "parameter"}, world)
     specs = {i.index: spec_of(i.tensor()) for i in inputs if i.kind is InputKind.PARAMETER}
     specs = {index: spec for index, spec in specs.items() if spec is not None}
+    split = [tensor_parallel_spec_of(i.tensor()) for i in inputs if i.kind is InputKind.PARAMETER]
+    split = [s for s in split if s is not None]
+    if split:
+        return _compile_tensor_parallel(gm, example_inputs, inputs, state, specs, split[0], world, parsed)
     if not specs:
         synchronize_replicas(state, world, parsed.check_timeout_s)
         hook = DataParallelHook(inputs, world, parsed)
@@ -57,6 +65,38 @@ def dpar_backend(
     return compile_graphs(
         gm, example_inputs, compiler=parsed.compiler, hook=sharded, joint_pass=sharded.tag_joint
     )
+
+
+def _compile_tensor_parallel(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    inputs: Sequence[GraphInput],
+    state: list[tuple[str, str, torch.Tensor]],
+    specs: dict[int, ShardSpec],
+    split: TensorParallelSpec,
+    world: World,
+    options: Options,
+) -> Callable[..., Any]:
+    """tp, ddp+tp, fsdp+tp: the tensor-parallel pass first, then the data-parallel strategy's hook."""
+    mesh = tensor_parallel_mesh(split)
+    # Blocks of split parameters differ by rank; parallelize broadcast them before splitting.
+    replicas = [
+        (k, n, t) for k, n, t in state
+        if not isinstance(t, DTensor) and getattr(tensor_parallel_spec_of(t), "dim", None) is None
+    ]
+    synchronize_replicas(replicas, world, options.check_timeout_s)
+    if specs:  # fsdp+tp
+        sharded = ShardedDataParallelHook(inputs, specs, world, options)
+        hook = ThenInference(mesh, sharded)
+        joint = lambda g: sharded.tag_joint(hook.joint_pass(g))
+    elif split.data_parallel_group_name is not None:  # ddp+tp
+        dp_world = current_world(_resolve_process_group(split.data_parallel_group_name))
+        hook = ThenInference(mesh, DataParallelHook(inputs, dp_world, options))
+        joint = hook.joint_pass
+    else:
+        hook = ThenInference(mesh, TensorParallelHook(world, options))
+        joint = hook.joint_pass
+    return compile_graphs(gm, example_inputs, compiler=options.compiler, hook=hook, joint_pass=joint)
 
 
 def register() -> None:

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from dpar.runtime.errors import OptionsError
+from dpar.runtime.tensor_parallel import gather_blocks, tensor_parallel_spec_of
 
 CheckpointDir = str | os.PathLike[str]  # a directory: DCP writes one file per rank and a metadata file
 
@@ -67,7 +68,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Checkp
 def full_state_dict(model: nn.Module) -> dict[str, Any] | None:
     """The whole ``model.state_dict()`` as full CPU tensors on rank 0, ``None`` on the other ranks.
 
-    Call it on every rank: each shard is all-gathered, one parameter at a time. The names are
+    Call it on every rank: each shard (and tensor-parallel block) is all-gathered, one parameter at a time. The names are
     the original ones, so a fresh, plain model loads the result with ``load_state_dict``;
     a tied weight is gathered once and is one tensor under each of its names, as in a plain
     model's state dict.
@@ -80,9 +81,11 @@ def full_state_dict(model: nn.Module) -> dict[str, Any] | None:
         if isinstance(value, torch.Tensor):
             if id(value) not in full_of:
                 tensor = value.detach()
-                full_of[id(value)] = (
-                    tensor.full_tensor().cpu() if isinstance(tensor, DTensor) else tensor.to("cpu", copy=True)
-                )
+                tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                split = tensor_parallel_spec_of(value)
+                if split is not None and split.dim is not None:
+                    tensor = gather_blocks(tensor, split)
+                full_of[id(value)] = tensor.to("cpu", copy=True)
             value = full_of[id(value)]
         full[name] = value
     return full if keep else None

@@ -53,7 +53,7 @@ _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
 
 def block_of(name: str) -> str:
-    """``layers.3.attn.qkv.weight`` -> ``layers.3``; parameters outside a numbered block -> ``root``."""
+    """``layers.3.attn.q.weight`` -> ``layers.3``; parameters outside a numbered block -> ``root``."""
     match = _BLOCK.match(name)
     return match.group(1) if match else "root"
 

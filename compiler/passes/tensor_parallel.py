@@ -1,0 +1,43 @@
+"""The tensor-parallel pass: from the joint graph of the single-device program to one rank's share of it.
+
+Runs on the joint forward+backward graph, before the partitioner, so that one
+propagation sees the forward and the backward together and the partitioner
+saves what the local program needs. See [Note: how a tensor-parallel parameter
+reaches the graph] in ``runtime/tensor_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from dpar.compiler.graph_utils import refresh_fake_values
+from dpar.compiler.propagation.localize import localize
+from dpar.compiler.propagation.propagate import MeshDim, propagate_placements
+
+aten = torch.ops.aten
+
+
+def split_addmm(gm: fx.GraphModule) -> fx.GraphModule:
+    """``addmm(bias, a, b)`` -> ``mm(a, b) + bias``: a row-parallel product is a partial sum,
+    which must be reduced before the bias is added once (Inductor fuses the add back)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is aten.addmm.default and not node.kwargs:
+            bias, a, b = node.args
+            with graph.inserting_before(node):
+                product = graph.call_function(aten.mm.default, (a, b))
+                product.meta["val"] = node.meta["val"]
+                total = graph.call_function(aten.add.Tensor, (product, bias))
+                total.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(total)
+            graph.erase_node(node)
+    return gm
+
+
+def tensor_parallel_pass(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
+    """Propagate placements from the markers, insert the collectives, rewrite to local shapes."""
+    gm = localize(propagate_placements(split_addmm(gm), mesh), mesh)
+    gm.recompile()
+    refresh_fake_values(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+    return gm

@@ -1,0 +1,109 @@
+"""Give every value of a graph a placement, inserting the cheapest redistribution where a consumer needs another.
+
+One forward sweep in graph order (the joint graph's order is the forward, then
+the backward): each node takes the candidate of its rule whose inputs cost the
+least to reach (``redistribute.cost``); ties go to the rule's order, which
+lists sharded candidates first so work stays split. Placements are recorded in
+``node.meta["placement"]`` (``"placement_outputs"`` for ops with several
+outputs); the shapes in the graph stay global until ``localize`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+import dpar.runtime.tensor_parallel  # noqa: F401  (registers the marker ops)
+from dpar.compiler.propagation.redistribute import cost, nbytes_of, redistribute
+from dpar.compiler.propagation.rules import Candidate, candidates_for, tensor_inputs
+
+WEIGHT_MARKER = torch.ops.dpar.tensor_parallel_weight.default
+GRAD_MARKER = torch.ops.dpar.tensor_parallel_grad.default
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshDim:
+    """The tensor-parallel mesh dimension, as this rank sees it."""
+
+    size: int
+    rank: int
+    group_name: str
+
+
+def _choose(node: fx.Node, candidates: list[Candidate], size: int) -> Candidate:
+    inputs = tensor_inputs(node)
+
+    def price(candidate: Candidate) -> float:
+        return sum(
+            cost(n.meta.get("placement", Replicate()), want, nbytes_of(n), size)
+            for n, want in zip(inputs, candidate.inputs)
+        )
+
+    return min(candidates, key=price)  # min keeps the first of equals
+
+
+class _Redistributor:
+    """Inserts each (value, placement) conversion once, before its first consumer."""
+
+    def __init__(self, graph: fx.Graph, mesh: MeshDim) -> None:
+        self.graph, self.mesh = graph, mesh
+        self.made: dict[tuple[fx.Node, Placement], fx.Node] = {}
+
+    def to(self, value: fx.Node, want: Placement, consumer: fx.Node) -> fx.Node:
+        here = value.meta.get("placement", Replicate())
+        if here == want:
+            return value
+        key = (value, want)
+        if key not in self.made:
+            with self.graph.inserting_before(consumer):
+                self.made[key] = redistribute(
+                    self.graph, value, here, want,
+                    tp=self.mesh.size, rank=self.mesh.rank, group_name=self.mesh.group_name,
+                )
+        return self.made[key]
+
+
+def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
+    """Placements for every value, redistributions where they disagree; graph outputs come out replicated
+    (parameter gradients as their parameter's block).
+
+    A placement describes the value as traced: ``Replicate`` means every rank
+    holds the traced tensor itself. Placeholders (and the gradient markers'
+    outputs) are local data that way, split parameters' blocks included;
+    ``Shard``/``Partial`` values exist only between the markers, where the
+    traced shapes are global.
+    """
+    graph = gm.graph
+    move = _Redistributor(graph, mesh)
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            node.meta["placement"] = Replicate()  # data, replicated parameters, tangents, and local blocks
+        elif node.op == "output":
+            outputs = [
+                move.to(n, Replicate(), node)
+                if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor) else n
+                for n in node.args[0]
+            ]
+            node.args = (type(node.args[0])(outputs),)
+        elif node.op == "call_function":
+            if node.target is WEIGHT_MARKER:
+                node.meta["placement"] = Shard(node.args[1])
+                continue
+            if node.target is GRAD_MARKER:
+                # Its traced value is this rank's block, as a placeholder's is: nothing to rewrite after it.
+                chosen = Candidate((Shard(node.args[1]),), (Replicate(),))
+            else:
+                chosen = _choose(node, candidates_for(node, mesh.size), mesh.size)
+            for value, want in zip(tensor_inputs(node), chosen.inputs):
+                node.replace_input_with(value, move.to(value, want, node))
+            node.meta["placement_inputs"] = chosen.inputs
+            if isinstance(node.meta.get("val"), (tuple, list)):
+                node.meta["placement_outputs"] = chosen.outputs
+            else:
+                node.meta["placement"] = chosen.outputs[0]
+    graph.lint()
+    return gm

@@ -1,0 +1,114 @@
+"""Moving a value from one placement to another: what it costs and the graph nodes that do it.
+
+All-reduce for partial → replicate, reduce-scatter for partial → shard,
+all-gather for shard → replicate, a local slice for replicate → shard (free).
+Costs are α-β with ring collectives: all-reduce moves 2(N-1)/N of the bytes,
+all-gather and reduce-scatter (N-1)/N, plus a fixed latency per collective so
+that, bytes being equal, fewer collectives win.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+LATENCY_BYTES = 64 * 1024
+"""One collective's latency, in bytes a link moves in that time (α/β)."""
+
+SLICE_COST = 1.0
+"""A local slice moves nothing; this tie-breaker prefers no op at all."""
+
+
+def cost(src: Placement, dst: Placement, nbytes: int, tp: int) -> float:
+    """Bytes-equivalent cost of redistributing a value of ``nbytes`` (its full size) over ``tp`` ranks."""
+    if src == dst:
+        return 0.0
+    share = (tp - 1) / tp * nbytes
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return 2 * share + LATENCY_BYTES
+        return share + LATENCY_BYTES  # reduce-scatter
+    if isinstance(src, Replicate):
+        return SLICE_COST if isinstance(dst, Shard) else math.inf  # replicate -> partial: never needed
+    if isinstance(dst, Replicate):
+        return share + LATENCY_BYTES  # all-gather
+    if isinstance(dst, Shard):
+        return share + LATENCY_BYTES + SLICE_COST  # all-gather, then slice the other dimension
+    return math.inf  # shard -> partial
+
+
+def nbytes_of(node: fx.Node) -> int:
+    val = node.meta["val"]
+    return val.numel() * val.element_size()
+
+
+def _call(graph: fx.Graph, target: object, args: tuple[object, ...], placement: Placement) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["placement"] = placement
+    return node
+
+
+def _dim_first(graph: fx.Graph, value: fx.Node, dim: int, ndim: int) -> tuple[fx.Node, list[int]]:
+    """``value`` with ``dim`` moved to the front, contiguous (collectives work on dim 0 of a dense tensor)."""
+    order = [dim] + [d for d in range(ndim) if d != dim]
+    if dim != 0:
+        value = graph.call_function(aten.permute.default, (value, order))
+    dense = graph.call_function(aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
+    return dense, order
+
+
+def _dim_back(graph: fx.Graph, value: fx.Node, order: list[int]) -> fx.Node:
+    """Undo ``_dim_first``, dense again: consumers traced with a dense value may need one."""
+    if order == sorted(order):
+        return value
+    back = graph.call_function(aten.permute.default, (value, [order.index(d) for d in range(len(order))]))
+    return graph.call_function(aten.clone.default, (back,), {"memory_format": torch.contiguous_format})
+
+
+def redistribute(
+    graph: fx.Graph, value: fx.Node, src: Placement, dst: Placement, *, tp: int, rank: int, group_name: str
+) -> fx.Node:
+    """Nodes (at the graph's insertion point) turning ``value`` from ``src`` into ``dst``.
+
+    The result carries ``value``'s global fake value, as propagation reads global shapes.
+    """
+    result = _redistribute(graph, value, src, dst, tp=tp, rank=rank, group_name=group_name)
+    result.meta["val"] = value.meta["val"]
+    return result
+
+
+def _redistribute(
+    graph: fx.Graph, value: fx.Node, src: Placement, dst: Placement, *, tp: int, rank: int, group_name: str
+) -> fx.Node:
+    shape = value.meta["val"].shape  # global
+    ndim = len(shape)
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        reduced = graph.call_function(c10d.all_reduce.default, (value, "sum", group_name))
+        return _call(graph, c10d.wait_tensor.default, (reduced,), dst)
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        dense, order = _dim_first(graph, value, dst.dim, ndim)
+        scattered = graph.call_function(c10d.reduce_scatter_tensor.default, (dense, "sum", tp, group_name))
+        waited = graph.call_function(c10d.wait_tensor.default, (scattered,))
+        result = _dim_back(graph, waited, order)
+        result.meta["placement"] = dst
+        return result
+    if isinstance(src, Shard):
+        dense, order = _dim_first(graph, value, src.dim, ndim)
+        gathered = graph.call_function(c10d.all_gather_into_tensor.default, (dense, tp, group_name))
+        waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
+        full = _dim_back(graph, waited, order)
+        full.meta["placement"] = Replicate()
+        if isinstance(dst, Replicate):
+            return full
+        value, src = full, Replicate()
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        size = shape[dst.dim] // tp
+        return _call(graph, aten.slice.Tensor, (value, dst.dim, rank * size, (rank + 1) * size), dst)
+    raise ValueError(f"dpar internal error: no redistribution from {src} to {dst}")

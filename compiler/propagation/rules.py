@@ -1,0 +1,373 @@
+"""Sharding rules: for each ATen op, the placements its inputs may have and what its outputs then are.
+
+Placements are torch's own (``Replicate``, ``Shard(dim)``, ``Partial``), over
+one mesh dimension. A rule lists *candidates*; propagation picks the one whose
+inputs are cheapest to reach from where the values are. Every candidate is
+exact: a shard stays a shard only where the op treats that dimension
+independently (a batch or head dimension, a matmul's free dimension); a
+contraction over a sharded dimension gives a partial sum; anything nonlinear
+in a partial sum needs it reduced first. An op without a rule runs replicated,
+which is always right and only costs communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+R, P = Replicate(), Partial()
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """Placements for the node's tensor inputs (in ``tensor_inputs`` order) and for each output."""
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement | None, ...]  # one per output; a single-tensor op has one
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def shape_of(node: fx.Node) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+def _outputs(node: fx.Node, placement: Placement) -> tuple[Placement | None, ...]:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return tuple(placement if isinstance(v, torch.Tensor) else None for v in val)
+    return (placement,)
+
+
+def replicated(node: fx.Node, tp: int) -> list[Candidate]:
+    """The rule of last resort: everything replicated."""
+    return [Candidate(tuple(R for _ in tensor_inputs(node)), _outputs(node, R))]
+
+
+def _divides(size: int, tp: int) -> bool:
+    return size % tp == 0 and size >= tp
+
+
+# --- elementwise -------------------------------------------------------------------------------
+
+# Partial sums pass through these unchanged (they are linear in every tensor input) ...
+_LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default, aten.detach.default,
+           aten.alias.default, aten._to_copy.default}
+# ... and through these when only one input is partial (scaling by a replicated factor).
+_SCALING = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
+
+POINTWISE = _LINEAR | _SCALING | {
+    aten.gelu.default, aten.gelu_backward.default, aten.relu.default, aten.threshold_backward.default,
+    aten.tanh.default, aten.tanh_backward.default, aten.sigmoid.default, aten.sigmoid_backward.default,
+    aten.silu.default, aten.silu_backward.default, aten.exp.default, aten.rsqrt.default,
+    aten.pow.Tensor_Scalar, aten.sqrt.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.add.Scalar, aten.sub.Scalar, aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar,
+    aten.eq.Scalar, aten.ne.Scalar, aten.logical_not.default, aten.copy.default, aten.lift_fresh_copy.default,
+}
+
+
+def _broadcast_placement(out_ndim: int, in_shape: Sequence[int], placement: Placement) -> Placement:
+    """What an input broadcast into an output sharded as ``placement`` must be."""
+    if not isinstance(placement, Shard):
+        return placement
+    dim = placement.dim - (out_ndim - len(in_shape))
+    if dim < 0 or in_shape[dim] == 1:
+        return R  # broadcast along the sharded dimension: every rank needs all of it
+    return Shard(dim)
+
+
+def pointwise(node: fx.Node, tp: int) -> list[Candidate]:
+    inputs = tensor_inputs(node)
+    out_shape = shape_of(node)
+    here = [n.meta.get("placement", R) for n in inputs]
+    options: list[Placement] = []
+    for placement in here:
+        if isinstance(placement, Shard) and placement not in options:
+            dim = placement.dim + (len(out_shape) - len(shape_of(inputs[here.index(placement)])))
+            if _divides(out_shape[dim], tp):
+                options.append(Shard(dim))
+    if P in here:
+        partial = [p is P for p in here]
+        if node.target in _LINEAR and all(partial):
+            options.append(P)
+        elif node.target in _SCALING and sum(partial) == 1 and (partial[0] or node.target is aten.mul.Tensor):
+            options.append(P)
+    options.append(R)
+    candidates = []
+    for out in options:
+        if out is P:
+            ins = tuple(here)
+        else:
+            ins = tuple(_broadcast_placement(len(out_shape), shape_of(n), out) for n in inputs)
+        candidates.append(Candidate(ins, _outputs(node, out)))
+    return candidates
+
+
+# --- matmul ------------------------------------------------------------------------------------
+
+
+def matmul(node: fx.Node, tp: int) -> list[Candidate]:
+    """mm / bmm: shard a free dimension, or contract a sharded one into a partial sum."""
+    a, b = (shape_of(n) for n in tensor_inputs(node))
+    batch = len(a) - 2  # 0 for mm, 1 for bmm
+    m, k, n = batch, batch + 1, batch + 1
+    candidates = [Candidate((R, R), (R,))]
+    if _divides(a[m], tp):
+        candidates.append(Candidate((Shard(m), R), (Shard(m),)))
+    if _divides(b[-1], tp):
+        candidates.append(Candidate((R, Shard(n)), (Shard(len(a) - 1),)))
+    if _divides(a[k], tp):
+        candidates.append(Candidate((Shard(k), Shard(batch)), (P,)))
+    if batch and _divides(a[0], tp):
+        candidates.append(Candidate((Shard(0), Shard(0)), (Shard(0),)))
+    candidates += [Candidate((P, R), (P,)), Candidate((R, P), (P,))]
+    return candidates
+
+
+# --- dimension shuffles and views --------------------------------------------------------------
+
+
+def _permuted(node: fx.Node, order: Sequence[int]) -> list[Candidate]:
+    """Output dim ``i`` is input dim ``order[i]``."""
+    here = tensor_inputs(node)[0].meta.get("placement", R)
+    if isinstance(here, Shard):
+        return [Candidate((here,), (Shard(list(order).index(here.dim)),))]
+    return [Candidate((here,), (here,))]
+
+
+def transpose(node: fx.Node, tp: int) -> list[Candidate]:
+    ndim = len(shape_of(node))
+    order = list(range(ndim))
+    if node.target is aten.t.default:
+        order = order[::-1]
+    elif node.target is aten.permute.default:
+        order = [d % ndim for d in node.args[1]]
+    else:
+        d0, d1 = (d % ndim for d in node.args[1:3])
+        order[d0], order[d1] = d1, d0
+    return _permuted(node, order)
+
+
+def view_groups(before: Sequence[int], after: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair up runs of dimensions whose products match: ``(B, T, C) -> (B*T, C)`` gives
+    ``[([0, 1], [0]), ([2], [1])]``. Size-1 dimensions join the run next to them."""
+    groups, i, j = [], 0, 0
+    while i < len(before) or j < len(after):
+        gi, gj = [i] if i < len(before) else [], [j] if j < len(after) else []
+        pi = before[i] if i < len(before) else 1
+        pj = after[j] if j < len(after) else 1
+        i, j = i + bool(gi), j + bool(gj)
+        while pi != pj or (i < len(before) and before[i] == 1) or (j < len(after) and after[j] == 1):
+            if (pi <= pj and i < len(before)) or j >= len(after):
+                pi *= before[i]
+                gi.append(i)
+                i += 1
+            else:
+                pj *= after[j]
+                gj.append(j)
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def view_dim(before: Sequence[int], after: Sequence[int], dim: int, tp: int) -> int | None:
+    """Where a shard along ``before[dim]`` lands after the view, or None if it cannot stay a shard.
+
+    It stays a shard when it is the outermost non-trivial dimension of its run
+    and the outermost non-trivial dimension of the matching run is a multiple of
+    the degree: splitting ``C`` into ``(heads, head_dim)`` shards the heads.
+    """
+    for gi, gj in view_groups(before, after):
+        if dim in gi:
+            outer_in = next((d for d in gi if before[d] != 1), None)
+            outer_out = next((d for d in gj if after[d] != 1), None)
+            if outer_in != dim or outer_out is None or not _divides(after[outer_out], tp):
+                return None
+            return outer_out
+    return None
+
+
+def view(node: fx.Node, tp: int) -> list[Candidate]:
+    source = tensor_inputs(node)[0]
+    here = source.meta.get("placement", R)
+    if isinstance(here, Shard):
+        dim = view_dim(shape_of(source), shape_of(node), here.dim, tp)
+        if dim is not None:
+            return [Candidate((here,), (Shard(dim),)), Candidate((R,), (R,))]
+        return [Candidate((R,), (R,))]
+    return [Candidate((here,), (here,))]
+
+
+def expand(node: fx.Node, tp: int) -> list[Candidate]:
+    """Broadcasting keeps a shard along a dimension whose size it does not change."""
+    source = tensor_inputs(node)[0]
+    here = source.meta.get("placement", R)
+    before, after = shape_of(source), shape_of(node)
+    if isinstance(here, Shard):
+        dim = here.dim + len(after) - len(before)
+        if before[here.dim] == after[dim]:
+            return [Candidate((here,), (Shard(dim),)), Candidate((R,), (R,))]
+        return [Candidate((R,), (R,))]
+    return [Candidate((here,), (here,))]
+
+
+def unsqueeze(node: fx.Node, tp: int) -> list[Candidate]:
+    source = tensor_inputs(node)[0]
+    return view(node, tp) if isinstance(source.meta.get("placement", R), Shard) else _permuted(node, [])
+
+
+# --- reductions, normalisation, attention, embedding -------------------------------------------
+
+
+def reduction(node: fx.Node, tp: int) -> list[Candidate]:
+    """sum over a sharded dim gives a partial sum; mean there would need rescaling, so it gathers."""
+    source = tensor_inputs(node)[0]
+    here = source.meta.get("placement", R)
+    ndim = len(shape_of(source))
+    dims = [d % ndim for d in node.args[1]] if len(node.args) > 1 and node.args[1] else list(range(ndim))
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    if here is P and node.target in (aten.sum.dim_IntList, aten.sum.default):
+        return [Candidate((P,), (P,))]
+    if isinstance(here, Shard):
+        if here.dim in dims:
+            if node.target in (aten.sum.dim_IntList, aten.sum.default):
+                return [Candidate((here,), (P,)), Candidate((R,), (R,))]
+        else:
+            out = here.dim if keepdim else here.dim - sum(d < here.dim for d in dims)
+            return [Candidate((here,), (Shard(out),)), Candidate((R,), (R,))]
+    return [Candidate((R,), (R,))]
+
+
+def softmax(node: fx.Node, tp: int) -> list[Candidate]:
+    """Softmax and its backward: shards along any dimension but the normalised one."""
+    inputs = tensor_inputs(node)
+    ndim = len(shape_of(inputs[0]))
+    dim = [a for a in node.args if isinstance(a, int) and not isinstance(a, bool)][0] % ndim
+    here = inputs[0].meta.get("placement", R)
+    candidates = []
+    if isinstance(here, Shard) and here.dim != dim:
+        candidates.append(Candidate(tuple(here for _ in inputs), (here,)))
+    return candidates + [Candidate(tuple(R for _ in inputs), (R,))]
+
+
+def layer_norm(node: fx.Node, tp: int) -> list[Candidate]:
+    """Shards along batch-like dims; the normalised dims must be whole on each rank.
+
+    Backward: the weight and bias gradients sum over batch-like dims, so a shard
+    there makes them partial.
+    """
+    inputs = tensor_inputs(node)
+    ndim = len(shape_of(inputs[0]))
+    leading = ndim - len(node.args[2] if node.target is aten.native_layer_norm_backward.default else node.args[1])
+    here = inputs[0].meta.get("placement", R)
+    candidates = []
+    if isinstance(here, Shard) and here.dim < leading:
+        ins = tuple(here if len(shape_of(n)) == ndim else R for n in inputs)
+        if node.target is aten.native_layer_norm.default:
+            candidates.append(Candidate(ins, (here, here, here)))
+        else:
+            candidates.append(Candidate(ins, (here, P, P)))
+    return candidates + replicated(node, tp)
+
+
+def attention(node: fx.Node, tp: int) -> list[Candidate]:
+    """Scaled dot-product attention and its backward: independent per batch and per head."""
+    inputs = tensor_inputs(node)
+    here = inputs[0].meta.get("placement", R)
+    candidates = []
+    if isinstance(here, Shard) and here.dim in (0, 1):
+        candidates.append(Candidate(tuple(here for _ in inputs), _outputs(node, here)))
+    return candidates + replicated(node, tp)
+
+
+def embedding(node: fx.Node, tp: int) -> list[Candidate]:
+    """A vocabulary-split table gives a partial sum (each rank looks up its own rows, zeros elsewhere);
+    a column-split table gives output sharded on the last dim."""
+    weight, indices = tensor_inputs(node)[:2]
+    here = weight.meta.get("placement", R)
+    out_ndim = len(shape_of(node))
+    if here == Shard(0):
+        return [Candidate((Shard(0), R), (P,))]
+    if here == Shard(1):
+        return [Candidate((Shard(1), R), (Shard(out_ndim - 1),))]
+    return [Candidate((R, R), (R,))]
+
+
+def embedding_backward(node: fx.Node, tp: int) -> list[Candidate]:
+    """``embedding_dense_backward``: this rank's rows of the gradient table where the forward
+    looked up a vocabulary-split table with the same indices, else the whole table."""
+    indices = node.args[1]
+    split = any(
+        u.target is aten.embedding.default and u.meta.get("placement_inputs", (R,))[0] == Shard(0)
+        for u in indices.users
+    )
+    whole, rows = Candidate((R, R), (R,)), Candidate((R, R), (Shard(0),))
+    return [rows, whole] if split else [whole, rows]
+
+
+def keep_input(node: fx.Node, tp: int) -> list[Candidate]:
+    """Collectives over another mesh dimension (fsdp's) and their waits: local data stays local."""
+    here = tensor_inputs(node)[0].meta.get("placement", R)
+    return [Candidate((here,) + tuple(R for _ in tensor_inputs(node)[1:]), _outputs(node, here))]
+
+
+def getitem(node: fx.Node, tp: int) -> list[Candidate]:
+    source, index = node.args
+    return [Candidate((), (source.meta.get("placement_outputs", (R,))[index] or R,))]
+
+
+Rule = Callable[[fx.Node, int], list[Candidate]]
+
+RULES: dict[object, Rule] = {
+    **{op: pointwise for op in POINTWISE},
+    aten.mm.default: matmul,
+    aten.bmm.default: matmul,
+    aten.t.default: transpose,
+    aten.transpose.int: transpose,
+    aten.permute.default: transpose,
+    aten.view.default: view,
+    aten._unsafe_view.default: view,
+    aten.reshape.default: view,
+    aten.expand.default: expand,
+    aten.unsqueeze.default: unsqueeze,
+    aten.squeeze.dim: unsqueeze,
+    aten.sum.dim_IntList: reduction,
+    aten.sum.default: reduction,
+    aten.mean.dim: reduction,
+    aten._softmax.default: softmax,
+    aten._log_softmax.default: softmax,
+    aten._softmax_backward_data.default: softmax,
+    aten._log_softmax_backward_data.default: softmax,
+    aten.native_layer_norm.default: layer_norm,
+    aten.native_layer_norm_backward.default: layer_norm,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: attention,
+    aten._scaled_dot_product_efficient_attention.default: attention,
+    aten._scaled_dot_product_efficient_attention_backward.default: attention,
+    aten._scaled_dot_product_flash_attention.default: attention,
+    aten._scaled_dot_product_flash_attention_backward.default: attention,
+    aten._scaled_dot_product_cudnn_attention.default: attention,
+    aten._scaled_dot_product_cudnn_attention_backward.default: attention,
+    aten.embedding.default: embedding,
+    aten.embedding_dense_backward.default: embedding_backward,
+    operator.getitem: getitem,
+    c10d.all_gather_into_tensor.default: keep_input,
+    c10d.reduce_scatter_tensor.default: keep_input,
+    c10d.all_reduce.default: keep_input,
+    c10d.wait_tensor.default: keep_input,
+}
+
+
+def candidates_for(node: fx.Node, tp: int) -> list[Candidate]:
+    rule = RULES.get(node.target, replicated)
+    return rule(node, tp)

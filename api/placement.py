@@ -20,8 +20,8 @@ from dpar.runtime.errors import OptionsError, ProcessGroupError
 if TYPE_CHECKING:
     from dpar.compiler.planner.plan import Plan
 
-STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "fsdp+tp", "auto")
-TENSOR_PARALLEL = ("tp", "ddp+tp", "fsdp+tp")
+STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "auto")
+TENSOR_PARALLEL = ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +65,8 @@ def parallelize(
 
     ``tp`` splits layers over a 1-D ``mesh`` (Megatron: column- then row-parallel
     Linears, heads split, a tied embedding split by vocabulary); ``ddp+tp`` and
-    ``fsdp+tp`` take a 2-D mesh whose dimensions are named ``("dp", "tp")`` (or
-    are, in that order, data then tensor parallel). Which dimension of each
+    ``zero2+tp``/``fsdp+tp`` take a 2-D mesh whose dimensions are named
+    ``("dp", "tp")``. Which dimension of each
     parameter tensor parallel splits comes from ``tp_plan`` (name -> dim, None
     for replicated) or, without it, from the forward run once on
     ``example_inputs``. ``plan`` (from ``dpar.plan``) gives strategy, mesh and
@@ -83,7 +83,8 @@ def parallelize(
     gradients and the optimizer state stay in the stored dtype (float32).
     """
     if plan is not None:
-        strategy, tp_plan = plan.strategy, plan.tp_dims()
+        # A tensor-parallel axis the planner left unsplit ("+replicate") is tp with no split parameter.
+        strategy, tp_plan = plan.strategy.replace("replicate", "tp"), plan.tp_dims()
     if strategy not in STRATEGIES:
         close = difflib.get_close_matches(str(strategy), STRATEGIES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -230,15 +231,15 @@ def _parallelize_tensor_parallel(
                 "column- and row-parallel layers) or tp_plan={name: dim or None}"
             )
         tp_plan = megatron_dims(model, example_inputs)
-        if strategy == "fsdp+tp":  # a vocabulary-split embedding under fsdp is not supported yet
-            embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-            tp_plan = {n: None if id(p) in embeddings else tp_plan[n] for n, p in model.named_parameters()}
+    if strategy in ("zero2+tp", "fsdp+tp"):  # a vocabulary-split embedding under fsdp is not supported yet
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        tp_plan = {n: None if id(p) in embeddings else tp_plan.get(n) for n, p in model.named_parameters()}
     names = [n for n, _ in model.named_parameters()]
     ddp_group = dp_mesh.get_group() if strategy == "ddp+tp" else None
     splits = tensor_parallel.split_parameters(model, tp_plan, tp_mesh.get_group(), ddp_group)
     buckets = {n: sharding.block_of(n) for n in names}
-    if strategy == "fsdp+tp":
-        sharding.shard_parameters(model, dp_mesh, "fsdp", buckets, max_inflight_gathers)
+    if strategy in ("zero2+tp", "fsdp+tp"):
+        sharding.shard_parameters(model, dp_mesh, strategy.removesuffix("+tp"), buckets, max_inflight_gathers)
     tensor_parallel.install_markers(splits)
     grouped: dict[str, list[str]] = {}
     for name in names:

@@ -1,0 +1,93 @@
+"""Structure of tensor parallel (the propagation pass), in one process with the fake process group."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import dpar
+from dpar.compiler import registry
+from dpar.compiler.collectives import collectives
+from dpar.compiler.megatron import megatron_dims
+from fake_world import fake_world
+from gpt import GPT, GPTConfig
+
+BATCH, HIDDEN, BLOCKS = 8, 32, 3
+
+
+class MLPBlocks(nn.Module):
+    """A replicated stem, then residual blocks of two Linears (Megatron's MLP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, HIDDEN)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"up": nn.Linear(HIDDEN, 4 * HIDDEN), "down": nn.Linear(4 * HIDDEN, HIDDEN)})
+            for _ in range(BLOCKS)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block["down"](F.gelu(block["up"](x)))
+        return x.sum()
+
+
+def compile_under_tp(model: nn.Module, world: int, *inputs: torch.Tensor, **kwargs) -> dict[str, fx.GraphModule]:
+    with fake_world(world):
+        dpar.parallelize(model, strategy="tp", mesh=init_device_mesh("cpu", (world,)), **kwargs)
+        torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(*inputs).backward()
+        return {g.label: g.graph for g in registry.compiled_graphs}
+
+
+def test_megatron_pairs_column_then_row_from_the_traced_forward() -> None:
+    dims = megatron_dims(MLPBlocks(), (torch.randn(BATCH, 16),))
+    # Pairs in dataflow order: the stem (column) feeds up (row), whose partial sum ends the pair.
+    assert [dims["stem.weight"], dims["blocks.0.up.weight"], dims["blocks.0.down.weight"]] == [0, 1, 0]
+    gpt = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    dims = megatron_dims(gpt, (torch.randint(0, 256, (2, 16)),))
+    assert [dims[f"blocks.0.attn.{p}.weight"] for p in ("q", "k", "v", "proj")] == [0, 0, 0, 1]
+    assert [dims[f"blocks.0.mlp.{p}.weight"] for p in ("up", "down")] == [0, 1]
+    assert dims["blocks.0.mlp.up.bias"] == 0 and dims["blocks.0.mlp.down.bias"] is None
+    assert dims["tok_emb.weight"] == 0  # tied to the column-parallel LM head: split by vocabulary
+    assert dims["pos_emb.weight"] is None and dims["blocks.0.ln_attn.weight"] is None
+
+
+def test_mlp_block_has_one_all_reduce_forward_and_backward_of_megatron_bytes() -> None:
+    world = 4
+    plan = {f"blocks.{i}.{name}": dim for i in range(BLOCKS) for name, dim in
+            (("up.weight", 0), ("up.bias", 0), ("down.weight", 1), ("down.bias", None))}
+    graphs = compile_under_tp(MLPBlocks(), world, torch.randn(BATCH, 16), tp_plan=plan)
+    forward, backward = collectives(graphs["forward graph"]), collectives(graphs["backward graph"])
+    print([(c.kind, c.shape, c.bytes) for c in forward], [(c.kind, c.shape, c.bytes) for c in backward])
+    # Megatron: f is identity forward / all-reduce backward, g the reverse: one of each per block.
+    assert [c.kind for c in forward] == ["all_reduce"] * BLOCKS
+    assert [c.kind for c in backward] == ["all_reduce"] * BLOCKS
+    activation_bytes = BATCH * HIDDEN * 4  # the block's output (forward) / input gradient (backward)
+    assert all(c.bytes == activation_bytes for c in forward + backward)
+    # Each rank's matmuls see a quarter of the 4h dimension.
+    shapes = [n.meta["val"].shape for n in graphs["forward graph"].graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert (BATCH, 4 * HIDDEN // world) in shapes
+
+
+def test_attention_splits_heads_and_gpt_moves_megatron_bytes() -> None:
+    config = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32)
+    torch.manual_seed(0)
+    idx = torch.randint(0, 256, (2, 16))
+    graphs = compile_under_tp(GPT(config), 2, idx, idx, example_inputs=(idx,))
+    forward = graphs["forward graph"].graph
+    attention = [n for n in forward.nodes if "scaled_dot_product" in str(n.target)]
+    assert len(attention) == config.n_layer
+    assert all(n.args[0].meta["val"].shape == (2, config.n_head // 2, 16, 8) for n in attention)  # heads split
+    kinds = lambda label: [c.kind for c in collectives(graphs[label])]
+    # Forward: the vocabulary-split embedding, then attention and MLP per block; the logits are gathered.
+    assert kinds("forward graph").count("all_reduce") == 1 + 2 * config.n_layer
+    assert kinds("forward graph").count("all_gather") == 1
+    # Backward: each block's two input gradients, and the LM head's.
+    assert kinds("backward graph").count("all_reduce") == 2 * config.n_layer + 1
+    activation_bytes = 2 * 16 * config.n_embd * 4
+    assert all(c.bytes == activation_bytes for c in collectives(graphs["forward graph"]) if c.kind == "all_reduce")
+    assert [c.bytes for c in collectives(graphs["forward graph"]) if c.kind == "all_gather"] == [2 * 16 * 256 // 2 * 4]

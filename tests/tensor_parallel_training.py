@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
+from dpar.placement import plan_of
 from training import STEPS, Case, global_batch, loss_of, make_optimizer, seeded_model
 
 ROWS = 8  # global batch
@@ -18,16 +19,30 @@ def mesh_of(strategy: str, world_size: int):
     return init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def train_parallel(rank: int, world_size: int, case: Case, strategy: str, compiler: str = "aot_eager") -> dict:
-    """``case`` trained under ``strategy``; returns the full state dict (rank 0) and collective counts."""
-    mesh = mesh_of(strategy, world_size)
+def data_parallel_rank(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
+    """(rank, size) of this process among the ranks that see different data, from what parallelize chose."""
+    chosen = plan_of(model)
+    strategy = chosen.strategy if chosen is not None else "ddp"
+    if strategy == "tp":
+        return 0, 1
+    if "+tp" in strategy:
+        tp = chosen.mesh_shape[1]
+        return dist.get_rank() // tp, world_size // tp
+    return dist.get_rank(), world_size
+
+
+def train_parallel(
+    rank: int, world_size: int, case: Case, strategy: str, compiler: str = "aot_eager", **parallelize_kwargs
+) -> dict:
+    """``case`` trained under ``strategy``; returns the full state dict on rank 0."""
     model = seeded_model(case)
     x0, _ = global_batch(case.model, 0, 0, ROWS)
-    dpar.parallelize(model, strategy=strategy, mesh=mesh, example_inputs=(x0,))
+    if strategy in ("tp", "ddp+tp", "zero2+tp", "fsdp+tp"):
+        parallelize_kwargs["mesh"] = mesh_of(strategy, world_size)
+    dpar.parallelize(model, strategy=strategy, example_inputs=(x0,), **parallelize_kwargs)
     runner = torch.compile(model, backend="dpar", options={"compiler": compiler})
     opt = make_optimizer(case.optimizer, [p for p in model.parameters() if p.requires_grad])
-    dp_size = 1 if strategy == "tp" else mesh["dp"].size()
-    dp_rank = 0 if strategy == "tp" else mesh["dp"].get_local_rank()
+    dp_rank, dp_size = data_parallel_rank(model, world_size)
     for step in range(STEPS):
         opt.zero_grad()
         x, y = global_batch(case.model, step, 0, ROWS)

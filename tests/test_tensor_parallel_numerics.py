@@ -31,3 +31,27 @@ def test_matches_one_process_on_the_whole_batch(strategy: str, world: int, model
     diff = max_abs_diff(parallel, single_process(case))
     print(f"{strategy} at {world} ranks, {case.id}: max |difference| {diff:.2e}")
     assert diff <= TOLERANCE[optimizer]
+
+
+def train_planned(rank: int, world_size: int, case: Case, roles: tuple[str, ...]) -> tuple[str, dict]:
+    """``dpar.plan`` with the mesh dimension's role fixed, applied by ``parallelize(plan=...)``."""
+    import dpar
+    from training import global_batch, seeded_model
+
+    x0, _ = global_batch(case.model, 0, 0, 8)
+    plan = dpar.plan(seeded_model(case), (x0,), mesh_shape=(world_size,), mesh_dim_names=roles)
+    return plan.strategy, train_parallel(rank, world_size, case, "fsdp", plan=plan)
+
+
+def test_a_tensor_parallel_plan_from_the_planner_applies_and_matches() -> None:
+    case = Case("gpt", "sgd")
+    strategy, parallel = run_ranks(train_planned, 2, case, ("tp",))[0]
+    diff = max_abs_diff(parallel, single_process(case))
+    print(f"planned {strategy}: max |difference| {diff:.2e}")
+    assert strategy in ("tp", "replicate") and diff <= TOLERANCE["sgd"]
+
+
+def test_auto_plans_then_parallelizes() -> None:
+    case = Case("mlp", "adamw")
+    parallel = run_ranks(train_parallel, 2, case, "auto")[0]
+    assert max_abs_diff(parallel, single_process(case)) <= TOLERANCE["adamw"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -188,8 +189,8 @@ def _tensor_parallel_mesh(strategy: str, mesh: DeviceMesh | None, world: int, de
 
 def _mesh_of_plan(model: nn.Module, plan: Plan) -> DeviceMesh:
     device_type = next((p.device.type for p in model.parameters()), "cpu")
-    if len(plan.mesh_shape) == 1:
-        return init_device_mesh(device_type, plan.mesh_shape)
+    if "tp" not in plan.mesh_dim_names:  # data parallel over every dimension: one flat group
+        return init_device_mesh(device_type, (math.prod(plan.mesh_shape),))
     return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
 
 

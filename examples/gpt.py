@@ -37,6 +37,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    fused_qkv: bool = True  # one (C, 3C) projection; False: separate q/k/v, which tensor parallel splits by heads
 
 
 class CausalSelfAttention(nn.Module):
@@ -45,18 +46,25 @@ class CausalSelfAttention(nn.Module):
         if config.n_embd % config.n_head:
             raise ValueError(f"n_embd={config.n_embd} must be a multiple of n_head={config.n_head}")
         self.n_head = config.n_head
-        # Separate projections (as Llama has): tensor parallel splits each by heads.
-        self.q = nn.Linear(config.n_embd, config.n_embd)
-        self.k = nn.Linear(config.n_embd, config.n_embd)
-        self.v = nn.Linear(config.n_embd, config.n_embd)
+        self.fused_qkv = config.fused_qkv
+        if config.fused_qkv:
+            self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        else:  # separate projections (as Llama has): tensor parallel splits each by heads
+            self.q = nn.Linear(config.n_embd, config.n_embd)
+            self.k = nn.Linear(config.n_embd, config.n_embd)
+            self.v = nn.Linear(config.n_embd, config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, channels = x.shape
-        heads = lambda t: t.view(batch, seq, self.n_head, channels // self.n_head).transpose(1, 2)
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        if self.fused_qkv:  # (B, T, 3C) -> three (B, heads, T, head_dim) tensors
+            qkv = self.qkv(x).view(batch, seq, 3, self.n_head, channels // self.n_head)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        else:
+            heads = lambda t: t.view(batch, seq, self.n_head, channels // self.n_head).transpose(1, 2)
+            q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )

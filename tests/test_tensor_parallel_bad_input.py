@@ -44,6 +44,6 @@ def test_tp_needs_example_inputs_or_a_plan(world_of_four) -> None:
 def test_a_plan_naming_no_parameter_and_tied_weights_split_two_ways(world_of_four) -> None:
     with pytest.raises(ValueError, match=r"names 'net.9.weight', which is not a parameter of the model"):
         dpar.parallelize(MLP(), strategy="tp", tp_plan={"net.9.weight": 0})
-    gpt = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    gpt = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, fused_qkv=False))
     with pytest.raises(ValueError, match=r"lm_head.weight is tied to tok_emb.weight but the plan splits them differently"):
         dpar.parallelize(gpt, strategy="tp", tp_plan={"tok_emb.weight": 0, "lm_head.weight": 1})

@@ -47,7 +47,7 @@ def test_megatron_pairs_column_then_row_from_the_traced_forward() -> None:
     dims = megatron_dims(MLPBlocks(), (torch.randn(BATCH, 16),))
     # Pairs in dataflow order: the stem (column) feeds up (row), whose partial sum ends the pair.
     assert [dims["stem.weight"], dims["blocks.0.up.weight"], dims["blocks.0.down.weight"]] == [0, 1, 0]
-    gpt = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    gpt = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, fused_qkv=False))
     dims = megatron_dims(gpt, (torch.randint(0, 256, (2, 16)),))
     assert [dims[f"blocks.0.attn.{p}.weight"] for p in ("q", "k", "v", "proj")] == [0, 0, 0, 1]
     assert [dims[f"blocks.0.mlp.{p}.weight"] for p in ("up", "down")] == [0, 1]
@@ -74,7 +74,7 @@ def test_mlp_block_has_one_all_reduce_forward_and_backward_of_megatron_bytes() -
 
 
 def test_attention_splits_heads_and_gpt_moves_megatron_bytes() -> None:
-    config = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32)
+    config = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32, fused_qkv=False)
     torch.manual_seed(0)
     idx = torch.randint(0, 256, (2, 16))
     graphs = compile_under_tp(GPT(config), 2, idx, idx, example_inputs=(idx,))

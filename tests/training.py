@@ -19,7 +19,7 @@ TOLERANCE = {"sgd": 1e-5, "adamw": 1e-4}
 def tiny_gpt() -> nn.Module:
     from gpt import GPT, GPTConfig
 
-    return GPT(GPTConfig(block_size=16, n_layer=4, n_head=2, n_embd=32))
+    return GPT(GPTConfig(block_size=16, n_layer=4, n_head=2, n_embd=32, fused_qkv=False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -150,17 +150,28 @@ def parallelize(
     sharding.shard_parameters(
         model, mesh, strategy, bucket_of, max_inflight_gathers, param_dtype=param_dtype, reduce_dtype=reduce_dtype
     )
+    _record_plan(model, strategy, tuple(mesh.shape), names, bucket_of, max_inflight_gathers)
+    sharding.guard_optimizers_built_too_early()
+    return model
+
+
+def _record_plan(
+    model: nn.Module,
+    strategy: str,
+    mesh_shape: tuple[int, ...],
+    names: list[str],
+    bucket_of: dict[str, str],
+    max_inflight_gathers: int,
+) -> None:
     buckets: dict[str, list[str]] = {}
     for name in names:
         buckets.setdefault(bucket_of[name], []).append(name)
     _plans[model] = ShardedPlan(
         strategy=strategy,
-        mesh_shape=tuple(mesh.shape),
+        mesh_shape=mesh_shape,
         buckets={b: tuple(ns) for b, ns in buckets.items()},
         max_inflight_gathers=max_inflight_gathers,
     )
-    sharding.guard_optimizers_built_too_early()
-    return model
 
 
 def _tensor_parallel_mesh(strategy: str, mesh: DeviceMesh | None, world: int, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh]:
@@ -242,15 +253,7 @@ def _parallelize_tensor_parallel(
     if strategy in ("zero2+tp", "fsdp+tp"):
         sharding.shard_parameters(model, dp_mesh, strategy.removesuffix("+tp"), buckets, max_inflight_gathers)
     tensor_parallel.install_markers(splits)
-    grouped: dict[str, list[str]] = {}
-    for name in names:
-        grouped.setdefault(buckets[name], []).append(name)
-    _plans[model] = ShardedPlan(
-        strategy=strategy,
-        mesh_shape=tuple((mesh or tp_mesh).shape),
-        buckets={b: tuple(ns) for b, ns in grouped.items()},
-        max_inflight_gathers=max_inflight_gathers,
-    )
+    _record_plan(model, strategy, tuple((mesh or tp_mesh).shape), names, buckets, max_inflight_gathers)
 
 
 def plan_of(model: nn.Module) -> ShardedPlan | None:

@@ -1,6 +1,17 @@
 import os
 import sys
 
+import pytest
+
 # Tests import the example models (examples/gpt.py) and the rank runner beside them.
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "examples")]
+
+
+@pytest.fixture
+def world_of_four():
+    """A fake process group of four ranks for the test (bad-input tests: nothing is sent)."""
+    from fake_world import fake_world
+
+    with fake_world(4):
+        yield

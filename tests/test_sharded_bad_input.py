@@ -8,18 +8,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
-from fake_world import fake_world
 from models import MLP
 
 
-@pytest.fixture
-def world_of_four():
-    with fake_world(4):
-        yield
-
-
 def test_unknown_strategy_suggests_the_closest(world_of_four) -> None:
-    with pytest.raises(ValueError, match=r"unknown strategy 'fdsp' \(did you mean 'fsdp'\?\); choose one of \['ddp', 'zero2', 'fsdp', 'hsdp'\]"):
+    with pytest.raises(ValueError, match=r"unknown strategy 'fdsp' \(did you mean 'fsdp'\?\); choose one of \['ddp', 'zero2', 'fsdp', 'hsdp', 'tp', 'ddp\+tp', 'zero2\+tp', 'fsdp\+tp', 'auto'\]"):
         dpar.parallelize(MLP(), strategy="fdsp")
 
 

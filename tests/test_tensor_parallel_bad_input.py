@@ -7,15 +7,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
-from fake_world import fake_world
 from gpt import GPT, GPTConfig
 from models import MLP, Uneven
-
-
-@pytest.fixture
-def world_of_four():
-    with fake_world(4):
-        yield
 
 
 def test_a_degree_that_does_not_divide_a_dimension(world_of_four) -> None:

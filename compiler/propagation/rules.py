@@ -221,11 +221,6 @@ def expand(node: fx.Node, tp: int) -> list[Candidate]:
     return [Candidate((here,), (here,))]
 
 
-def unsqueeze(node: fx.Node, tp: int) -> list[Candidate]:
-    source = tensor_inputs(node)[0]
-    return view(node, tp) if isinstance(source.meta.get("placement", R), Shard) else _permuted(node, [])
-
-
 # --- reductions, normalisation, attention, embedding -------------------------------------------
 
 
@@ -339,8 +334,8 @@ RULES: dict[object, Rule] = {
     aten._unsafe_view.default: view,
     aten.reshape.default: view,
     aten.expand.default: expand,
-    aten.unsqueeze.default: unsqueeze,
-    aten.squeeze.dim: unsqueeze,
+    aten.unsqueeze.default: view,  # inserting or dropping a size-1 dimension is a view
+    aten.squeeze.dim: view,
     aten.sum.dim_IntList: reduction,
     aten.sum.default: reduction,
     aten.mean.dim: reduction,

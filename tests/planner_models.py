@@ -58,7 +58,9 @@ def gpt(n_layer: int = 2, n_embd: int = 256, n_head: int = 8, block: int = 128, 
     """examples/gpt.py's GPT on the meta device, with a batch of token ids and targets."""
     from gpt import GPT, GPTConfig
 
-    config = GPTConfig(vocab_size=vocab, block_size=block, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    config = GPTConfig(
+        vocab_size=vocab, block_size=block, n_layer=n_layer, n_head=n_head, n_embd=n_embd, fused_qkv=False
+    )
     with torch.device("meta"):
         model = GPT(config)
     ids = torch.zeros(batch, block, dtype=torch.long, device="meta")

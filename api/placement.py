@@ -61,13 +61,18 @@ def parallelize(
     example_inputs: Sequence[Any] | None = None,
     plan: Plan | None = None,
     memory_budget_gb: float | None = None,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place for ``strategy``; build the optimizer afterwards.
 
     ``tp`` splits layers over a 1-D ``mesh`` (Megatron: column- then row-parallel
     Linears, heads split, a tied embedding split by vocabulary); ``ddp+tp`` and
     ``zero2+tp``/``fsdp+tp`` take a 2-D mesh whose dimensions are named
-    ``("dp", "tp")``. Which dimension of each
+    ``("dp", "tp")``. ``sequence_parallel=True`` (Megatron-SP) splits the token
+    stream between the tensor-parallel layers along the sequence: each block's
+    all-reduce becomes a reduce-scatter there and an all-gather before the
+    next column-parallel layer, so norms and residuals hold 1/tp of the tokens.
+    Which dimension of each
     parameter tensor parallel splits comes from ``tp_plan`` (name -> dim, None
     for replicated) or, without it, from the forward run once on
     ``example_inputs``. ``plan`` (from ``dpar.plan``) gives strategy, mesh and
@@ -116,11 +121,17 @@ def parallelize(
         mesh = _mesh_of_plan(model, plan)
     if strategy == "auto":
         return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype)
+    if sequence_parallel and strategy not in TENSOR_PARALLEL:
+        raise OptionsError(
+            f"sequence_parallel splits the activations between tensor-parallel layers; it needs a "
+            f"tensor-parallel strategy ({', '.join(TENSOR_PARALLEL)}), not {strategy!r}"
+        )
     if strategy in TENSOR_PARALLEL:
         if param_dtype is not None or reduce_dtype is not None:
             raise OptionsError(f"param_dtype/reduce_dtype are not supported with {strategy!r} yet; use torch.autocast")
         _parallelize_tensor_parallel(
-            model, strategy, mesh, tp_plan, example_inputs, world, device_type, max_inflight_gathers
+            model, strategy, mesh, tp_plan, example_inputs, world, device_type, max_inflight_gathers,
+            sequence_parallel,
         )
         sharding.guard_optimizers_built_too_early()
         return model
@@ -233,6 +244,7 @@ def _parallelize_tensor_parallel(
     world: int,
     device_type: str,
     max_inflight_gathers: int,
+    sequence_parallel: bool,
 ) -> None:
     dp_mesh, tp_mesh = _tensor_parallel_mesh(strategy, mesh, world, device_type)
     if tp_plan is None:
@@ -243,12 +255,11 @@ def _parallelize_tensor_parallel(
                 "column- and row-parallel layers) or tp_plan={name: dim or None}"
             )
         tp_plan = megatron_dims(model, example_inputs)
-    if strategy in ("zero2+tp", "fsdp+tp"):  # a vocabulary-split embedding under fsdp is not supported yet
-        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-        tp_plan = {n: None if id(p) in embeddings else tp_plan.get(n) for n, p in model.named_parameters()}
     names = [n for n, _ in model.named_parameters()]
     ddp_group = dp_mesh.get_group() if strategy == "ddp+tp" else None
-    splits = tensor_parallel.split_parameters(model, tp_plan, tp_mesh.get_group(), ddp_group)
+    splits = tensor_parallel.split_parameters(
+        model, tp_plan, tp_mesh.get_group(), ddp_group, sequence_parallel=sequence_parallel
+    )
     buckets = {n: sharding.block_of(n) for n in names}
     if strategy in ("zero2+tp", "fsdp+tp"):
         sharding.shard_parameters(model, dp_mesh, strategy.removesuffix("+tp"), buckets, max_inflight_gathers)

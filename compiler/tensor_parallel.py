@@ -23,7 +23,10 @@ GraphHook = Callable[[fx.GraphModule, Sequence[Any], GraphRole, Lower], Callable
 
 def tensor_parallel_mesh(spec: TensorParallelSpec) -> MeshDim:
     group = _resolve_process_group(spec.group_name)
-    return MeshDim(size=spec.tp_size, rank=dist.get_rank(group), group_name=spec.group_name)
+    return MeshDim(
+        size=spec.tp_size, rank=dist.get_rank(group), group_name=spec.group_name,
+        sequence_parallel=spec.sequence_parallel,
+    )
 
 
 class TensorParallelHook:

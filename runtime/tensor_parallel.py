@@ -39,6 +39,7 @@ class TensorParallelSpec:
     group_name: str
     tp_size: int
     data_parallel_group_name: str | None = None  # ddp+tp: gradients are all-reduced over this group
+    sequence_parallel: bool = False  # norms and the residual stream split along the sequence (Megatron-SP)
 
 
 _specs: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -126,6 +127,7 @@ def split_parameters(
     tp_dims: dict[str, int | None],
     group: dist.ProcessGroup,
     data_parallel_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
 ) -> Splits:
     """Replace each parameter that ``tp_dims`` splits by this rank's block, in place.
 
@@ -158,6 +160,7 @@ def split_parameters(
                 spec = TensorParallelSpec(
                     qualified, dim, tuple(param.shape), group.group_name, tp_size,
                     data_parallel_group.group_name if data_parallel_group is not None else None,
+                    sequence_parallel,
                 )
                 block = param
                 if dim is not None:

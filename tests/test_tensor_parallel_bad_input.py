@@ -40,3 +40,8 @@ def test_a_plan_naming_no_parameter_and_tied_weights_split_two_ways(world_of_fou
     gpt = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, fused_qkv=False))
     with pytest.raises(ValueError, match=r"lm_head.weight is tied to tok_emb.weight but the plan splits them differently"):
         dpar.parallelize(gpt, strategy="tp", tp_plan={"tok_emb.weight": 0, "lm_head.weight": 1})
+
+
+def test_sequence_parallel_needs_a_tensor_parallel_strategy(world_of_four) -> None:
+    with pytest.raises(ValueError, match=r"sequence_parallel .* needs a tensor-parallel strategy \(tp, ddp\+tp, zero2\+tp, fsdp\+tp\), not 'fsdp'"):
+        dpar.parallelize(MLP(), strategy="fsdp", sequence_parallel=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from distributed import run_ranks
@@ -30,6 +32,24 @@ def test_matches_one_process_on_the_whole_batch(strategy: str, world: int, model
     parallel = run_ranks(train_parallel, world, case, strategy)[0]
     diff = max_abs_diff(parallel, single_process(case))
     print(f"{strategy} at {world} ranks, {case.id}: max |difference| {diff:.2e}")
+    assert diff <= TOLERANCE[optimizer]
+
+
+SEQUENCE_PARALLEL = [
+    ("tp", 2, "sgd"),
+    ("tp", 2, "adamw"),
+    ("tp", 4, "adamw"),
+    ("fsdp+tp", 4, "adamw"),
+    ("zero2+tp", 4, "sgd"),
+]
+
+
+@pytest.mark.parametrize("strategy,world,optimizer", SEQUENCE_PARALLEL, ids=["-".join(map(str, c)) for c in SEQUENCE_PARALLEL])
+def test_sequence_parallel_matches_one_process(strategy: str, world: int, optimizer: str) -> None:
+    case = Case("gpt", optimizer)
+    parallel = run_ranks(functools.partial(train_parallel, sequence_parallel=True), world, case, strategy)[0]
+    diff = max_abs_diff(parallel, single_process(case))
+    print(f"{strategy} + sequence parallel at {world} ranks, {case.id}: max |difference| {diff:.2e}")
     assert diff <= TOLERANCE[optimizer]
 
 

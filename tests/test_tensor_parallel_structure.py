@@ -91,3 +91,38 @@ def test_attention_splits_heads_and_gpt_moves_megatron_bytes() -> None:
     activation_bytes = 2 * 16 * config.n_embd * 4
     assert all(c.bytes == activation_bytes for c in collectives(graphs["forward graph"]) if c.kind == "all_reduce")
     assert [c.bytes for c in collectives(graphs["forward graph"]) if c.kind == "all_gather"] == [2 * 16 * 256 // 2 * 4]
+
+
+def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gather() -> None:
+    """Megatron-SP: the residual stream and its norms hold T/tp tokens; per block and direction,
+    each all-reduce of B·T·C becomes a reduce-scatter of it plus an all-gather back, the same bytes."""
+    config = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32, fused_qkv=False)
+    batch, seq, tp = 2, 16, 2
+    torch.manual_seed(0)
+    idx = torch.randint(0, 256, (batch, seq))
+    graphs = compile_under_tp(GPT(config), tp, idx, idx, example_inputs=(idx,), sequence_parallel=True)
+    forward, backward = collectives(graphs["forward graph"]), collectives(graphs["backward graph"])
+    print([(c.kind, c.bytes) for c in forward], [(c.kind, c.bytes) for c in backward], sep="\n")
+    activation_bytes = batch * seq * config.n_embd * 4
+    exchanges = 1 + 2 * config.n_layer  # the embedding's partial sum, then attention and MLP per block
+    kinds = lambda cs: [c.kind for c in cs]
+    assert kinds(forward).count("all_reduce") == 0
+    assert [c.bytes for c in forward if c.kind == "reduce_scatter"] == [activation_bytes] * exchanges
+    # Gathered before each block's two column-parallel layers and the LM head; then the logits.
+    assert [c.bytes for c in forward if c.kind == "all_gather"] == [activation_bytes // tp] * exchanges + [
+        batch * seq * config.vocab_size // tp * 4
+    ]
+    assert [c.bytes for c in backward if c.kind == "reduce_scatter"] == [activation_bytes] * exchanges
+    # Gathered gradients for the row-parallel layers' backward, and the position table's gradient.
+    assert sorted(c.bytes for c in backward if c.kind == "all_gather") == sorted(
+        [activation_bytes // tp] * exchanges + [seq * config.n_embd * 4 // tp]
+    )
+    # The norms' weight and bias gradients are partial sums over the token shards: all-reduced.
+    norms = 2 * config.n_layer + 1
+    assert [c.bytes for c in backward if c.kind == "all_reduce"] == [config.n_embd * 4] * (2 * norms)
+    # Every layer norm runs on this rank's T/tp tokens.
+    norm_inputs = [
+        n.args[0].meta["val"].shape for n in graphs["forward graph"].graph.nodes
+        if n.target is torch.ops.aten.native_layer_norm.default
+    ]
+    assert norm_inputs == [(batch, seq // tp, config.n_embd)] * norms

@@ -61,8 +61,8 @@ def bucket_reduce_scatters_pass(
         _drop_full_gradient_all_reduces(graph)
     output = graph.output_node()
     scatters: dict[int, list[fx.Node]] = {}
-    for node in graph.nodes:
-        if node.target is c10d.reduce_scatter_tensor.default:
+    for node in graph.nodes:  # over this group only: tensor parallel reduce-scatters activations
+        if node.target is c10d.reduce_scatter_tensor.default and node.args[3] == group_name:
             for position in _output_positions(node, output):
                 scatters.setdefault(position, []).append(node)
     for position, tied in scatters.items():

@@ -23,12 +23,17 @@ def tag_gathers_for_recompute(joint: fx.GraphModule, groups: Sequence[ParameterG
     """
     primals = primal_placeholders(joint.graph)
     group_of = {primals[i]: g.name for g in groups for i in g.inputs if i in primals}
-    gathers = [n for n in joint.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
-    kept = group_of.get(shard_source(gathers[-1].args[0])) if gathers else None
+    # Gathers of parameter shards only: tensor parallel's activation gathers are computed values.
+    gathers = [
+        n for n in joint.graph.nodes
+        if n.target is c10d.all_gather_into_tensor.default and shard_source(n.args[0]) in group_of
+    ]
+    kept = group_of[shard_source(gathers[-1].args[0])] if gathers else None
+    group_of_gather = {n: group_of[shard_source(n.args[0])] for n in gathers}
     derived: set[fx.Node] = set()
     for node in joint.graph.nodes:
-        if node.target is c10d.all_gather_into_tensor.default:
-            if kept is None or group_of.get(shard_source(node.args[0])) != kept:
+        if node in group_of_gather:
+            if group_of_gather[node] != kept:
                 derived.update(operand_chain(node))
         elif node.op == "call_function" and node.all_input_nodes and all(a in derived for a in node.all_input_nodes):
             derived.add(node)

@@ -20,18 +20,35 @@ aten = torch.ops.aten
 
 def split_addmm(gm: fx.GraphModule) -> fx.GraphModule:
     """``addmm(bias, a, b)`` -> ``mm(a, b) + bias``: a row-parallel product is a partial sum,
-    which must be reduced before the bias is added once (Inductor fuses the add back)."""
+    which must be reduced before the bias is added once (Inductor fuses the add back).
+
+    Where the product is only viewed back to the token layout (a Linear on
+    ``(batch, seq, hidden)``), the bias is added after the view, so that sequence
+    parallel can reduce-scatter the sum along the sequence there.
+    """
     graph = gm.graph
+    views = (aten.view.default, aten._unsafe_view.default)
     for node in list(graph.nodes):
-        if node.target is aten.addmm.default and not node.kwargs:
-            bias, a, b = node.args
-            with graph.inserting_before(node):
-                product = graph.call_function(aten.mm.default, (a, b))
-                product.meta["val"] = node.meta["val"]
-                total = graph.call_function(aten.add.Tensor, (product, bias))
-                total.meta["val"] = node.meta["val"]
-            node.replace_all_uses_with(total)
-            graph.erase_node(node)
+        if node.target is not aten.addmm.default or node.kwargs:
+            continue
+        bias, a, b = node.args
+        users = list(node.users)
+        viewed = users[0] if len(users) == 1 and users[0].target in views else None
+        if viewed is not None and viewed.meta["val"].shape[-1] != node.meta["val"].shape[-1]:
+            viewed = None
+        with graph.inserting_before(node):
+            product = graph.call_function(aten.mm.default, (a, b))
+            product.meta["val"] = node.meta["val"]
+            if viewed is not None:
+                product = graph.call_function(viewed.target, (product, *viewed.args[1:]))
+                product.meta["val"] = viewed.meta["val"]
+            total = graph.call_function(aten.add.Tensor, (product, bias))
+            total.meta["val"] = product.meta["val"]
+        if viewed is not None:
+            viewed.replace_all_uses_with(total)
+            graph.erase_node(viewed)
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
     return gm
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import dpar.runtime.tensor_parallel  # noqa: F401  (registers the marker ops)
 from dpar.compiler.propagation.redistribute import cost, nbytes_of, redistribute
-from dpar.compiler.propagation.rules import Candidate, candidates_for, tensor_inputs
+from dpar.compiler.propagation.rules import Candidate, candidates_for, sequence_shard, tensor_inputs
 
 WEIGHT_MARKER = torch.ops.dpar.tensor_parallel_weight.default
 GRAD_MARKER = torch.ops.dpar.tensor_parallel_grad.default
@@ -32,6 +32,7 @@ class MeshDim:
     size: int
     rank: int
     group_name: str
+    sequence_parallel: bool = False
 
 
 def _choose(node: fx.Node, candidates: list[Candidate], size: int) -> Candidate:
@@ -97,7 +98,10 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
                 # Its traced value is this rank's block, as a placeholder's is: nothing to rewrite after it.
                 chosen = Candidate((Shard(node.args[1]),), (Replicate(),))
             else:
-                chosen = _choose(node, candidates_for(node, mesh.size), mesh.size)
+                candidates = candidates_for(node, mesh.size)
+                if mesh.sequence_parallel:
+                    candidates += sequence_shard(node, mesh.size)
+                chosen = _choose(node, candidates, mesh.size)
             for value, want in zip(tensor_inputs(node), chosen.inputs):
                 node.replace_input_with(value, move.to(value, want, node))
             node.meta["placement_inputs"] = chosen.inputs

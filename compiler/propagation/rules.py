@@ -258,15 +258,21 @@ def softmax(node: fx.Node, tp: int) -> list[Candidate]:
 def layer_norm(node: fx.Node, tp: int) -> list[Candidate]:
     """Shards along batch-like dims; the normalised dims must be whole on each rank.
 
-    Backward: the weight and bias gradients sum over batch-like dims, so a shard
-    there makes them partial.
+    The shard comes from any full-rank input: in the backward the incoming
+    gradient may be a partial sum while the saved input is sharded (sequence
+    parallel), and then the gradient is reduce-scattered to match. The weight
+    and bias gradients sum over batch-like dims, so a shard there makes them partial.
     """
     inputs = tensor_inputs(node)
     ndim = len(shape_of(inputs[0]))
     leading = ndim - len(node.args[2] if node.target is aten.native_layer_norm_backward.default else node.args[1])
-    here = inputs[0].meta.get("placement", R)
+    sharded = [
+        n.meta.get("placement") for n in inputs
+        if len(shape_of(n)) == ndim and isinstance(n.meta.get("placement"), Shard)
+    ]
+    here = next((p for p in sharded if p.dim < leading), R)
     candidates = []
-    if isinstance(here, Shard) and here.dim < leading:
+    if isinstance(here, Shard):
         ins = tuple(here if len(shape_of(n)) == ndim else R for n in inputs)
         if node.target is aten.native_layer_norm.default:
             candidates.append(Candidate(ins, (here, here, here)))
@@ -308,6 +314,25 @@ def embedding_backward(node: fx.Node, tp: int) -> list[Candidate]:
     )
     whole, rows = Candidate((R, R), (R,)), Candidate((R, R), (Shard(0),))
     return [rows, whole] if split else [whole, rows]
+
+
+def sequence_shard(node: fx.Node, tp: int) -> list[Candidate]:
+    """Sequence parallel (Megatron-SP): a partial sum entering a pointwise op of the token
+    stream (``(..., seq, hidden)``) is reduce-scattered along the sequence instead of all-reduced.
+
+    Offered in addition to the op's own rule. The same bytes then come back as an
+    all-gather before the next layer that needs whole sequences (a matmul over
+    flattened tokens), so communication is unchanged while norms, dropout and the
+    residual stream between them run on, and keep, 1/tp of the tokens.
+    """
+    if node.target not in POINTWISE:
+        return []
+    inputs = tensor_inputs(node)
+    shape = shape_of(node)
+    if len(shape) < 3 or not _divides(shape[-2], tp) or all(n.meta.get("placement", R) != P for n in inputs):
+        return []
+    out = Shard(len(shape) - 2)
+    return [Candidate(tuple(_broadcast_placement(len(shape), shape_of(n), out) for n in inputs), _outputs(node, out))]
 
 
 def keep_input(node: fx.Node, tp: int) -> list[Candidate]:

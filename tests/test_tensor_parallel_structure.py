@@ -113,9 +113,10 @@ def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gat
         batch * seq * config.vocab_size // tp * 4
     ]
     assert [c.bytes for c in backward if c.kind == "reduce_scatter"] == [activation_bytes] * exchanges
-    # Gathered gradients for the row-parallel layers' backward, and the position table's gradient.
+    # Gathered gradients for the row-parallel layers' backward; the norms' outputs gathered again
+    # (saved as T/tp tokens, not whole) for the column-parallel weight gradients; the position table's gradient.
     assert sorted(c.bytes for c in backward if c.kind == "all_gather") == sorted(
-        [activation_bytes // tp] * exchanges + [seq * config.n_embd * 4 // tp]
+        [activation_bytes // tp] * 2 * exchanges + [seq * config.n_embd * 4 // tp]
     )
     # The norms' weight and bias gradients are partial sums over the token shards: all-reduced.
     norms = 2 * config.n_layer + 1
@@ -126,3 +127,27 @@ def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gat
         if n.target is torch.ops.aten.native_layer_norm.default
     ]
     assert norm_inputs == [(batch, seq // tp, config.n_embd)] * norms
+
+
+def saved_for_backward(forward: fx.GraphModule) -> list[tuple[int, ...]]:
+    """Shapes of the activations a forward graph returns for its backward (not its inputs)."""
+    return [
+        tuple(n.meta["val"].shape) for n in forward.graph.output_node().args[0][1:]
+        if isinstance(n, fx.Node) and n.op != "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+
+
+def test_sequence_parallel_saves_the_token_stream_split_along_the_sequence() -> None:
+    """Without sequence parallel the norms' inputs and outputs are saved whole; with it, every
+    saved (B, T, C) activation holds T/tp tokens and the gathered ones are gathered again."""
+    config = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32, fused_qkv=False)
+    batch, seq, tp, channels = 2, 16, 2, 32
+    idx = torch.randint(0, 256, (batch, seq))
+    saved = {}
+    for sp in (False, True):
+        graphs = compile_under_tp(GPT(config), tp, idx, idx, example_inputs=(idx,), sequence_parallel=sp)
+        saved[sp] = saved_for_backward(graphs["forward graph"])
+    whole = {(batch, seq, channels), (batch * seq, channels)}
+    print(sorted(saved[False]), sorted(saved[True]), sep="\n")
+    assert sum(s in whole for s in saved[False]) == sum(s == (batch, seq // tp, channels) for s in saved[True]) > 0
+    assert not any(s in whole for s in saved[True])

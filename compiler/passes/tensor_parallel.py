@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from dpar.compiler.graph_utils import refresh_fake_values
 from dpar.compiler.propagation.localize import localize
+from dpar.compiler.passes.sequence_parallel import tag_sequence_gathers_for_recompute
 from dpar.compiler.propagation.propagate import MeshDim, propagate_placements
 
 aten = torch.ops.aten
@@ -57,4 +58,6 @@ def tensor_parallel_pass(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
     gm = localize(propagate_placements(split_addmm(gm), mesh), mesh)
     gm.recompile()
     refresh_fake_values(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+    if mesh.sequence_parallel:
+        tag_sequence_gathers_for_recompute(gm, mesh.group_name)
     return gm

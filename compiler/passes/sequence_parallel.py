@@ -1,0 +1,57 @@
+"""Sequence parallel's memory: gather the token stream again in the backward instead of saving it whole.
+
+Under sequence parallel the forward all-gathers a norm's output (held as
+T/tp tokens) before each column-parallel layer. Left alone, the partitioner
+saves that gathered tensor for the layer's weight gradient, and the activation
+memory that sequence parallel was meant to save is spent again. Marking the
+gather, the reshuffles around it and what is computed from it alone as
+must-recompute makes the partitioner save the shard instead; the backward
+gathers it again (Megatron-SP does the same).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+from torch.utils.checkpoint import CheckpointPolicy
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+_RESHUFFLES = (aten.permute.default, aten.clone.default)
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that read a tangent, directly or not: the joint graph's backward."""
+    reached = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    for node in graph.nodes:
+        if any(a in reached for a in node.all_input_nodes):
+            reached.add(node)
+    return reached
+
+
+def _is_sequence_shard(node: fx.Node) -> bool:
+    placement, val = node.meta.get("placement"), node.meta.get("val")
+    return isinstance(placement, Shard) and isinstance(val, torch.Tensor) and val.ndim >= 3 and placement.dim == val.ndim - 2
+
+
+def tag_sequence_gathers_for_recompute(gm: fx.GraphModule, group_name: str) -> fx.GraphModule:
+    graph = gm.graph
+    backward = _backward_nodes(graph)
+    derived: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node in backward or node.op != "call_function":
+            continue
+        if node.target is c10d.all_gather_into_tensor.default and node.args[2] == group_name:
+            chain, source = [node], node.args[0]
+            while source.target in _RESHUFFLES and len(source.users) == 1:
+                chain.append(source)
+                source = source.args[0]
+            if _is_sequence_shard(source):
+                derived.update(chain)
+        elif node.all_input_nodes and all(a in derived for a in node.all_input_nodes):
+            derived.add(node)
+    for node in derived:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return gm

@@ -1,6 +1,7 @@
 """A small byte-level GPT trained on examples/data/corpus.txt, data parallel through dpar.
 
     torchrun --nproc-per-node 2 examples/gpt.py --steps 30   # two ranks (gloo on CPU, NCCL on GPUs)
+    torchrun --nproc-per-node 2 examples/gpt.py --strategy tp --sequence-parallel   # layers split over 2 ranks
     python examples/gpt.py --steps 5                         # one device: dpar warns and runs locally
 
 Apart from creating the process group, the training loop is plain single-device
@@ -181,9 +182,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument(
         "--strategy",
-        choices=("ddp", "zero2", "fsdp"),
+        choices=("ddp", "zero2", "fsdp", "tp"),
         default="ddp",
-        help="ddp replicates; zero2/fsdp shard parameters, gradients and optimizer state (needs torchrun)",
+        help="ddp replicates; zero2/fsdp shard parameters, gradients and optimizer state; tp splits "
+        "layers (Megatron; every rank sees the same batch). All but ddp need torchrun",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="tp: keep norms and the residual stream split along the sequence (Megatron-SP)",
     )
     parser.add_argument(
         "--param-dtype",
@@ -194,7 +201,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.sequence_parallel and args.strategy != "tp":
+        parser.error("--sequence-parallel splits activations between tensor-parallel layers: add --strategy tp")
+    return args
 
 
 def main() -> None:
@@ -212,9 +222,18 @@ def main() -> None:
 
     # The same seed everywhere gives identical replicas (dpar also broadcasts rank 0's at compile).
     torch.manual_seed(args.seed)
-    config = GPTConfig()
+    tensor_parallel = args.strategy == "tp"
+    config = GPTConfig(fused_qkv=not tensor_parallel)  # separate q/k/v: tensor parallel splits them by heads
     model = GPT(config).to(device)
-    if args.strategy != "ddp":
+    data = load_corpus()
+    # Data parallel: each rank its own batches. Tensor parallel: every rank the same ones.
+    generator = torch.Generator().manual_seed(args.seed + (0 if tensor_parallel else rank))
+    if tensor_parallel:
+        example = get_batch(data, args.batch_size, config.block_size, torch.Generator().manual_seed(args.seed))[0]
+        dpar.parallelize(
+            model, strategy="tp", example_inputs=(example.to(device),), sequence_parallel=args.sequence_parallel
+        )
+    elif args.strategy != "ddp":
         param_dtype = getattr(torch, args.param_dtype)
         dpar.parallelize(model, strategy=args.strategy, param_dtype=param_dtype, reduce_dtype=torch.float32)
     model = torch.compile(
@@ -223,13 +242,11 @@ def main() -> None:
         options={"compiler": args.compiler, "bucket_cap_mb": args.bucket_cap_mb},
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data = load_corpus()
-    generator = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batches
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(f"world size {world_size}, device {device}, {params / 1e6:.2f}M parameters, {config}")
 
-    tokens_per_step = args.batch_size * config.block_size * world_size
+    tokens_per_step = args.batch_size * config.block_size * (1 if tensor_parallel else world_size)
     logged_step, logged_at = 0, 0.0  # steps done at the last log, and when
     loss_sum = torch.zeros((), device=device)  # since the last log; summed on the device, no sync per step
     for step in range(args.steps):

@@ -91,7 +91,7 @@ class ShardedDataParallelHook:
         if self.options.sink_waits:
             passes.append(("sink_waits", sink_waits_pass))
         # Last: the in-flight bound counts from where the waits finally are.
-        passes.append(("prefetch_all_gathers", lambda g: prefetch_all_gathers_pass(g, self.max_inflight, self.group_name)))
+        passes.append(("prefetch_all_gathers", lambda g: prefetch_all_gathers_pass(g, self.max_inflight)))
         return passes
 
     def __call__(

@@ -91,6 +91,9 @@ def test_attention_splits_heads_and_gpt_moves_megatron_bytes() -> None:
     activation_bytes = 2 * 16 * config.n_embd * 4
     assert all(c.bytes == activation_bytes for c in collectives(graphs["forward graph"]) if c.kind == "all_reduce")
     assert [c.bytes for c in collectives(graphs["forward graph"]) if c.kind == "all_gather"] == [2 * 16 * 256 // 2 * 4]
+    # The LM head's weight gradient is computed as this rank's vocabulary block, not whole then sliced.
+    products = [tuple(n.meta["val"].shape) for n in graphs["backward graph"].graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert (256 // 2, config.n_embd) in products and (256, config.n_embd) not in products
 
 
 def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gather() -> None:

@@ -6,9 +6,10 @@ import torch.fx as fx
 
 from dpar.compiler.collectives import WAIT
 from dpar.compiler.passes.all_gather import c10d, operand_chain
+from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 
 
-def prefetch_all_gathers_pass(gm: fx.GraphModule, max_inflight: int, group_name: str) -> fx.GraphModule:
+def prefetch_all_gathers_pass(gm: fx.GraphModule, max_inflight: int) -> fx.GraphModule:
     """Move gather k to right after the wait of gather k - max_inflight (the first ones to the top).
 
     Gathers are taken in the order their data is first needed, so while the
@@ -17,8 +18,9 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, max_inflight: int, group_name:
     """
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
-    gathers = [
-        n for n in graph.nodes if n.target is c10d.all_gather_into_tensor.default and n.args[2] == group_name
+    gathers = [  # of parameters: tensor parallel's gathers of activations stay where their data is made
+        n for n in graph.nodes
+        if n.target is c10d.all_gather_into_tensor.default and not n.meta.get(ACTIVATION_COLLECTIVE)
     ]
     waits = {g: min((u for u in g.users if u.target is WAIT), key=position.__getitem__) for g in gathers}
     gathers.sort(key=lambda g: position[waits[g]])

@@ -11,6 +11,7 @@ import torch.fx as fx
 from dpar.compiler.collectives import WAIT
 from dpar.compiler.graph_utils import restore_topological_order, view_contiguous
 from dpar.compiler.passes.all_gather import ParameterGroup
+from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -61,8 +62,8 @@ def bucket_reduce_scatters_pass(
         _drop_full_gradient_all_reduces(graph)
     output = graph.output_node()
     scatters: dict[int, list[fx.Node]] = {}
-    for node in graph.nodes:  # over this group only: tensor parallel reduce-scatters activations
-        if node.target is c10d.reduce_scatter_tensor.default and node.args[3] == group_name:
+    for node in graph.nodes:  # gradients only: tensor parallel also reduce-scatters activations
+        if node.target is c10d.reduce_scatter_tensor.default and not node.meta.get(ACTIVATION_COLLECTIVE):
             for position in _output_positions(node, output):
                 scatters.setdefault(position, []).append(node)
     for position, tied in scatters.items():

@@ -18,8 +18,15 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 import dpar.runtime.tensor_parallel  # noqa: F401  (registers the marker ops)
-from dpar.compiler.propagation.redistribute import cost, nbytes_of, redistribute
-from dpar.compiler.propagation.rules import Candidate, candidates_for, sequence_shard, tensor_inputs
+from dpar.compiler.propagation.redistribute import SLICE_COST, cost, nbytes_of, redistribute
+from dpar.compiler.propagation.rules import (
+    TRANSPOSES,
+    Candidate,
+    candidates_for,
+    sequence_shard,
+    tensor_inputs,
+    transpose_order,
+)
 
 WEIGHT_MARKER = torch.ops.dpar.tensor_parallel_weight.default
 GRAD_MARKER = torch.ops.dpar.tensor_parallel_grad.default
@@ -35,14 +42,40 @@ class MeshDim:
     sequence_parallel: bool = False
 
 
-def _choose(node: fx.Node, candidates: list[Candidate], size: int) -> Candidate:
+WASTED_WORK = SLICE_COST
+"""Slicing a result after computing all of it costs the other ranks' share of the work:
+priced above slicing an input, so that a gradient is computed as the block it becomes."""
+
+
+def _wanted_by_gradients(graph: fx.Graph) -> dict[fx.Node, Placement]:
+    """The block each parameter gradient's producers should hand over: the gradient marker's
+    Shard(dim), carried back through transposes and sums of same-shaped gradients (tied weights)."""
+    wanted: dict[fx.Node, Placement] = {}
+    for node in reversed(graph.nodes):
+        if node.target is GRAD_MARKER:
+            wanted[node.args[0]] = Shard(node.args[1])
+        elif node in wanted and node.target in TRANSPOSES:
+            wanted[node.args[0]] = Shard(transpose_order(node)[wanted[node].dim])
+        elif node in wanted and node.target is torch.ops.aten.add.Tensor:
+            for value in tensor_inputs(node):
+                if value.meta["val"].shape == node.meta["val"].shape:
+                    wanted[value] = wanted[node]
+    return wanted
+
+
+def _choose(node: fx.Node, candidates: list[Candidate], size: int, wanted: Placement | None) -> Candidate:
+    """The candidate whose inputs are cheapest to reach, counting the hand-over to a parameter
+    gradient's block where the node computes one (that placement is fixed, so known now)."""
     inputs = tensor_inputs(node)
 
     def price(candidate: Candidate) -> float:
-        return sum(
+        reach = sum(
             cost(n.meta.get("placement", Replicate()), want, nbytes_of(n), size)
             for n, want in zip(inputs, candidate.inputs)
         )
+        if wanted is None or candidate.outputs[0] == wanted:
+            return reach
+        return reach + cost(candidate.outputs[0], wanted, nbytes_of(node), size) + WASTED_WORK
 
     return min(candidates, key=price)  # min keeps the first of equals
 
@@ -80,6 +113,7 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
     """
     graph = gm.graph
     move = _Redistributor(graph, mesh)
+    wanted = _wanted_by_gradients(graph)
     for node in list(graph.nodes):
         if node.op == "placeholder":
             node.meta["placement"] = Replicate()  # data, replicated parameters, tangents, and local blocks
@@ -101,7 +135,7 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
                 candidates = candidates_for(node, mesh.size)
                 if mesh.sequence_parallel:
                     candidates += sequence_shard(node, mesh.size)
-                chosen = _choose(node, candidates, mesh.size)
+                chosen = _choose(node, candidates, mesh.size, wanted.get(node))
             for value, want in zip(tensor_inputs(node), chosen.inputs):
                 node.replace_input_with(value, move.to(value, want, node))
             node.meta["placement_inputs"] = chosen.inputs

@@ -19,6 +19,9 @@ from torch.distributed.tensor.placement_types import Placement
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
+ACTIVATION_COLLECTIVE = "dpar_activation_collective"
+"""``node.meta`` key on the collectives this module inserts: data parallel's passes leave them alone."""
+
 LATENCY_BYTES = 64 * 1024
 """One collective's latency, in bytes a link moves in that time (α/β)."""
 
@@ -84,24 +87,30 @@ def redistribute(
     return result
 
 
+def _collective(graph: fx.Graph, target: object, args: tuple[object, ...]) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta[ACTIVATION_COLLECTIVE] = True
+    return node
+
+
 def _redistribute(
     graph: fx.Graph, value: fx.Node, src: Placement, dst: Placement, *, tp: int, rank: int, group_name: str
 ) -> fx.Node:
     shape = value.meta["val"].shape  # global
     ndim = len(shape)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
-        reduced = graph.call_function(c10d.all_reduce.default, (value, "sum", group_name))
+        reduced = _collective(graph, c10d.all_reduce.default, (value, "sum", group_name))
         return _call(graph, c10d.wait_tensor.default, (reduced,), dst)
     if isinstance(src, Partial) and isinstance(dst, Shard):
         dense, order = _dim_first(graph, value, dst.dim, ndim)
-        scattered = graph.call_function(c10d.reduce_scatter_tensor.default, (dense, "sum", tp, group_name))
+        scattered = _collective(graph, c10d.reduce_scatter_tensor.default, (dense, "sum", tp, group_name))
         waited = graph.call_function(c10d.wait_tensor.default, (scattered,))
         result = _dim_back(graph, waited, order)
         result.meta["placement"] = dst
         return result
     if isinstance(src, Shard):
         dense, order = _dim_first(graph, value, src.dim, ndim)
-        gathered = graph.call_function(c10d.all_gather_into_tensor.default, (dense, tp, group_name))
+        gathered = _collective(graph, c10d.all_gather_into_tensor.default, (dense, tp, group_name))
         waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
         full = _dim_back(graph, waited, order)
         full.meta["placement"] = Replicate()

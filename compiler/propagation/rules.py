@@ -145,7 +145,11 @@ def _permuted(node: fx.Node, order: Sequence[int]) -> list[Candidate]:
     return [Candidate((here,), (here,))]
 
 
-def transpose(node: fx.Node, tp: int) -> list[Candidate]:
+TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+def transpose_order(node: fx.Node) -> list[int]:
+    """For t / transpose / permute: output dim ``i`` is input dim ``order[i]``."""
     ndim = len(shape_of(node))
     order = list(range(ndim))
     if node.target is aten.t.default:
@@ -155,7 +159,11 @@ def transpose(node: fx.Node, tp: int) -> list[Candidate]:
     else:
         d0, d1 = (d % ndim for d in node.args[1:3])
         order[d0], order[d1] = d1, d0
-    return _permuted(node, order)
+    return order
+
+
+def transpose(node: fx.Node, tp: int) -> list[Candidate]:
+    return _permuted(node, transpose_order(node))
 
 
 def view_groups(before: Sequence[int], after: Sequence[int]) -> list[tuple[list[int], list[int]]]:

@@ -1,7 +1,8 @@
 """Moving a value from one placement to another: what it costs and the graph nodes that do it.
 
 All-reduce for partial → replicate, reduce-scatter for partial → shard,
-all-gather for shard → replicate, a local slice for replicate → shard (free).
+all-gather for shard → replicate, all-to-all for shard → shard along another
+dimension, a local slice for replicate → shard (free).
 Costs are α-β with ring collectives: all-reduce moves 2(N-1)/N of the bytes,
 all-gather and reduce-scatter (N-1)/N, plus a fixed latency per collective so
 that, bytes being equal, fewer collectives win.
@@ -43,7 +44,7 @@ def cost(src: Placement, dst: Placement, nbytes: int, tp: int) -> float:
     if isinstance(dst, Replicate):
         return share + LATENCY_BYTES  # all-gather
     if isinstance(dst, Shard):
-        return share + LATENCY_BYTES + SLICE_COST  # all-gather, then slice the other dimension
+        return share / tp + LATENCY_BYTES  # all-to-all: each rank sends (N-1)/N of its block
     return math.inf  # shard -> partial
 
 
@@ -93,11 +94,37 @@ def _collective(graph: fx.Graph, target: object, args: tuple[object, ...]) -> fx
     return node
 
 
+def _all_to_all(graph: fx.Graph, value: fx.Node, src: int, dst: int, tp: int, group_name: str) -> fx.Node:
+    """This rank's block along ``src`` -> its block along ``dst``: one all-to-all.
+
+    With ``dst`` moved to the front, chunk j of the rows goes to rank j; what
+    comes back is, per source rank, that rank's ``src`` block of this rank's
+    rows, so the ranks' axis is merged into ``src`` in rank order.
+    """
+    local = list(value.meta["val"].shape)  # global; this rank holds 1/tp of src
+    local[src] //= tp
+    dense, order = _dim_first(graph, value, dst, len(local))
+    rows = local[dst] // tp
+    exchanged = _collective(graph, c10d.all_to_all_single.default, (dense, [rows] * tp, [rows] * tp, group_name))
+    waited = graph.call_function(c10d.wait_tensor.default, (exchanged,))
+    dims = [local[d] for d in order]
+    by_rank = graph.call_function(aten.view.default, (waited, [tp, rows, *dims[1:]]))
+    at = order.index(src) + 1  # src's axis in by_rank
+    beside = graph.call_function(aten.permute.default, (by_rank, [1, *range(2, at), 0, *range(at, len(dims) + 1)]))
+    merged = [rows, *dims[1:]]
+    merged[at - 1] *= tp
+    result = _dim_back(graph, graph.call_function(aten.reshape.default, (beside, merged)), order)
+    # Sizes here are local already: an alias keeps localize from dividing them again.
+    return _call(graph, aten.alias.default, (result,), Shard(dst))
+
+
 def _redistribute(
     graph: fx.Graph, value: fx.Node, src: Placement, dst: Placement, *, tp: int, rank: int, group_name: str
 ) -> fx.Node:
     shape = value.meta["val"].shape  # global
     ndim = len(shape)
+    if isinstance(src, Shard) and isinstance(dst, Shard):
+        return _all_to_all(graph, value, src.dim, dst.dim, tp, group_name)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         reduced = _collective(graph, c10d.all_reduce.default, (value, "sum", group_name))
         return _call(graph, c10d.wait_tensor.default, (reduced,), dst)

@@ -29,14 +29,18 @@ def tag_gathers_for_recompute(joint: fx.GraphModule, groups: Sequence[ParameterG
         if n.target is c10d.all_gather_into_tensor.default and shard_source(n.args[0]) in group_of
     ]
     kept = group_of[shard_source(gathers[-1].args[0])] if gathers else None
-    group_of_gather = {n: group_of[shard_source(n.args[0])] for n in gathers}
-    derived: set[fx.Node] = set()
-    for node in joint.graph.nodes:
-        if node in group_of_gather:
-            if group_of_gather[node] != kept:
-                derived.update(operand_chain(node))
-        elif node.op == "call_function" and node.all_input_nodes and all(a in derived for a in node.all_input_nodes):
+    tag_must_recompute(
+        joint.graph, {n for g in gathers if group_of[shard_source(g.args[0])] != kept for n in operand_chain(g)}
+    )
+    return joint
+
+
+def tag_must_recompute(graph: fx.Graph, seeds: set[fx.Node]) -> None:
+    """Tag ``seeds`` and every node computed from them alone must-recompute: the partitioner then
+    saves what the seeds were computed from, and the backward computes them again."""
+    derived = set(seeds)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and all(a in derived for a in node.all_input_nodes):
             derived.add(node)
     for node in derived:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    return joint

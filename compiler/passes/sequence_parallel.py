@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
-from torch.utils.checkpoint import CheckpointPolicy
+
+from dpar.compiler.passes.reshard import tag_must_recompute
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -37,21 +38,16 @@ def _is_sequence_shard(node: fx.Node) -> bool:
 
 
 def tag_sequence_gathers_for_recompute(gm: fx.GraphModule, group_name: str) -> fx.GraphModule:
-    graph = gm.graph
-    backward = _backward_nodes(graph)
-    derived: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node in backward or node.op != "call_function":
+    backward = _backward_nodes(gm.graph)
+    seeds: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node in backward or node.target is not c10d.all_gather_into_tensor.default or node.args[2] != group_name:
             continue
-        if node.target is c10d.all_gather_into_tensor.default and node.args[2] == group_name:
-            chain, source = [node], node.args[0]
-            while source.target in _RESHUFFLES and len(source.users) == 1:
-                chain.append(source)
-                source = source.args[0]
-            if _is_sequence_shard(source):
-                derived.update(chain)
-        elif node.all_input_nodes and all(a in derived for a in node.all_input_nodes):
-            derived.add(node)
-    for node in derived:
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        chain, source = [node], node.args[0]
+        while source.target in _RESHUFFLES and len(source.users) == 1:
+            chain.append(source)
+            source = source.args[0]
+        if _is_sequence_shard(source):
+            seeds.update(chain)
+    tag_must_recompute(gm.graph, seeds)
     return gm

@@ -205,15 +205,21 @@ def view_dim(before: Sequence[int], after: Sequence[int], dim: int, tp: int) -> 
     return None
 
 
+def _carried(here: Placement, dim: int | None) -> list[Candidate]:
+    """A one-input op that takes a shard along ``here.dim`` to one along ``dim`` (None: it cannot,
+    the input is gathered); anything else passes through unchanged."""
+    if not isinstance(here, Shard):
+        return [Candidate((here,), (here,))]
+    if dim is None:
+        return [Candidate((R,), (R,))]
+    return [Candidate((here,), (Shard(dim),)), Candidate((R,), (R,))]
+
+
 def view(node: fx.Node, tp: int) -> list[Candidate]:
     source = tensor_inputs(node)[0]
     here = source.meta.get("placement", R)
-    if isinstance(here, Shard):
-        dim = view_dim(shape_of(source), shape_of(node), here.dim, tp)
-        if dim is not None:
-            return [Candidate((here,), (Shard(dim),)), Candidate((R,), (R,))]
-        return [Candidate((R,), (R,))]
-    return [Candidate((here,), (here,))]
+    dim = view_dim(shape_of(source), shape_of(node), here.dim, tp) if isinstance(here, Shard) else None
+    return _carried(here, dim)
 
 
 def expand(node: fx.Node, tp: int) -> list[Candidate]:
@@ -221,12 +227,10 @@ def expand(node: fx.Node, tp: int) -> list[Candidate]:
     source = tensor_inputs(node)[0]
     here = source.meta.get("placement", R)
     before, after = shape_of(source), shape_of(node)
-    if isinstance(here, Shard):
+    dim = None
+    if isinstance(here, Shard) and before[here.dim] == after[here.dim + len(after) - len(before)]:
         dim = here.dim + len(after) - len(before)
-        if before[here.dim] == after[dim]:
-            return [Candidate((here,), (Shard(dim),)), Candidate((R,), (R,))]
-        return [Candidate((R,), (R,))]
-    return [Candidate((here,), (here,))]
+    return _carried(here, dim)
 
 
 # --- reductions, normalisation, attention, embedding -------------------------------------------

@@ -62,6 +62,7 @@ def parallelize(
     plan: Plan | None = None,
     memory_budget_gb: float | None = None,
     sequence_parallel: bool = False,
+    same_batch_in_tp_group: bool = False,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place for ``strategy``; build the optimizer afterwards.
 
@@ -131,7 +132,7 @@ def parallelize(
             raise OptionsError(f"param_dtype/reduce_dtype are not supported with {strategy!r} yet; use torch.autocast")
         _parallelize_tensor_parallel(
             model, strategy, mesh, tp_plan, example_inputs, world, device_type, max_inflight_gathers,
-            sequence_parallel,
+            sequence_parallel, same_batch_in_tp_group,
         )
         sharding.guard_optimizers_built_too_early()
         return model
@@ -245,6 +246,7 @@ def _parallelize_tensor_parallel(
     device_type: str,
     max_inflight_gathers: int,
     sequence_parallel: bool,
+    same_batch_in_tp_group: bool,
 ) -> None:
     dp_mesh, tp_mesh = _tensor_parallel_mesh(strategy, mesh, world, device_type)
     if tp_plan is None:
@@ -258,7 +260,8 @@ def _parallelize_tensor_parallel(
     names = [n for n, _ in model.named_parameters()]
     ddp_group = dp_mesh.get_group() if strategy == "ddp+tp" else None
     splits = tensor_parallel.split_parameters(
-        model, tp_plan, tp_mesh.get_group(), ddp_group, sequence_parallel=sequence_parallel
+        model, tp_plan, tp_mesh.get_group(), ddp_group, sequence_parallel=sequence_parallel,
+        same_batch_in_group=same_batch_in_tp_group,
     )
     buckets = {n: sharding.block_of(n) for n in names}
     if strategy in ("zero2+tp", "fsdp+tp"):

@@ -40,6 +40,7 @@ class TensorParallelSpec:
     tp_size: int
     data_parallel_group_name: str | None = None  # ddp+tp: gradients are all-reduced over this group
     sequence_parallel: bool = False  # norms and the residual stream split along the sequence (Megatron-SP)
+    same_batch_in_group: bool = False  # the user feeds every rank of the tp group the same rows (Megatron's habit)
 
 
 _specs: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -128,6 +129,7 @@ def split_parameters(
     group: dist.ProcessGroup,
     data_parallel_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
+    same_batch_in_group: bool = False,
 ) -> Splits:
     """Replace each parameter that ``tp_dims`` splits by this rank's block, in place.
 
@@ -160,7 +162,7 @@ def split_parameters(
                 spec = TensorParallelSpec(
                     qualified, dim, tuple(param.shape), group.group_name, tp_size,
                     data_parallel_group.group_name if data_parallel_group is not None else None,
-                    sequence_parallel,
+                    sequence_parallel, same_batch_in_group,
                 )
                 block = param
                 if dim is not None:

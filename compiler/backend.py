@@ -15,6 +15,7 @@ from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.data_parallel import DataParallelHook
 from dpar.compiler.sharded_data_parallel import ShardedDataParallelHook
+from dpar.compiler.passes.group_batch import GroupBatch, mark_own_rows
 from dpar.compiler.tensor_parallel import TensorParallelHook, ThenInference, tensor_parallel_mesh
 from dpar.runtime.errors import OptionsError
 from dpar.runtime.replicate import synchronize_replicas
@@ -79,6 +80,10 @@ def _compile_tensor_parallel(
 ) -> Callable[..., Any]:
     """tp, ddp+tp, fsdp+tp: the tensor-parallel pass first, then the data-parallel strategy's hook."""
     mesh = tensor_parallel_mesh(split)
+    group_batch = None
+    if not split.same_batch_in_group:  # each rank's own rows: see [Note: the data contract under tensor parallel]
+        group_batch = GroupBatch(mesh.size, mesh.rank, mesh.group_name)
+        gm = mark_own_rows(gm, [i.index for i in inputs if i.kind is InputKind.DATA])
     # Blocks of split parameters differ by rank; parallelize broadcast them before splitting.
     replicas = [
         (k, n, t) for k, n, t in state
@@ -87,14 +92,14 @@ def _compile_tensor_parallel(
     synchronize_replicas(replicas, world, options.check_timeout_s)
     if specs:  # fsdp+tp
         sharded = ShardedDataParallelHook(inputs, specs, world, options)
-        hook = ThenInference(mesh, sharded)
+        hook = ThenInference(mesh, sharded, group_batch)
         joint = lambda g: sharded.tag_joint(hook.joint_pass(g))
     elif split.data_parallel_group_name is not None:  # ddp+tp
         dp_world = current_world(_resolve_process_group(split.data_parallel_group_name))
-        hook = ThenInference(mesh, DataParallelHook(inputs, dp_world, options))
+        hook = ThenInference(mesh, DataParallelHook(inputs, dp_world, options), group_batch)
         joint = hook.joint_pass
     else:
-        hook = ThenInference(mesh, TensorParallelHook(world, options))
+        hook = ThenInference(mesh, TensorParallelHook(world, options), group_batch)
         joint = hook.joint_pass
     return compile_graphs(gm, example_inputs, compiler=options.compiler, hook=hook, joint_pass=joint)
 

@@ -36,6 +36,10 @@ class GraphHook(Protocol):
 
 JointPass = Callable[[fx.GraphModule], fx.GraphModule]
 
+JOINT_INPUTS_KEY = "dpar_joint_inputs"
+"""``gm.meta`` key set on a joint graph before its passes: (number of primals, number of forward
+outputs), from AOTAutograd's partitioner arguments rather than from placeholder names."""
+
 
 def _python(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
     return make_boxed_func(gm.forward)
@@ -44,6 +48,13 @@ def _python(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., 
 def _interpreted(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
     """Node by node through fx.Interpreter: slow, but every op can be stepped through."""
     return make_boxed_func(lambda *args: fx.Interpreter(gm).run(*args))
+
+
+def _recorded(joint: fx.GraphModule, inputs: Sequence[Any], kwargs: dict[str, Any]) -> fx.GraphModule:
+    """The joint graph with its calling convention in ``meta``: passes read it there, not from node names."""
+    primals, _tangents = inputs
+    joint.meta[JOINT_INPUTS_KEY] = (len(primals), kwargs["num_fwd_outputs"])
+    return joint
 
 
 def compile_graphs(
@@ -69,7 +80,7 @@ def compile_graphs(
     partition = {}
     if joint_pass is not None:
         partition["partition_fn"] = lambda joint, inputs, **kw: min_cut_rematerialization_partition(
-            joint_pass(joint), inputs, **kw
+            joint_pass(_recorded(joint, inputs, kw)), inputs, **kw
         )
     return aot_autograd(
         fw_compiler=role_compiler(GraphRole.FORWARD),
@@ -102,7 +113,7 @@ def _compile_inductor(
 
     class JointThenMinCut(CustomPartitionerFn):
         def __call__(self, joint: fx.GraphModule, inputs: Sequence[object], **kwargs: Any) -> Any:
-            return min_cut_rematerialization_partition(joint_pass(joint), inputs, **kwargs)
+            return min_cut_rematerialization_partition(joint_pass(_recorded(joint, inputs, kwargs)), inputs, **kwargs)
 
         def uuid(self) -> Any:
             return None  # not cacheable: the tags depend on this model's sharding

@@ -11,6 +11,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
+from dpar.compiler.graph_utils import refresh_fake_values
+from dpar.compiler.passes.group_batch import GroupBatch, unroll_group_batch
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
 from dpar.compiler.pipeline import Pass, lower_checked, run_passes
@@ -30,8 +32,9 @@ def tensor_parallel_mesh(spec: TensorParallelSpec) -> MeshDim:
 
 
 class TensorParallelHook:
-    """tp alone: every rank of the group sees the same batch, so no gradient needs reducing;
-    the collectives are the ones the tensor-parallel pass inserted into the joint graph."""
+    """tp alone: the collectives are the ones the joint-graph passes inserted (the group's
+    rows gathered and its gradients averaged inside the unrolled graph, or, for a user who
+    feeds the group one batch, none), so the forward and backward need only lowering."""
 
     def __init__(self, world: World, options: Options) -> None:
         self.world, self.options = world, options
@@ -46,17 +49,25 @@ class TensorParallelHook:
 
 class ThenInference:
     """Wraps another strategy's hook: a graph without backward (no joint graph to rewrite)
-    gets the tensor-parallel pass first."""
+    gets the tensor-parallel pass first.
 
-    def __init__(self, mesh: MeshDim, hook: GraphHook) -> None:
-        self.mesh, self.hook = mesh, hook
+    ``group_batch`` (None where the user feeds the group identical rows) unrolls the
+    graph once per rank of the group first: see [Note: the data contract under tensor
+    parallel] in ``passes/group_batch.py``.
+    """
+
+    def __init__(self, mesh: MeshDim, hook: GraphHook, group_batch: GroupBatch | None) -> None:
+        self.mesh, self.hook, self.group_batch = mesh, hook, group_batch
 
     def joint_pass(self, joint: fx.GraphModule) -> fx.GraphModule:
+        if self.group_batch is not None:
+            joint = unroll_group_batch(joint, self.group_batch)
+            refresh_fake_values(joint, [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder"])
         return tensor_parallel_pass(joint, self.mesh)
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower
     ) -> Callable[..., Any]:
         if role is GraphRole.INFERENCE:
-            gm = tensor_parallel_pass(gm, self.mesh)
+            gm = self.joint_pass(gm)
         return self.hook(gm, example_inputs, role, lower)

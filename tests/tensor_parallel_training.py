@@ -19,22 +19,23 @@ def mesh_of(strategy: str, world_size: int):
     return init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def data_parallel_rank(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
-    """(rank, size) of this process among the ranks that see different data, from what parallelize chose."""
+def data_parallel_rank(model: torch.nn.Module, world_size: int, same_batch_in_tp_group: bool) -> tuple[int, int]:
+    """(rank, size) of this process among the ranks fed different rows: every rank (DDP's contract),
+    or, for a user who feeds a tensor-parallel group one batch, the group's position on the dp axis."""
     chosen = plan_of(model)
     strategy = chosen.strategy if chosen is not None else "ddp"
+    if not same_batch_in_tp_group:
+        return dist.get_rank(), world_size
     if strategy == "tp":
         return 0, 1
-    if "+tp" in strategy:
-        tp = chosen.mesh_shape[1]
-        return dist.get_rank() // tp, world_size // tp
-    return dist.get_rank(), world_size
+    tp = chosen.mesh_shape[1]
+    return dist.get_rank() // tp, world_size // tp
 
 
 def train_parallel(
     rank: int, world_size: int, case: Case, strategy: str, compiler: str = "aot_eager", **parallelize_kwargs
 ) -> dict:
-    """``case`` trained under ``strategy``; returns the full state dict on rank 0."""
+    """``case`` trained under ``strategy``, each rank fed its own rows; the full state dict on rank 0."""
     model = seeded_model(case)
     x0, _ = global_batch(case.model, 0, 0, ROWS)
     if strategy in ("tp", "ddp+tp", "zero2+tp", "fsdp+tp"):
@@ -42,7 +43,8 @@ def train_parallel(
     dpar.parallelize(model, strategy=strategy, example_inputs=(x0,), **parallelize_kwargs)
     runner = torch.compile(model, backend="dpar", options={"compiler": compiler})
     opt = make_optimizer(case.optimizer, [p for p in model.parameters() if p.requires_grad])
-    dp_rank, dp_size = data_parallel_rank(model, world_size)
+    same_batch = parallelize_kwargs.get("same_batch_in_tp_group", False)
+    dp_rank, dp_size = data_parallel_rank(model, world_size, same_batch)
     for step in range(STEPS):
         opt.zero_grad()
         x, y = global_batch(case.model, step, 0, ROWS)

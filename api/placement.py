@@ -73,7 +73,11 @@ def parallelize(
     stream between the tensor-parallel layers along the sequence: each block's
     all-reduce becomes a reduce-scatter there and an all-gather before the
     next column-parallel layer, so norms and residuals hold 1/tp of the tokens.
-    Which dimension of each
+    Every strategy takes DDP's data contract: each rank is fed its own slice of
+    the global batch, and tensor parallel moves the rows a group needs itself;
+    ``same_batch_in_tp_group=True`` says the user already feeds every rank of a
+    tensor-parallel group the same rows (Megatron's habit), which the first steps
+    check. Which dimension of each
     parameter tensor parallel splits comes from ``tp_plan`` (name -> dim, None
     for replicated) or, without it, from the forward run once on
     ``example_inputs``. ``plan`` (from ``dpar.plan``) gives strategy, mesh and
@@ -122,6 +126,11 @@ def parallelize(
         mesh = _mesh_of_plan(model, plan)
     if strategy == "auto":
         return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype)
+    if same_batch_in_tp_group and strategy not in TENSOR_PARALLEL:
+        raise OptionsError(
+            f"same_batch_in_tp_group says every rank of a tensor-parallel group is fed the same rows; strategy "
+            f"{strategy!r} has no such group: feed every rank its own slice, as with DDP"
+        )
     if sequence_parallel and strategy not in TENSOR_PARALLEL:
         raise OptionsError(
             f"sequence_parallel splits the activations between tensor-parallel layers; it needs a "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from dpar.compiler.passes.group_batch import GroupBatch, mark_own_rows
 from dpar.compiler.tensor_parallel import TensorParallelHook, ThenInference, tensor_parallel_mesh
 from dpar.runtime.errors import OptionsError
 from dpar.runtime.replicate import synchronize_replicas
+from dpar.runtime.same_rows import checking_same_rows
 from dpar.runtime.sharding import ShardSpec, spec_of
 from dpar.runtime.tensor_parallel import TensorParallelSpec, tensor_parallel_spec_of
 from dpar.runtime.world import World, check_devices, current_world
@@ -47,6 +49,10 @@ def dpar_backend(
     world = current_world()
     if world is None:
         return compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=_single_device_hook)
+    if not torch.is_grad_enabled():
+        # A no_grad forward (evaluation) reads local buffers, as DDP's does unless it directly follows a
+        # training forward: its graph then has no collectives and may run on some ranks only.
+        parsed = dataclasses.replace(parsed, broadcast_buffers=False)
     inputs = classify_inputs(gm, example_inputs)
     state = [(i.kind.value, i.name, i.tensor()) for i in inputs if i.kind is not InputKind.DATA]
     check_devices({name: t for kind, name, t in state if kind == "parameter"}, world)
@@ -80,10 +86,11 @@ def _compile_tensor_parallel(
 ) -> Callable[..., Any]:
     """tp, ddp+tp, fsdp+tp: the tensor-parallel pass first, then the data-parallel strategy's hook."""
     mesh = tensor_parallel_mesh(split)
+    data = [i.index for i in inputs if i.kind is InputKind.DATA]
     group_batch = None
     if not split.same_batch_in_group:  # each rank's own rows: see [Note: the data contract under tensor parallel]
         group_batch = GroupBatch(mesh.size, mesh.rank, mesh.group_name)
-        gm = mark_own_rows(gm, [i.index for i in inputs if i.kind is InputKind.DATA])
+        gm = mark_own_rows(gm, data)
     # Blocks of split parameters differ by rank; parallelize broadcast them before splitting.
     replicas = [
         (k, n, t) for k, n, t in state
@@ -101,7 +108,10 @@ def _compile_tensor_parallel(
     else:
         hook = ThenInference(mesh, TensorParallelHook(world, options), group_batch)
         joint = hook.joint_pass
-    return compile_graphs(gm, example_inputs, compiler=options.compiler, hook=hook, joint_pass=joint)
+    compiled = compile_graphs(gm, example_inputs, compiler=options.compiler, hook=hook, joint_pass=joint)
+    if group_batch is None and world.backend != "fake":
+        return checking_same_rows(compiled, data, split.group_name)
+    return compiled
 
 
 def register() -> None:

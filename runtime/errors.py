@@ -26,3 +26,7 @@ class ProcessGroupError(DparError):
 
 class CollectiveMismatchError(DparError):
     """Ranks are about to issue different collective sequences, or hold different state."""
+
+
+class BatchMismatchError(DparError):
+    """Ranks that the user said are fed the same rows were fed different ones."""

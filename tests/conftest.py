@@ -15,3 +15,12 @@ def world_of_four():
 
     with fake_world(4):
         yield
+
+
+@pytest.fixture
+def world_of_two():
+    """A fake process group of two ranks (structure tests: graphs are built, nothing is sent)."""
+    from fake_world import fake_world
+
+    with fake_world(2):
+        yield

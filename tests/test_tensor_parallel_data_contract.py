@@ -1,0 +1,142 @@
+"""Tensor parallel under DDP's data contract: each rank fed its own rows, parameters as torch DDP's.
+
+See [Note: the data contract under tensor parallel] in compiler/passes/group_batch.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpar
+from distributed import RankFailed, run_ranks
+from models import ConvBN
+
+STEPS = 4
+ROWS_PER_RANK = 3
+
+
+class MaskedMLP(nn.Module):
+    """The loss is inside the graph and averages over the rows a mask keeps: a rank's own
+    mean differs from the mean over the group's rows when ranks keep different counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        error = ((self.down(F.gelu(self.up(x))) - y) ** 2).mean(-1)
+        return (error * keep).sum() / keep.sum()
+
+
+def _batch(model: str, step: int, rank: int, world: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(10 * step + 1)
+    rows = ROWS_PER_RANK * world
+    if model == "convbn":
+        x, y = torch.randn(rows, 3, 8, 8, generator=g), torch.randint(0, 4, (rows,), generator=g)
+        return x.chunk(world)[rank], y.chunk(world)[rank]
+    x, y = torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)
+    keep = torch.ones(rows)
+    keep[1::ROWS_PER_RANK * 2] = 0.0  # rank 0 keeps 2 of its 3 rows, rank 1 all 3 (world 2)
+    return x.chunk(world)[rank], y.chunk(world)[rank], keep.chunk(world)[rank]
+
+
+def _loss(model_name: str, runner: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    if model_name == "convbn":
+        x, y = batch
+        return F.cross_entropy(runner(x), y)
+    return runner(*batch)
+
+
+def _train(rank: int, world: int, model_name: str, strategy: str, **kwargs: object) -> dict:
+    torch.manual_seed(0)
+    model = MaskedMLP() if model_name == "masked_mlp" else ConvBN()
+    if strategy == "torch_ddp":
+        runner = nn.parallel.DistributedDataParallel(model)
+    else:
+        example = _batch(model_name, 0, rank, world)
+        dpar.parallelize(model, strategy=strategy, example_inputs=example if model_name == "masked_mlp" else example[:1], **kwargs)
+        runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = _loss(model_name, runner, _batch(model_name, step, rank, world))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    state = model.state_dict() if strategy == "torch_ddp" else dpar.checkpoint.full_state_dict(model)
+    # Buffers are per rank (BatchNorm's running statistics): every rank reports its own.
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    state = {k: v.detach().clone() for k, v in (state or {}).items()}  # full_state_dict: rank 0 only
+    return {"state": state, "buffers": buffers, "losses": losses}
+
+
+def _both(rank: int, world: int, model_name: str, strategy: str) -> tuple[dict, dict]:
+    return _train(rank, world, model_name, "torch_ddp"), _train(rank, world, model_name, strategy)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point()), default=0.0)
+
+
+@pytest.mark.parametrize("model_name", ["masked_mlp", "convbn"])
+def test_tp_on_per_rank_slices_matches_torch_ddp(model_name: str) -> None:
+    """Parameters (rank 0's gathered view), every rank's buffers and every rank's own loss equal DDP's."""
+    results = run_ranks(_both, 2, model_name, "tp", timeout_s=240)
+    reference, tp = results[0]
+    diff = _max_diff(reference["state"], tp["state"])
+    print(f"tp on per-rank slices, {model_name}: max |parameter difference| from torch DDP {diff:.2e}")
+    assert diff <= 1e-5
+    for rank, (ref_rank, tp_rank) in enumerate(results):
+        assert _max_diff(ref_rank["buffers"], tp_rank["buffers"]) <= 1e-5, f"rank {rank}'s buffers"
+        assert ref_rank["losses"] == pytest.approx(tp_rank["losses"], abs=1e-5), f"rank {rank}'s own losses"
+    assert results[0][1]["losses"] != pytest.approx(results[1][1]["losses"])  # each rank saw its own rows
+
+
+def _same_rows(rank: int, world: int, differ: bool) -> float:
+    torch.manual_seed(0)
+    model = MaskedMLP()
+    x, y, keep = _batch("masked_mlp", 0, 0, world)  # rank 0's rows on every rank
+    if differ and rank == 1:
+        x = x + 1.0
+    dpar.parallelize(model, strategy="tp", example_inputs=(x, y, keep), same_batch_in_tp_group=True)
+    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    start = time.monotonic()
+    runner(x, y, keep).backward()
+    return time.monotonic() - start
+
+
+def test_same_batch_in_tp_group_is_checked() -> None:
+    run_ranks(_same_rows, 2, False, timeout_s=120)  # the promise holds: trains
+    with pytest.raises(RankFailed, match=r"BatchMismatchError.*input 0 on ranks \[1\] differs from rank 0"):
+        run_ranks(_same_rows, 2, True, timeout_s=120)
+
+
+def test_unrolled_graph_gathers_inputs_and_tangents_once(world_of_two) -> None:
+    """One process, fake group of 2: the forward gathers each input once and runs two copies;
+    the backward gathers the tangent once; every parameter gradient is the copies' mean."""
+    from dpar.compiler import registry
+
+    torch.manual_seed(0)
+    model = MaskedMLP()
+    x, y, keep = _batch("masked_mlp", 0, 0, 2)
+    dpar.parallelize(model, strategy="tp", example_inputs=(x, y, keep))
+    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    runner(x, y, keep).backward()
+    forward, backward = (c for c in registry.compiled_graphs if not c.label.startswith("inference"))
+    print(forward.graph.code)
+    gathers = [c for c in forward.collectives if c.kind == "all_gather"]
+    assert sorted(c.shape for c in gathers) == sorted([("3",), ("3", "16"), ("3", "4")])  # this rank's keep, x, y
+    assert sum(c.kind == "all_reduce" for c in forward.collectives) == 2  # one row-parallel sum per copy
+    assert [c.shape for c in backward.collectives if c.kind == "all_gather"] == [("1",)]  # this rank's loss tangent
+    assert str(forward.graph.code).count("dpar.pick_own") == 1  # this rank's loss, read from both copies
+    assert "dpar.own_rows" not in str(forward.graph.code) + str(backward.graph.code)
+    assert dist.get_world_size() == 2

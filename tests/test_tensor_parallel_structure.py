@@ -37,8 +37,12 @@ class MLPBlocks(nn.Module):
 
 
 def compile_under_tp(model: nn.Module, world: int, *inputs: torch.Tensor, **kwargs) -> dict[str, fx.GraphModule]:
+    """The graphs of the tensor-parallel pass itself: the group is fed one batch (Megatron's habit),
+    so no copy per rank (tests/test_tensor_parallel_data_contract.py covers those)."""
     with fake_world(world):
-        dpar.parallelize(model, strategy="tp", mesh=init_device_mesh("cpu", (world,)), **kwargs)
+        dpar.parallelize(
+            model, strategy="tp", mesh=init_device_mesh("cpu", (world,)), same_batch_in_tp_group=True, **kwargs
+        )
         torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(*inputs).backward()
         return {g.label: g.graph for g in registry.compiled_graphs}
 

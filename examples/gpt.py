@@ -185,7 +185,7 @@ def parse_args() -> argparse.Namespace:
         choices=("ddp", "zero2", "fsdp", "tp"),
         default="ddp",
         help="ddp replicates; zero2/fsdp shard parameters, gradients and optimizer state; tp splits "
-        "layers (Megatron; every rank sees the same batch). All but ddp need torchrun",
+        "layers (Megatron). Every strategy feeds each rank its own batches, as DDP does. All but ddp need torchrun",
     )
     parser.add_argument(
         "--sequence-parallel",
@@ -226,8 +226,8 @@ def main() -> None:
     config = GPTConfig(fused_qkv=not tensor_parallel)  # separate q/k/v: tensor parallel splits them by heads
     model = GPT(config).to(device)
     data = load_corpus()
-    # Data parallel: each rank its own batches. Tensor parallel: every rank the same ones.
-    generator = torch.Generator().manual_seed(args.seed + (0 if tensor_parallel else rank))
+    # Every strategy: each rank its own batches (dpar moves the rows a tensor-parallel group needs).
+    generator = torch.Generator().manual_seed(args.seed + rank)
     if tensor_parallel:
         example = get_batch(data, args.batch_size, config.block_size, torch.Generator().manual_seed(args.seed))[0]
         dpar.parallelize(
@@ -246,7 +246,7 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         print(f"world size {world_size}, device {device}, {params / 1e6:.2f}M parameters, {config}")
 
-    tokens_per_step = args.batch_size * config.block_size * (1 if tensor_parallel else world_size)
+    tokens_per_step = args.batch_size * config.block_size * world_size
     logged_step, logged_at = 0, 0.0  # steps done at the last log, and when
     loss_sum = torch.zeros((), device=device)  # since the last log; summed on the device, no sync per step
     for step in range(args.steps):

@@ -93,9 +93,9 @@ def parallelize(
     ``reduce_dtype`` the one gradients are reduce-scattered in; shards, their
     gradients and the optimizer state stay in the stored dtype (float32).
     """
-    if plan is not None:
-        # A tensor-parallel axis the planner left unsplit ("+replicate") is tp with no split parameter.
-        strategy, tp_plan = plan.strategy.replace("replicate", "tp"), plan.tp_dims()
+    if plan is not None:  # a "tp" axis that splits no parameter runs as data parallel: see Plan.as_run
+        plan = plan.as_run()
+        strategy, tp_plan = plan.strategy, plan.tp_dims()
     if strategy not in STRATEGIES:
         close = difflib.get_close_matches(str(strategy), STRATEGIES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -219,11 +219,20 @@ def _tensor_parallel_mesh(strategy: str, mesh: DeviceMesh | None, world: int, de
     return mesh["dp"], mesh["tp"]
 
 
-def _mesh_of_plan(model: nn.Module, plan: Plan) -> DeviceMesh:
+def _mesh_of_plan(model: nn.Module, plan: Plan, ranks: torch.Tensor | None = None) -> DeviceMesh:
+    """The mesh ``parallelize`` takes for ``plan`` (already ``as_run``): one flat data-parallel
+    group, ``(world,)`` for tp alone, or ``("dp", "tp")`` with the dp axes folded into one.
+
+    ``ranks`` (default: ranks in order, ``plan.mesh_shape``) places every rank on the plan's
+    axes, so the tp group is the one the plan priced on the tp axis's links.
+    """
     device_type = next((p.device.type for p in model.parameters()), "cpu")
-    if "tp" not in plan.mesh_dim_names:  # data parallel over every dimension: one flat group
-        return init_device_mesh(device_type, (math.prod(plan.mesh_shape),))
-    return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+    ranks = ranks if ranks is not None else torch.arange(math.prod(plan.mesh_shape)).reshape(plan.mesh_shape)
+    if "tp" not in plan.mesh_dim_names or plan.data_parallel_degree == 1:  # the other axes have size 1
+        return DeviceMesh(device_type, ranks.flatten())
+    tp = plan.mesh_dim_names.index("tp")
+    grouped = ranks.permute(*plan.data_axes, tp).reshape(plan.data_parallel_degree, plan.mesh_shape[tp])
+    return DeviceMesh(device_type, grouped, mesh_dim_names=("dp", "tp"))
 
 
 def _parallelize_auto(
@@ -235,14 +244,19 @@ def _parallelize_auto(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
 ) -> nn.Module:
-    """``plan`` on the given mesh's shape (default: the whole world in 1-D), then apply it."""
-    from dpar.planning import plan as make_plan
+    """Plan on the given mesh's shape (default: the whole world in 1-D), then apply the plan.
+
+    ``example_inputs`` is this rank's slice; every rank is fed different rows, so the planner
+    prices the global batch of ``world`` slices (see [Note: which mesh axes split the data]).
+    """
+    from dpar.planning import global_batch, plan as make_plan
 
     if example_inputs is None:
-        raise OptionsError("strategy 'auto' plans from one batch: pass example_inputs=(...)")
+        raise OptionsError("strategy 'auto' plans from one batch: pass example_inputs=(this rank's slice, ...)")
     shape = tuple(mesh.shape) if mesh is not None else (world,)
-    chosen = make_plan(model, example_inputs, mesh_shape=shape, memory_budget_gb=memory_budget_gb)
-    return parallelize(model, plan=chosen, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    chosen = make_plan(model, global_batch(example_inputs, world), mesh_shape=shape, memory_budget_gb=memory_budget_gb)
+    placed = _mesh_of_plan(model, chosen.as_run(), mesh.mesh) if mesh is not None else None  # keep the given ranks' places
+    return parallelize(model, plan=chosen, mesh=placed, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def _parallelize_tensor_parallel(

@@ -22,7 +22,7 @@ from dpar.compiler.planner.plan import CostBreakdown, ParameterPlan, Plan
 from dpar.compiler.planner.rules import candidates
 from dpar.runtime.errors import OptionsError
 
-__all__ = ["CostBreakdown", "Hardware", "ParameterPlan", "Plan", "plan"]
+__all__ = ["CostBreakdown", "Hardware", "ParameterPlan", "Plan", "global_batch", "plan"]
 
 
 def plan(
@@ -36,8 +36,12 @@ def plan(
 ) -> Plan:
     """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank.
 
-    ``example_inputs`` is one training batch (the global batch: data parallel splits it);
-    real, fake or meta tensors all work, and the model may live on the meta device.
+    ``example_inputs`` is the **global** batch: the rows of one training step over all ranks,
+    which the plan's data-parallel axes split (``print(plan)`` names them). Every plan is
+    priced at that same batch. This is not what one rank is fed: under DDP's data contract
+    each rank gets its own slice, and ``parallelize(strategy="auto", example_inputs=...)``
+    takes that slice and plans for it times the world size (``global_batch``). Real, fake or
+    meta tensors all work, and the model may live on the meta device.
     ``mesh_dim_names`` fixes each dimension's role (``"dp"`` or ``"tp"``) instead of letting
     the solver choose. ``hardware`` defaults to H100 nodes of 8 (see ``hardware.h100``).
     """
@@ -52,6 +56,27 @@ def plan(
     found = _usable_layouts(graph, shape, names)
     budget = None if memory_budget_gb is None else memory_budget_gb * 1e9
     return evaluate(graph, solve(graph, found, hardware, budget), hardware)
+
+
+def global_batch(rank_slice: Sequence[object], ranks: int) -> tuple[object, ...]:
+    """Inputs shaped like ``ranks`` slices of ``rank_slice`` side by side: the global batch to plan for.
+
+    The batch dimension is dim 0 of every tensor whose dim 0 matches the first tensor's (the
+    rows ``capture`` counts); other values are kept. Only shapes matter to the planner, so the
+    result is left uninitialised (``torch.empty``: no copy of the data).
+    """
+    leaves, spec = torch.utils._pytree.tree_flatten(tuple(rank_slice))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim()]
+    if not tensors:
+        raise OptionsError("strategy 'auto' plans from one batch: example_inputs must hold a tensor with a batch dimension")
+    rows = tensors[0].shape[0]
+
+    def widened(x: object) -> object:
+        if not (isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == rows):
+            return x
+        return torch.empty((rows * ranks, *x.shape[1:]), dtype=x.dtype, device=x.device, requires_grad=x.requires_grad)
+
+    return tuple(torch.utils._pytree.tree_unflatten([widened(x) for x in leaves], spec))
 
 
 def _mesh_shape(mesh_shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -79,8 +104,20 @@ def _mesh_dim_names(names: Sequence[str] | None, shape: tuple[int, ...]) -> tupl
 
 
 def _usable_layouts(graph: OpGraph, shape: tuple[int, ...], names: tuple[str, ...] | None) -> list[Layout]:
-    """Layouts whose dp degree divides the batch; a forced tp degree must shard something."""
-    found = [layout for layout in layouts(shape, names) if graph.batch_size % layout.dp_degree == 0]
+    """Layouts whose dp degree divides the batch and whose tp degree splits some parameter."""
+    if names is not None and "tp" in names:
+        tp = shape[names.index("tp")]
+        if not _splits_a_parameter(graph, tp):
+            linear = [op for op in graph.ops if op.kind in ("linear", "embedding")]
+            example = f" ({linear[0].module}: weight {linear[0].param_shapes[0]})" if linear else ""
+            raise OptionsError(
+                f"mesh_dim_names {names} asks for tensor parallel over {tp} ranks, but {tp} divides no shardable "
+                f"dimension of the model{example}; use a tp degree that divides the hidden sizes, or make that dimension 'dp'"
+            )
+    found = [
+        layout for layout in layouts(shape, names)
+        if graph.batch_size % layout.dp_degree == 0 and _splits_a_parameter(graph, layout.tp_degree)
+    ]
     if not found:
         dp = layouts(shape, names)[0].dp_degree if names else min(layout.dp_degree for layout in layouts(shape, None))
         raise OptionsError(
@@ -88,13 +125,9 @@ def _usable_layouts(graph: OpGraph, shape: tuple[int, ...], names: tuple[str, ..
             f"{', mesh_dim_names ' + str(names) if names else ''}); use a batch that is a multiple of {dp}, or make "
             "a dimension 'tp' (mesh_dim_names)"
         )
-    if names is not None and "tp" in names:
-        tp = found[0].tp_degree
-        if tp > 1 and not any(len(candidates(op, tp)) > 1 for op in graph.ops):
-            linear = [op for op in graph.ops if op.kind in ("linear", "embedding")]
-            example = f" ({linear[0].module}: weight {linear[0].param_shapes[0]})" if linear else ""
-            raise OptionsError(
-                f"mesh_dim_names {names} asks for tensor parallel over {tp} ranks, but {tp} divides no shardable "
-                f"dimension of the model{example}; use a tp degree that divides the hidden sizes, or make that dimension 'dp'"
-            )
     return found
+
+
+def _splits_a_parameter(graph: OpGraph, tp: int) -> bool:
+    """A tp degree is usable when some op can split a parameter over it (see [Note: a tp axis must split a parameter])."""
+    return tp == 1 or any(cand.splits_a_parameter for op in graph.ops for cand in candidates(op, tp))

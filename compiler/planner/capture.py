@@ -10,12 +10,22 @@ names ops and finds repeated blocks) and a graph signature mapping placeholders 
 names. Dynamo's export would do too but breaks on more Python; the planner only reads
 shapes, so non-strict tracing is enough.
 
+[Note: what the planner captures of a model's outputs]
+Export wants a tree of tensors out, but models hand back ModelOutputs, caches
+(Hugging Face's ``DynamicCache`` is no pytree) and plain Python values. The model is
+captured inside ``_TensorOutputs``, which returns only the tensor leaves of whatever the
+model returns (an opaque object is one non-tensor leaf: dropped) and calls it with
+``use_cache=False`` where its forward takes that argument, as training does: a key/value
+cache is no output to train through. Python the backend would break the graph on (prints,
+``torch._dynamo.graph_break()``, unsupported builtins) runs as it is under non-strict export.
+
 View ops (view, transpose, reshape, ...) move no data: they are folded into the edges, so an
 edge runs from the op that produced a tensor to the op that reads it, through any views.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from collections.abc import Sequence
@@ -47,9 +57,24 @@ NOT_VIEWS = {aten.clone.default, aten._unsafe_view.default, aten.lift_fresh_copy
 ELEMENTWISE_FLOPS = {"norm": 8, "softmax": 5, "loss": 5, "pointwise": 1, "other": 1, "embedding": 0}
 
 
+class _TensorOutputs(nn.Module):
+    """``model`` returning the tensor leaves of its output (see [Note: what the planner captures of a model's outputs])."""
+
+    def __init__(self, model: nn.Module, inputs: int) -> None:
+        super().__init__()
+        self.model = model
+        arguments = list(inspect.signature(model.forward).parameters)
+        unset = "use_cache" in arguments and arguments.index("use_cache") >= inputs  # a value passed positionally wins
+        self.kwargs = {"use_cache": False} if unset else {}
+
+    def forward(self, *inputs: object) -> list[torch.Tensor]:
+        out = self.model(*inputs, **self.kwargs)
+        return [leaf for leaf in torch.utils._pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+
+
 def capture(model: nn.Module, example_inputs: Sequence[object]) -> torch.export.ExportedProgram:
-    """The forward as an ATen graph on fake tensors (see the Note above)."""
-    return torch.export.export(model, tuple(example_inputs), strict=False)
+    """The forward as an ATen graph on fake tensors (see the Notes above); names are ``model``'s own."""
+    return torch.export.export(_TensorOutputs(model, len(example_inputs)), tuple(example_inputs), strict=False)
 
 
 def _shape(value: object) -> tuple[int, ...]:
@@ -96,10 +121,11 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
     program = capture(model, example_inputs)
     names = {id(p): n for n, p in model.named_parameters()}  # tied weights: one (the first) name
     signature = program.graph_signature
-    placeholder_param = {ph: names[id(model.get_parameter(fqn))] for ph, fqn in signature.inputs_to_parameters.items()}
+    placeholder_param = {ph: names[id(model.get_parameter(fqn.removeprefix("model.")))] for ph, fqn in signature.inputs_to_parameters.items()}
     user_inputs = set(signature.user_inputs)
     flat_inputs = [x for x in torch.utils._pytree.tree_leaves(tuple(example_inputs)) if isinstance(x, torch.Tensor)]
     batch_size = int(flat_inputs[0].shape[0]) if flat_inputs and flat_inputs[0].dim() else 1
+    batch_bytes = sum(x.numel() * x.element_size() for x in flat_inputs if x.dim() and x.shape[0] == batch_size)
     user_grad = any(x.requires_grad for x in flat_inputs)
     parameters = dict(model.named_parameters())
 
@@ -148,7 +174,7 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
             )
         )
         source[node] = len(ops) - 1
-    return collapse_repeats(ops, list(parameters.items()), batch_size)
+    return collapse_repeats(ops, list(parameters.items()), batch_size, batch_bytes)
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -156,5 +182,6 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _module_path(node: fx.Node) -> str:
+    """The module path in the user's model (under ``_TensorOutputs.model``)."""
     stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
+    return list(stack.values())[-1][0].partition(".")[2] if stack else ""

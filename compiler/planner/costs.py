@@ -20,6 +20,10 @@ master copy and AdamW's two moments), so a replicated trained parameter costs 16
 2Ψ + 14Ψ/D and fsdp 16Ψ/D. Activations saved for backward: every op's output that a
 gradient flows through (the gathered parameters fsdp holds for one layer are not counted).
 
+The batch: each rank is fed its own rows (see [Note: which mesh axes split the data] in
+``plan.py``), and the ranks of a tp group compute on the same rows, so a tp layout first
+all-gathers the group's slices of the inputs that carry the batch (their own dtype, not bf16).
+
 Overlap: data-parallel collectives of the forward (zero2/fsdp gathers) hide behind forward
 compute and those of the backward (gradient reduction, fsdp's second gather) behind
 backward compute: exposed = max(0, comm - compute) per phase. Tensor-parallel collectives
@@ -140,6 +144,13 @@ class CostModel:
 
     def tp_collective(self, kind: str, nbytes: float) -> float:
         return 0.0 if self.layout.tp_axis is None else self.collective(kind, nbytes, (self.layout.tp_axis,))
+
+    def batch_gather(self) -> tuple[float, float]:
+        """(bytes of the gathered batch on one rank, seconds) of the tp group's input all-gather; (0, 0) without tp."""
+        if self.tp == 1:
+            return 0.0, 0.0
+        nbytes = self.graph.batch_bytes / self.dp
+        return nbytes, self.tp_collective("all_gather", nbytes)
 
     def activation_bytes(self, numel: float, batched: bool, placement: str) -> float:
         """Bytes per rank of an activation: batch split over dp, ``S`` split over tp (``P`` is whole)."""

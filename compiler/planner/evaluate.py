@@ -53,6 +53,10 @@ def evaluate(graph: OpGraph, assignment: Assignment, hardware: Hardware) -> Plan
     total = OpCost(*(sum(getattr(c, f.name) for c in costs) for f in dataclasses.fields(OpCost)))
     collectives: list[CollectivePlan] = []
     tp_comm = total.tp_comm
+    batch_bytes, seconds = model.batch_gather()
+    if batch_bytes:
+        tp_comm += seconds
+        collectives.append(_tp("all_gather", "forward", batch_bytes, 1, "the batch: the tp group's slices"))
     for e in graph.edges:
         kind, seconds = model.edge_forward(e, picked[e.src], picked[e.dst])
         if kind:
@@ -90,14 +94,14 @@ def evaluate(graph: OpGraph, assignment: Assignment, hardware: Hardware) -> Plan
         dp_comm_s=dp_fwd + dp_bwd,
         activation_bytes_per_rank=round(activations),
     )
-    sharded = any(c.name != "replicate" for c in picked)
     return Plan(
         mesh_shape=layout.mesh_shape,
         mesh_dim_names=tuple(layout.roles),
         data_parallel=layout.data_parallel,
-        strategy=layout.strategy if sharded or layout.tp_degree == 1 else layout.strategy.replace("tp", "replicate"),
+        strategy=layout.strategy,
         parameters=_parameters(graph, model, picked),
         cost=cost,
+        batch_size=graph.batch_size,
         collectives=tuple(collectives),
         ops=tuple(OpPlan(op.name, op.module, op.kind, c.name, op.count) for op, c in zip(graph.ops, picked)),
     )
@@ -122,12 +126,11 @@ def _dp_collectives(graph: OpGraph, model: CostModel, picked: list[Candidate]) -
 
 def _parameters(graph: OpGraph, model: CostModel, picked: list[Candidate]) -> tuple[ParameterPlan, ...]:
     layout = model.layout
-    dp_placement = "R" if layout.data_parallel == "replicate" else "S(0)"
     found = []
     for info in graph.params:
         tp_placement = "R" if info.op is None else picked[info.op].params[info.slot]
         placements = tuple(
-            (tp_placement if role == "tp" else dp_placement) if n > 1 else "R"
+            (tp_placement if role == "tp" else layout.dp_placement) if n > 1 else "R"
             for role, n in zip(layout.roles, layout.mesh_shape)
         )
         numel = local_numel(info.shape, tp_placement, model.tp)

@@ -40,6 +40,11 @@ class Layout:
         return 1 if self.tp_axis is None else self.mesh_shape[self.tp_axis]
 
     @property
+    def dp_placement(self) -> str:
+        """A parameter's placement on each data-parallel axis (of size > 1)."""
+        return "R" if self.data_parallel == "replicate" else "S(0)"
+
+    @property
     def strategy(self) -> str:
         """``ddp``, ``zero2``, ``fsdp``, ``tp``, or ``<dp strategy>+tp``."""
         if self.tp_degree == 1:

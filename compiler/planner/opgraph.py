@@ -64,4 +64,5 @@ class OpGraph:
     params: tuple[ParamInfo, ...]  # every parameter, in model.named_parameters() order
     shared: tuple[tuple[int, int, int, int], ...]  # (op, slot, other op, other slot) reading one parameter
     batch_size: int
+    batch_bytes: int  # the user inputs that carry the batch dimension, global batch: what a tp group gathers
     traced_ops: int  # compute ops before repeated blocks were collapsed

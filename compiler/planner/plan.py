@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 from typing import Any
+
+from dpar.compiler.planner.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +62,52 @@ class OpPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """[Note: which mesh axes split the data]
+    Every rank is fed its own slice of the global batch (DistributedSampler's contract, as
+    with DDP). Along a ``dp`` axis the ranks compute on different rows and average their
+    gradients; along the ``tp`` axis they split parameters and compute on the same rows (the
+    rows of the whole tp group). A ``tp`` axis along which no parameter is split would be
+    neither: each rank would train on its own rows with no gradient exchange and the replicas
+    would drift apart. So such an axis is a ``dp`` axis: the planner never chooses one (a
+    constraint of its ILP) and ``as_run`` renames it in a plan built by hand.
+    """
+
     mesh_shape: tuple[int, ...]
     mesh_dim_names: tuple[str, ...]  # each "dp" or "tp"
     data_parallel: str  # replicate | zero2 | fsdp: what the dp axes do to parameters
-    strategy: str  # ddp, zero2, fsdp, tp, ddp+tp, zero2+tp, fsdp+tp; "replicate" for a tp axis sharding nothing
+    strategy: str  # ddp, zero2, fsdp, tp, ddp+tp, zero2+tp, fsdp+tp
     parameters: tuple[ParameterPlan, ...]
     cost: CostBreakdown
+    batch_size: int  # rows of the global batch the plan is priced at; the dp axes split it
     collectives: tuple[CollectivePlan, ...] = ()
     ops: tuple[OpPlan, ...] = ()
+
+    @property
+    def data_axes(self) -> tuple[int, ...]:
+        """The mesh axes that split the data: every ``dp`` axis (see the Note above)."""
+        return tuple(i for i, name in enumerate(self.mesh_dim_names) if name == "dp")
+
+    @property
+    def data_parallel_degree(self) -> int:
+        """How many ranks see different rows: the global batch is split this many ways."""
+        return math.prod(self.mesh_shape[i] for i in self.data_axes)
+
+    def as_run(self) -> Plan:
+        """This plan as the runtime must apply it: a ``tp`` axis along which no parameter is
+        split becomes a ``dp`` axis (see the Note above), its placements and the strategy follow.
+
+        The cost is left as priced: a plan from ``dpar.plan`` never has such an axis.
+        """
+        if "tp" not in self.mesh_dim_names or any(d is not None for d in self.tp_dims().values()):
+            return self
+        layout = Layout(self.mesh_shape, ("dp",) * len(self.mesh_shape), self.data_parallel)
+        placements = tuple(layout.dp_placement if n > 1 else "R" for n in self.mesh_shape)
+        return dataclasses.replace(
+            self,
+            mesh_dim_names=layout.roles,
+            strategy=layout.strategy,
+            parameters=tuple(dataclasses.replace(p, placements=placements) for p in self.parameters),
+        )
 
     def tp_dims(self) -> dict[str, int | None]:
         """Parameter name -> the dim sharded over the tp axis (None: replicated over it, or no tp axis)."""
@@ -95,6 +136,7 @@ class Plan:
                 for p in raw["parameters"]
             ),
             cost=CostBreakdown(**raw["cost"]),
+            batch_size=raw["batch_size"],
             collectives=tuple(CollectivePlan(**c) for c in raw["collectives"]),
             ops=tuple(OpPlan(**o) for o in raw["ops"]),
         )
@@ -122,12 +164,33 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.3f} ms"
 
 
+def _data_split(plan: Plan) -> str:
+    """Which axes split the global batch, and the rows each rank is fed (each rank's own slice)."""
+    axes = [f"{plan.mesh_dim_names[i]} ({plan.mesh_shape[i]})" for i in plan.data_axes if plan.mesh_shape[i] > 1]
+    rows = f"global batch {plan.batch_size} rows, {plan.batch_size // plan.data_parallel_degree} per data-parallel rank"
+    return f"data split over: {' x '.join(axes) if axes else 'no axis (every rank computes the whole batch)'}; {rows}"
+
+
+def _role(plan: Plan, axis: int) -> str:
+    if plan.mesh_shape[axis] == 1:
+        return "size 1, nothing to split"
+    if plan.mesh_dim_names[axis] == "dp":
+        what = {"replicate": "parameters replicated (DDP)", "zero2": "gradients and optimizer state sharded (ZeRO-2)",
+                "fsdp": "parameters sharded (FSDP)"}[plan.data_parallel]
+        return f"data parallel: ranks see different rows, gradients averaged; {what}"
+    split = sum(1 for d in plan.tp_dims().values() if d is not None)
+    return f"tensor parallel: {split} of {len(plan.parameters)} parameters split, the group computes the same rows"
+
+
 def render(plan: Plan, console: Any) -> None:
     """The plan as rich tables: parameters, then collectives, then the cost breakdown."""
     from rich.table import Table
 
     mesh = " x ".join(f"{n} {name}" for n, name in zip(plan.mesh_shape, plan.mesh_dim_names))
     console.print(f"plan: {plan.strategy} (data_parallel={plan.data_parallel}) on mesh {mesh}")
+    console.print(_data_split(plan))
+    for i, (n, name) in enumerate(zip(plan.mesh_shape, plan.mesh_dim_names)):
+        console.print(f"  axis {i} {name} ({n}): {_role(plan, i)}")
     params = Table(title="parameters")
     for column in ("parameter", "shape", *(f"{n} ({i})" for i, n in enumerate(plan.mesh_dim_names)), "comm/step", "memory/rank"):
         params.add_column(column, justify="right" if column in ("comm/step", "memory/rank") else "left")

@@ -73,7 +73,9 @@ def representatives(ops: list[Op]) -> list[int]:
     return rep
 
 
-def collapse_repeats(ops: list[Op], named_params: list[tuple[str, nn.Parameter]], batch_size: int) -> OpGraph:
+def collapse_repeats(
+    ops: list[Op], named_params: list[tuple[str, nn.Parameter]], batch_size: int, batch_bytes: int
+) -> OpGraph:
     rep = representatives(ops)
     kept = [i for i in range(len(ops)) if rep[i] == i]
     new = {old: j for j, old in enumerate(kept)}
@@ -112,4 +114,4 @@ def collapse_repeats(ops: list[Op], named_params: list[tuple[str, nn.Parameter]]
             Op(**{**op.__dict__, "inputs": tuple(new[rep[u]] if u >= 0 else -1 for u in op.inputs), "count": counts[new[old]]})
         )
     edges = tuple(Edge(s, d, p, edge_numel[(s, d, p)], c) for (s, d, p), c in sorted(edge_counts.items()))
-    return OpGraph(tuple(reps), edges, tuple(params), tuple(sorted(shared)), batch_size, len(ops))
+    return OpGraph(tuple(reps), edges, tuple(params), tuple(sorted(shared)), batch_size, batch_bytes, len(ops))

@@ -30,6 +30,11 @@ class Candidate:
     split: bool  # compute (and the sharded tensors) divided by the tp degree
     stats: int = 0  # fp32 all-reduces of one value per row (vocab-parallel softmax / loss)
 
+    @property
+    def splits_a_parameter(self) -> bool:
+        """What makes a tp axis tensor parallel: see [Note: a tp axis must split a parameter] in solver.py."""
+        return any(p != "R" for p in self.params)
+
 
 # Forward: what turning a producer's placement into a consumer's costs (None: free).
 # P -> S all-reduces and slices: a row Linear's output is reduced whole, as Megatron's g does.

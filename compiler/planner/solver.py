@@ -11,10 +11,17 @@ a gradient in placement q, for each consumer. The data-parallel overlap is
 ``e_phase >= dp_comm_phase - compute_phase``, e >= 0. A parameter read by two ops (tied
 embedding and LM head) gets equal placements from both. The memory budget is one row.
 
-Objective: compute + tp comm + exposed dp comm, in units of the single-device compute
+Objective: compute + tp comm (a tp layout's batch gather on z[L]) + exposed dp comm, in units of the single-device compute
 time, plus tie-breakers small enough not to outweigh any modelled difference: layouts in
 ``layouts()`` order (ddp before zero2 before fsdp, so hidden-equal strategies keep the
 simpler one), candidates in ``candidates()`` order (replicate first).
+
+[Note: a tp axis must split a parameter]
+Each rank is fed its own rows (see [Note: which mesh axes split the data] in ``plan.py``).
+A ``tp`` layout whose ops all replicate would look free here (no collective at all, only
+redundant compute), but the runtime must then average gradients over that axis: it is a
+``dp`` axis, priced as such by the ``dp`` layouts. So a layout with a tp axis takes at
+least one candidate that splits a parameter: ``sum x[L,o,c] >= z[L]`` over those candidates.
 
 [Note: why HiGHS through scipy.optimize.milp]
 It solves MILPs exactly (branch and bound to a zero relative gap here), ships inside the
@@ -98,7 +105,7 @@ def solve(graph: OpGraph, layouts: list[Layout], hardware: Hardware, memory_budg
     chosen: dict[Layout, tuple[int, list[list[int]]]] = {}
     for rank, layout in enumerate(layouts):
         model = CostModel(graph, layout, hardware)
-        z = problem.var(TIE_LAYOUT * rank, True)
+        z = problem.var(TIE_LAYOUT * rank + model.batch_gather()[1] / scale, True)
         for phase, seconds in model.dp_latency().items():
             overlap[phase][z] = -seconds / scale
         cands = [candidates(op, layout.tp_degree) for op in graph.ops]
@@ -113,6 +120,9 @@ def solve(graph: OpGraph, layouts: list[Layout], hardware: Hardware, memory_budg
                 overlap["backward"][v] = -(cost.dp_bwd - cost.compute_bwd) / scale
                 memory[v] = cost.memory
             problem.row({**{v: 1.0 for v in x[-1]}, z: -1.0}, 0.0, 0.0)
+        if layout.tp_degree > 1:  # see [Note: a tp axis must split a parameter]
+            splitting = {x[o][c]: 1.0 for o, op_cands in enumerate(cands) for c, cand in enumerate(op_cands) if cand.splits_a_parameter}
+            problem.row({**splitting, z: -1.0}, 0.0, math.inf)
         _edges(problem, graph, model, cands, x, scale)
         _shared(problem, graph, cands, x)
         chosen[layout] = (z, x)

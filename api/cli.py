@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -73,10 +74,12 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dpar.compiler.planner.plan import render
-    from dpar.planning import plan
+    from dpar.planning import global_batch, plan
     from dpar.runtime.errors import OptionsError
 
     model, example_inputs = load_target(args.target)()
+    if args.per_rank:  # as strategy="auto" takes them: one rank's slice, every rank fed different rows
+        example_inputs = global_batch(example_inputs, math.prod(args.mesh_shape))
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
         result = plan(
@@ -123,7 +126,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="write the simulated timeline as a PNG plot")
     p.set_defaults(run=_inspect)
     p = sub.add_parser("plan", help="choose data / tensor parallel placements per parameter (the planner's ILP)")
-    p.add_argument("target", help="FILE.py[:fn] or package.module:fn; fn() returns (model, example_inputs)")
+    p.add_argument("target", help="FILE.py[:fn] or package.module:fn; fn() returns (model, example_inputs), "
+                   "example_inputs the global batch (all ranks' rows) unless --per-rank")
+    p.add_argument("--per-rank", action="store_true",
+                   help="example_inputs are one rank's slice (as strategy='auto' takes them): plan for mesh-size slices")
     p.add_argument("--mesh-shape", type=_ints, required=True, help="ranks per mesh dimension: 8, or 2,4")
     p.add_argument("--memory-budget-gb", type=float, default=None, help="per rank; default: no limit")
     p.add_argument("--mesh-dim-names", type=lambda t: tuple(t.split(",")), default=None,

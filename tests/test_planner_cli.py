@@ -18,6 +18,15 @@ def test_plan_command_prints_every_parameter_and_writes_json(tmp_path, capsys):
     assert plan.mesh_shape == (2, 4)
     assert all(p.name in printed for p in plan.parameters)
     assert "modelled cost per step" in printed and f"json: {out}" in printed
+    assert "data split over: " in printed and f"global batch {plan.batch_size} rows" in printed
+
+
+def test_plan_command_takes_one_rank_slice_with_per_rank(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", GPT, "--mesh-shape", "8", "--per-rank", "--json", str(out)]) == 0
+    plan = Plan.from_json(out.read_text())
+    assert plan.batch_size == 8 * 8  # examples/gpt.py's default() hands one rank 8 rows
+    assert f"global batch {plan.batch_size} rows" in capsys.readouterr().out
 
 
 def test_plan_command_reports_a_budget_nothing_fits_and_fails(capsys):

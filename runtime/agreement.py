@@ -11,21 +11,24 @@ difference, not a hang.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import json
+import time
 
 import torch.distributed as dist
 
 from dpar.runtime.errors import CollectiveMismatchError
-from dpar.runtime.world import World
+from dpar.runtime.peer_progress import POLL_INTERVAL_S, PeerReport, ask, start_answering
+from dpar.runtime.world import World, collectives_issued, default_store, global_rank, wait_for_keys
 
 
-_check_counter = itertools.count()
+_checks_started = 0
+# A rank that has not arrived after this long is asked where it is, and again after each answer.
+_ASK_AFTER_S = 1.0
 
 
-def _store() -> dist.Store:
-    return dist.distributed_c10d._get_default_store()
+class DivergedRanksError(CollectiveMismatchError):
+    """Another rank waits inside collectives this rank will not issue: it runs a graph this rank does not."""
 
 
 def agree(
@@ -35,21 +38,15 @@ def agree(
 
     ``what`` names the graph being checked; ``subject`` what the lines describe.
     """
-    seq = next(_check_counter)
-    store = _store()
+    global _checks_started
+    seq = _checks_started
+    _checks_started += 1
+    start_answering(dist.get_rank(), lambda: _checks_started)
+    store = default_store()
     prefix = f"dpar/agree/{world.group_name}/{seq}"
     store.set(f"{prefix}/{world.rank}", json.dumps({"what": what, "lines": lines}))
     keys = [f"{prefix}/{r}" for r in range(world.size)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception as exc:  # the store raises its own timeout types
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise CollectiveMismatchError(
-            f"rank {world.rank} compiled {what} (check #{seq}) but rank(s) {missing} did not "
-            f"reach the same check within {timeout_s:.0f} s: the ranks run different code paths "
-            "(a graph break or recompile on some ranks only?). Make the model's control flow "
-            "identical on every rank."
-        ) from exc
+    _wait_for_ranks(store, keys, world, f"{what} (check #{seq})", timeout_s)
     for other in range(world.size):
         if other == world.rank:
             continue
@@ -60,6 +57,63 @@ def agree(
                     subject, world.rank, what, lines, other, theirs["what"], theirs["lines"]
                 )
             )
+
+
+def _wait_for_ranks(store: dist.Store, keys: list[str], world: World, check: str, timeout_s: float) -> None:
+    """Return once every rank has published ``keys``; raise when one is known never to come, or at the timeout.
+
+    See [Note: telling a late rank from a diverged one] in ``peer_progress.py``.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    earlier: dict[int, PeerReport] = {}
+    while True:
+        if wait_for_keys(store, keys, min(_ASK_AFTER_S, max(0.0, deadline - time.monotonic()))):
+            return
+        missing = [global_rank(world, r) for r, k in enumerate(keys) if not store.check([k])]
+        if time.monotonic() >= deadline:
+            raise CollectiveMismatchError(
+                f"rank {dist.get_rank()} compiled {check} but rank(s) {missing} did not reach the same "
+                f"check within {timeout_s:.0f} s{_whereabouts(earlier, missing)}: the ranks run different "
+                "code paths (a graph break or recompile on some ranks only?). Make the model's control "
+                "flow identical on every rank."
+            )
+        reports = ask(missing, min(2 * POLL_INTERVAL_S, max(0.0, deadline - time.monotonic())))
+        mine = collectives_issued()
+        blocked = [
+            report for rank, report in reports.items()
+            if report.ahead_of(mine) and rank in earlier and earlier[rank].collectives == report.collectives
+        ]
+        if blocked:
+            raise DivergedRanksError(_describe_blocked(check, blocked, mine, time.monotonic() - start))
+        earlier = reports
+
+
+def _whereabouts(reports: dict[int, PeerReport], missing: list[int]) -> str:
+    known = [f"rank {r} at {reports[r].where}, {reports[r].checks} checks started" for r in missing if r in reports]
+    return f" ({'; '.join(known)})" if known else ""
+
+
+def _describe_blocked(check: str, blocked: list[PeerReport], mine: dict[str, int], waited_s: float) -> str:
+    lines = [
+        f"  rank {b.rank} (at {b.where}): collective #{theirs} issued on group {group}, where rank "
+        f"{dist.get_rank()} has issued {ours}, and no further collective since"
+        for b in blocked
+        for group, (theirs, ours) in list(b.ahead_of(mine).items())[:1]
+    ]
+    return (
+        f"rank {dist.get_rank()} compiled {check}, which communicates, and waits for the other ranks to "
+        f"compile it too; but rank(s) {[b.rank for b in blocked]} will not come (seen after {waited_s:.1f} s):\n"
+        + "\n".join(lines)
+        + "\nThey wait inside a collective this rank would issue only after the check: they run a graph "
+        "this rank does not. A graph that needs every rank was compiled on some ranks only: evaluation or "
+        "generation on rank 0 alone under zero2/fsdp/hsdp/tp (parameters are sharded or split, so even a "
+        "forward gathers them), a forward with grad enabled and buffers under ddp, or a recompile on one "
+        "rank (a batch of another shape). Fix: run the evaluation on every rank (each on its own slice); "
+        "under ddp, run it under torch.no_grad(), which compiles a graph without collectives; or call "
+        "state = dpar.checkpoint.full_state_dict(model) on every rank and evaluate a plain, uncompiled "
+        "copy of the model that loads it on rank 0."
+    )
 
 
 def _describe_difference(

@@ -22,9 +22,14 @@ def synchronize_replicas(
     """Check that every rank holds the same (kind, name, shape, dtype) state, then broadcast
     from rank 0 the tensors not broadcast before. Returns how many tensors were sent.
 
-    ``state`` holds (kind, qualified name, tensor) triples in graph-input order.
+    ``state`` holds (kind, qualified name, tensor) triples in graph-input order. A graph
+    whose state was all synchronized before (an evaluation or no_grad recompile of a
+    model already trained) returns at once: it may be compiled on some ranks only, and
+    they would wait here for ranks that never come. Only a graph that reads a tensor for
+    the first time rendezvouses, so every rank must compile that one.
     """
-    if world.backend == "fake":  # simulated ranks: nothing to agree with or send to
+    fresh = [t for _, _, t in state if t not in _synchronized]
+    if world.backend == "fake" or not fresh:  # fake: simulated ranks, nothing to agree with or send to
         return 0
     agree(
         world,
@@ -34,7 +39,6 @@ def synchronize_replicas(
         subject="parameter and buffer shapes",
     )
     group = dist.distributed_c10d._resolve_process_group(world.group_name)
-    fresh = [t for _, _, t in state if t not in _synchronized]
     with torch.no_grad():
         for tensor in fresh:
             dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 
 import torch
@@ -90,3 +91,41 @@ def check_devices(tensors: dict[str, torch.Tensor], world: World) -> torch.devic
 
 def group_size(group_name: str) -> int:
     return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+
+
+def default_store() -> dist.Store:
+    """The rendezvous store every rank of the default group reaches."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def wait_for_keys(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
+    """Whether all ``keys`` are in ``store`` within ``timeout_s``.
+
+    Polls rather than ``store.wait``, whose timeouts c10d logs as warnings, and waiting
+    ranks time out in turns here by design.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(2 * pause, 0.05)
+    return True
+
+
+def global_rank(world: World, group_rank: int) -> int:
+    """The default group's rank of ``world``'s rank ``group_rank``."""
+    return dist.get_global_rank(dist.distributed_c10d._resolve_process_group(world.group_name), group_rank)
+
+
+def collectives_issued() -> dict[str, int]:
+    """How many collectives this process has issued on each group it belongs to (c10d's sequence numbers).
+
+    Keyed by group name and member ranks, which every member of a group spells the
+    same, so two ranks' counts compare on the groups they share.
+    """
+    return {
+        f"{pg.group_name}{sorted(ranks)}": pg._get_sequence_number_for_group()
+        for pg, ranks in dist.distributed_c10d._world.pg_group_ranks.items()
+    }

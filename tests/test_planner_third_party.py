@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import dpar
 from dpar.compiler.planner.capture import build_op_graph
 from dpar.planning import plan
 
@@ -54,6 +55,21 @@ class Chatty(nn.Module):
         print("hidden", tuple(h.shape))
         torch._dynamo.graph_break()
         return {"out": self.down(h), "note": object(), "rows": x.shape[0]}
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 2 if y.sum() > 0 else y
+
+
+def test_a_branch_on_a_tensor_value_names_the_fix() -> None:
+    with pytest.raises(dpar.OptionsError, match=r"the forward branches on a tensor's value .* torch.where or torch.cond"):
+        plan(Branchy(), (torch.randn(8, 16),), mesh_shape=(2,))
 
 
 def test_python_that_breaks_the_graph_and_non_tensor_outputs_plan(capsys) -> None:

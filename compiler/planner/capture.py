@@ -33,9 +33,11 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dpar.compiler.planner.opgraph import Op, OpGraph
 from dpar.compiler.planner.repeats import collapse_repeats
+from dpar.runtime.errors import OptionsError
 
 aten = torch.ops.aten
 
@@ -74,7 +76,14 @@ class _TensorOutputs(nn.Module):
 
 def capture(model: nn.Module, example_inputs: Sequence[object]) -> torch.export.ExportedProgram:
     """The forward as an ATen graph on fake tensors (see the Notes above); names are ``model``'s own."""
-    return torch.export.export(_TensorOutputs(model, len(example_inputs)), tuple(example_inputs), strict=False)
+    try:
+        return torch.export.export(_TensorOutputs(model, len(example_inputs)), tuple(example_inputs), strict=False)
+    except GuardOnDataDependentSymNode as error:
+        raise OptionsError(
+            "the planner runs the forward on fake tensors, which have shapes but no values, and the forward branches "
+            f"on a tensor's value ({str(error).splitlines()[0]}); write that branch with torch.where or torch.cond, "
+            "or choose a strategy by hand (strategy='ddp', 'zero2', 'fsdp' or 'tp') instead of planning"
+        ) from error
 
 
 def _shape(value: object) -> tuple[int, ...]:

@@ -171,13 +171,18 @@ def _data_split(plan: Plan) -> str:
     return f"data split over: {' x '.join(axes) if axes else 'no axis (every rank computes the whole batch)'}; {rows}"
 
 
+DATA_PARALLEL_STATE = {
+    "replicate": "parameters replicated (DDP)",
+    "zero2": "gradients and optimizer state sharded (ZeRO-2)",
+    "fsdp": "parameters sharded (FSDP)",
+}
+
+
 def _role(plan: Plan, axis: int) -> str:
     if plan.mesh_shape[axis] == 1:
         return "size 1, nothing to split"
     if plan.mesh_dim_names[axis] == "dp":
-        what = {"replicate": "parameters replicated (DDP)", "zero2": "gradients and optimizer state sharded (ZeRO-2)",
-                "fsdp": "parameters sharded (FSDP)"}[plan.data_parallel]
-        return f"data parallel: ranks see different rows, gradients averaged; {what}"
+        return f"data parallel: ranks see different rows, gradients averaged; {DATA_PARALLEL_STATE[plan.data_parallel]}"
     split = sum(1 for d in plan.tp_dims().values() if d is not None)
     return f"tensor parallel: {split} of {len(plan.parameters)} parameters split, the group computes the same rows"
 

@@ -11,10 +11,11 @@ a gradient in placement q, for each consumer. The data-parallel overlap is
 ``e_phase >= dp_comm_phase - compute_phase``, e >= 0. A parameter read by two ops (tied
 embedding and LM head) gets equal placements from both. The memory budget is one row.
 
-Objective: compute + tp comm (a tp layout's batch gather on z[L]) + exposed dp comm, in units of the single-device compute
-time, plus tie-breakers small enough not to outweigh any modelled difference: layouts in
-``layouts()`` order (ddp before zero2 before fsdp, so hidden-equal strategies keep the
-simpler one), candidates in ``candidates()`` order (replicate first).
+Objective: compute + tp comm (a tp layout's batch gather priced on z[L]) + exposed dp comm,
+in units of the single-device compute time, plus tie-breakers small enough not to outweigh
+any modelled difference: layouts in ``layouts()`` order (ddp before zero2 before fsdp, so
+hidden-equal strategies keep the simpler one), candidates in ``candidates()`` order
+(replicate first).
 
 [Note: a tp axis must split a parameter]
 Each rank is fed its own rows (see [Note: which mesh axes split the data] in ``plan.py``).
@@ -121,7 +122,9 @@ def solve(graph: OpGraph, layouts: list[Layout], hardware: Hardware, memory_budg
                 memory[v] = cost.memory
             problem.row({**{v: 1.0 for v in x[-1]}, z: -1.0}, 0.0, 0.0)
         if layout.tp_degree > 1:  # see [Note: a tp axis must split a parameter]
-            splitting = {x[o][c]: 1.0 for o, op_cands in enumerate(cands) for c, cand in enumerate(op_cands) if cand.splits_a_parameter}
+            splitting = {
+                x[o][c]: 1.0 for o, op_cands in enumerate(cands) for c, cand in enumerate(op_cands) if cand.splits_a_parameter
+            }
             problem.row({**splitting, z: -1.0}, 0.0, math.inf)
         _edges(problem, graph, model, cands, x, scale)
         _shared(problem, graph, cands, x)

@@ -52,49 +52,66 @@ def tensor_parallel_spec_of(param: torch.Tensor) -> TensorParallelSpec | None:
 
 def gather_blocks(block: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
     """The full parameter from every rank's block (call on every rank of the group)."""
-    return tensor_parallel_weight(block.detach(), spec.dim, spec.tp_size, spec.group_name)
+    return tensor_parallel_weight(block.detach(), spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim])
 
 
-def _full_shape(block: torch.Tensor, dim: int, tp_size: int) -> list[int]:
-    shape = list(block.shape)
-    shape[dim] *= tp_size
-    return shape
+def local_block(size: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """(start, length) of ``rank``'s block of ``size`` units split over ``tp_size`` ranks.
+
+    Blocks are ``ceil(size / tp_size)`` long and the last one takes what is left
+    (torch.chunk's and DTensor's layout), so a vocabulary of 50257 splits over 4
+    ranks without padding the model: padding lives only inside the collectives.
+    """
+    block = -(-size // tp_size)
+    start = min(rank * block, size)
+    return start, min(block, size - start)
+
+
+def can_split(size: int, tp_size: int) -> bool:
+    """Whether every rank gets a non-empty block of ``size`` units."""
+    return (tp_size - 1) * -(-size // tp_size) < size
 
 
 @torch.library.custom_op("dpar::tensor_parallel_weight", mutates_args=())
-def tensor_parallel_weight(block: torch.Tensor, dim: int, tp_size: int, group_name: str) -> torch.Tensor:
-    """The full parameter from this rank's block: an all-gather when run eagerly."""
+def tensor_parallel_weight(block: torch.Tensor, dim: int, tp_size: int, group_name: str, size: int) -> torch.Tensor:
+    """The full parameter (``size`` units along ``dim``) from this rank's block: an all-gather when run
+    eagerly, each block padded to the longest one first."""
     group = _resolve_process_group(group_name)
-    blocks = [torch.empty_like(block) for _ in range(tp_size)]
-    dist.all_gather(blocks, block.contiguous(), group=group)
-    return torch.cat(blocks, dim)
+    longest = local_block(size, tp_size, 0)[1]
+    padded = torch.nn.functional.pad(block.movedim(dim, -1), (0, longest - block.shape[dim])).movedim(-1, dim)
+    blocks = [torch.empty_like(padded) for _ in range(tp_size)]
+    dist.all_gather(blocks, padded.contiguous(), group=group)
+    return torch.cat(blocks, dim).narrow(dim, 0, size)
 
 
 @tensor_parallel_weight.register_fake
-def _(block: torch.Tensor, dim: int, tp_size: int, group_name: str) -> torch.Tensor:
-    return block.new_empty(_full_shape(block, dim, tp_size))
+def _(block: torch.Tensor, dim: int, tp_size: int, group_name: str, size: int) -> torch.Tensor:
+    shape = list(block.shape)
+    shape[dim] = size
+    return block.new_empty(shape)
 
 
 @torch.library.custom_op("dpar::tensor_parallel_grad", mutates_args=())
 def tensor_parallel_grad(grad: torch.Tensor, dim: int, tp_size: int, group_name: str) -> torch.Tensor:
     """This rank's block of a full gradient every rank of the group computed alike."""
     rank = dist.get_rank(_resolve_process_group(group_name))
-    return grad.chunk(tp_size, dim)[rank].contiguous()
+    return grad.narrow(dim, *local_block(grad.shape[dim], tp_size, rank)).contiguous()
 
 
 @tensor_parallel_grad.register_fake
 def _(grad: torch.Tensor, dim: int, tp_size: int, group_name: str) -> torch.Tensor:
+    rank = dist.get_rank(_resolve_process_group(group_name))
     shape = list(grad.shape)
-    shape[dim] //= tp_size
+    shape[dim] = local_block(shape[dim], tp_size, rank)[1]
     return grad.new_empty(shape)
 
 
-def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-    return tensor_parallel_grad(grad, ctx.dim, ctx.tp_size, ctx.group_name), None, None, None
+def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    return tensor_parallel_grad(grad, ctx.dim, ctx.tp_size, ctx.group_name), None, None, None, None
 
 
 def _setup(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
-    _, ctx.dim, ctx.tp_size, ctx.group_name = inputs
+    _, ctx.dim, ctx.tp_size, ctx.group_name, _ = inputs
 
 
 tensor_parallel_weight.register_autograd(_backward, setup_context=_setup)
@@ -112,7 +129,7 @@ def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) 
 
         def read(self: nn.Module) -> torch.Tensor:
             block = inner.fget(self) if isinstance(inner, property) else self._parameters[name]
-            return tensor_parallel_weight(block, spec.dim, spec.tp_size, spec.group_name)
+            return tensor_parallel_weight(block, spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim])
 
         return property(read)
 
@@ -141,11 +158,11 @@ def split_parameters(
     for name, dim in tp_dims.items():
         if name not in named:
             raise OptionsError(f"the tensor-parallel plan names {name!r}, which is not a parameter of the model")
-        if dim is not None and named[name].shape[dim] % tp_size:
+        if dim is not None and not can_split(named[name].shape[dim], tp_size):
             raise OptionsError(
-                f"tensor parallel degree {tp_size} does not divide dimension {dim} of {name} "
-                f"(shape {tuple(named[name].shape)}); choose a degree that divides it, or keep "
-                f"{name} replicated (tp dim None)"
+                f"tensor parallel degree {tp_size} leaves some ranks no part of dimension {dim} of {name} "
+                f"(shape {tuple(named[name].shape)}); choose a degree of at most "
+                f"{named[name].shape[dim]} that gives every rank a block, or keep {name} replicated (tp dim None)"
             )
     with torch.no_grad():
         for param in model.parameters():
@@ -166,7 +183,8 @@ def split_parameters(
                 )
                 block = param
                 if dim is not None:
-                    block = nn.Parameter(param.detach().chunk(tp_size, dim)[rank].clone(), param.requires_grad)
+                    local = param.detach().narrow(dim, *local_block(param.shape[dim], tp_size, rank))
+                    block = nn.Parameter(local.clone(), param.requires_grad)
                 block_of[id(param)] = (block, spec)
             block, spec = block_of[id(param)]
             if tp_dims.get(qualified, spec.dim) != spec.dim:

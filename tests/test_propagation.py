@@ -62,3 +62,76 @@ def test_shard_to_shard_is_one_all_to_all(shape: tuple[int, ...], src: int, dst:
     assert all(ok for ok, _ in results)
     code = results[0][1]
     assert code.count("_c10d_functional.all_to_all_single") == 1 and "all_gather" not in code
+
+
+def _attention_on_rank(mask_shape: tuple[int, ...], rank: int) -> str:
+    """One rank's code for attention over 4 heads split 2 ways (q, k, v read through the markers,
+    as split parameters are), with an additive mask of ``mask_shape``; fake values only."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dpar.compiler.propagation.localize import localize
+    from dpar.compiler.propagation.propagate import MeshDim, propagate_placements
+
+    batch, heads, seq, head_dim, tp = 2, 4, 8, 8, 2
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor]:
+        q, k, v = (torch.ops.dpar.tensor_parallel_weight(b, 1, tp, "tp", heads) for b in (q, k, v))
+        return (torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask),)
+
+    blocks = [torch.randn(batch, heads // tp, seq, head_dim) for _ in range(3)]
+    gm = make_fx(attend, tracing_mode="fake")(*blocks, torch.zeros(mask_shape))
+    mesh = MeshDim(size=tp, rank=rank, group_name="tp")
+    gm = localize(propagate_placements(gm, mesh), mesh)
+    gm.recompile()
+    return gm.code
+
+
+def test_a_mask_broadcast_over_the_split_heads_reaches_attention_whole() -> None:
+    """A padding mask (batch, 1, q, k) has one head for all: each rank uses all of it. It used to
+    be sliced like q/k/v along dim 1, to ``slice(mask, 1, 0, 0)``, an empty mask the kernel
+    broadcast without complaint: wrong attention, no error."""
+    code = _attention_on_rank((2, 1, 8, 8), rank=1)
+    print(code)
+    assert (
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default("
+        "q_1, k_1, v_1, attn_mask = mask_1)" in code
+    )
+    assert "aten.slice" not in code
+    assert code.count("all_gather_into_tensor.default(") == 1  # the output, gathered for the graph output
+
+
+def test_a_mask_with_a_value_per_head_is_sliced_to_this_ranks_heads() -> None:
+    """T5's relative position bias (1, heads, q, k): rank 1 takes heads 2 and 3."""
+    code = _attention_on_rank((1, 4, 8, 8), rank=1)
+    print(code)
+    assert "torch.ops.aten.slice.Tensor(mask_1, 1, 2, 4)" in code
+    assert "attn_mask = slice_tensor" in code
+
+
+def _uneven_on_a_rank(rank: int, world_size: int, rows: int) -> tuple[bool, bool, bool]:
+    """Shard(0) -> Replicate, Partial -> Shard(0) and Replicate -> Shard(0) of a ``rows``-row tensor
+    the degree does not divide, each against torch.chunk's blocks (longer first, the last shorter)."""
+    full = torch.randn(rows, 3, generator=torch.Generator().manual_seed(0))
+    group = dist.group.WORLD.group_name
+    blocks = full.chunk(world_size)
+
+    def moved(src, dst, local: torch.Tensor) -> torch.Tensor:
+        graph = fx.Graph()
+        value = graph.placeholder("value")
+        value.meta["val"] = full
+        graph.output(redistribute(graph, value, src, dst, tp=world_size, rank=rank, group_name=group))
+        return fx.GraphModule({}, graph)(local)
+
+    gathered = moved(Shard(0), Replicate(), blocks[rank].clone())
+    scattered = moved(Partial(), Shard(0), full / world_size)
+    sliced = moved(Replicate(), Shard(0), full)
+    return (
+        torch.equal(gathered, full),
+        torch.allclose(scattered, blocks[rank]),
+        torch.equal(sliced, blocks[rank]),
+    )
+
+
+@pytest.mark.parametrize("rows,world", [(97, 2), (7, 4)], ids=["97-rows-2-ranks", "7-rows-4-ranks"])
+def test_uneven_blocks_are_padded_inside_the_collectives_only(rows: int, world: int) -> None:
+    assert all(all(ok) for ok in run_ranks(_uneven_on_a_rank, world, rows))

@@ -15,24 +15,30 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from dpar.compiler.propagation.propagate import GRAD_MARKER, WEIGHT_MARKER, MeshDim
+from dpar.runtime.tensor_parallel import local_block
 
 aten = torch.ops.aten
 
-_SIZED = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+# Ops whose output shape is spelled out in their arguments (at this index).
+_SIZED = {
+    aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
+    aten.slice_backward.default: 1,
+}
 
 
-def _local_sizes(node: fx.Node, size: int) -> None:
+def _local_sizes(node: fx.Node, mesh: MeshDim) -> None:
     placement = node.meta.get("placement")
     if isinstance(placement, Shard):
-        sizes = list(node.args[1])
+        index = _SIZED[node.target]
+        sizes = list(node.args[index])
         if sizes[placement.dim] != -1:
-            sizes[placement.dim] //= size
-        node.args = (node.args[0], sizes, *node.args[2:])
+            sizes[placement.dim] = local_block(node.meta["val"].shape[placement.dim], mesh.size, mesh.rank)[1]
+        node.args = (*node.args[:index], sizes, *node.args[index + 1:])
 
 
-def _vocabulary_mask(graph: fx.Graph, indices: fx.Node, rows: int, rank: int) -> tuple[fx.Node, fx.Node]:
+def _vocabulary_mask(graph: fx.Graph, indices: fx.Node, start: int, rows: int) -> tuple[fx.Node, fx.Node]:
     """(local row of each index, clamped to 0 where it is another rank's; mask of those)."""
-    shifted = graph.call_function(aten.sub.Tensor, (indices, rank * rows))
+    shifted = graph.call_function(aten.sub.Tensor, (indices, start))
     below = graph.call_function(aten.lt.Scalar, (shifted, 0))
     above = graph.call_function(aten.ge.Scalar, (shifted, rows))
     elsewhere = graph.call_function(aten.logical_or.default, (below, above))
@@ -42,9 +48,9 @@ def _vocabulary_mask(graph: fx.Graph, indices: fx.Node, rows: int, rank: int) ->
 
 def _split_embedding(graph: fx.Graph, node: fx.Node, mesh: MeshDim) -> None:
     weight, indices = node.args[:2]
-    rows = weight.meta["val"].shape[0] // mesh.size
+    start, rows = local_block(weight.meta["val"].shape[0], mesh.size, mesh.rank)
     with graph.inserting_before(node):
-        local, elsewhere = _vocabulary_mask(graph, indices, rows, mesh.rank)
+        local, elsewhere = _vocabulary_mask(graph, indices, start, rows)
     node.args = (weight, local, *node.args[2:])
     with graph.inserting_after(node):
         masked = graph.call_function(aten.masked_fill.Scalar, (node, elsewhere, 0.0))
@@ -53,10 +59,10 @@ def _split_embedding(graph: fx.Graph, node: fx.Node, mesh: MeshDim) -> None:
 
 def _split_embedding_backward(graph: fx.Graph, node: fx.Node, mesh: MeshDim) -> None:
     grad, indices, num_weights, padding_idx, *rest = node.args
-    rows = num_weights // mesh.size
-    local_padding = padding_idx - mesh.rank * rows
+    start, rows = local_block(num_weights, mesh.size, mesh.rank)
+    local_padding = padding_idx - start
     with graph.inserting_before(node):
-        local, elsewhere = _vocabulary_mask(graph, indices, rows, mesh.rank)
+        local, elsewhere = _vocabulary_mask(graph, indices, start, rows)
         grad = graph.call_function(aten.masked_fill.Scalar, (grad, elsewhere, 0.0))
     node.args = (grad, local, rows, local_padding if 0 <= local_padding < rows else -1, *rest)
 
@@ -67,7 +73,7 @@ def localize(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
         if node.op != "call_function":
             continue
         if node.target in _SIZED:
-            _local_sizes(node, mesh.size)
+            _local_sizes(node, mesh)
         elif node.target is aten.embedding.default and node.meta.get("placement_inputs", (None,))[0] == Shard(0):
             _split_embedding(graph, node, mesh)
         elif node.target is aten.embedding_dense_backward.default and node.meta.get("placement") == Shard(0):

@@ -17,6 +17,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from dpar.runtime.tensor_parallel import local_block
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
@@ -118,33 +120,55 @@ def _all_to_all(graph: fx.Graph, value: fx.Node, src: int, dst: int, tp: int, gr
     return _call(graph, aten.alias.default, (result,), Shard(dst))
 
 
+def _padded(graph: fx.Graph, value: fx.Node, ndim: int, extra: int) -> fx.Node:
+    """``value`` with ``extra`` zero rows appended along dim 0: uneven blocks travel at the longest one's size."""
+    if extra == 0:
+        return value
+    return graph.call_function(aten.constant_pad_nd.default, (value, [0, 0] * (ndim - 1) + [0, extra]))
+
+
+def _rows(graph: fx.Graph, value: fx.Node, start: int, length: int, total: int) -> fx.Node:
+    """Rows ``[start, start + length)`` of dim 0 of a ``total``-row value (itself where that is all of it)."""
+    if start == 0 and length == total:
+        return value
+    return graph.call_function(aten.slice.Tensor, (value, 0, start, start + length))
+
+
 def _redistribute(
     graph: fx.Graph, value: fx.Node, src: Placement, dst: Placement, *, tp: int, rank: int, group_name: str
 ) -> fx.Node:
+    """Blocks are ``local_block``'s: even where the degree divides the dimension, else ``ceil(n / tp)``
+    with a shorter last one. Collectives need equal blocks, so an uneven one is padded to the
+    longest before it is sent and the padding is cut off what comes back."""
     shape = value.meta["val"].shape  # global
     ndim = len(shape)
-    if isinstance(src, Shard) and isinstance(dst, Shard):
+    if isinstance(src, Shard) and isinstance(dst, Shard) and shape[src.dim] % tp == 0 and shape[dst.dim] % tp == 0:
         return _all_to_all(graph, value, src.dim, dst.dim, tp, group_name)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         reduced = _collective(graph, c10d.all_reduce.default, (value, "sum", group_name))
         return _call(graph, c10d.wait_tensor.default, (reduced,), dst)
     if isinstance(src, Partial) and isinstance(dst, Shard):
+        longest, length = local_block(shape[dst.dim], tp, 0)[1], local_block(shape[dst.dim], tp, rank)[1]
         dense, order = _dim_first(graph, value, dst.dim, ndim)
+        dense = _padded(graph, dense, ndim, longest * tp - shape[dst.dim])
         scattered = _collective(graph, c10d.reduce_scatter_tensor.default, (dense, "sum", tp, group_name))
         waited = graph.call_function(c10d.wait_tensor.default, (scattered,))
-        result = _dim_back(graph, waited, order)
+        result = _dim_back(graph, _rows(graph, waited, 0, length, longest), order)
         result.meta["placement"] = dst
         return result
     if isinstance(src, Shard):
+        longest, length = local_block(shape[src.dim], tp, 0)[1], local_block(shape[src.dim], tp, rank)[1]
         dense, order = _dim_first(graph, value, src.dim, ndim)
-        gathered = _collective(graph, c10d.all_gather_into_tensor.default, (dense, tp, group_name))
+        gathered = _collective(
+            graph, c10d.all_gather_into_tensor.default, (_padded(graph, dense, ndim, longest - length), tp, group_name)
+        )
         waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
-        full = _dim_back(graph, waited, order)
+        full = _dim_back(graph, _rows(graph, waited, 0, shape[src.dim], longest * tp), order)
         full.meta["placement"] = Replicate()
         if isinstance(dst, Replicate):
             return full
         value, src = full, Replicate()
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        size = shape[dst.dim] // tp
-        return _call(graph, aten.slice.Tensor, (value, dst.dim, rank * size, (rank + 1) * size), dst)
+        start, length = local_block(shape[dst.dim], tp, rank)
+        return _call(graph, aten.slice.Tensor, (value, dst.dim, start, start + length), dst)
     raise ValueError(f"dpar internal error: no redistribution from {src} to {dst}")

@@ -21,6 +21,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from dpar.runtime.tensor_parallel import can_split
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 R, P = Replicate(), Partial()
@@ -54,7 +56,7 @@ def replicated(node: fx.Node, tp: int) -> list[Candidate]:
     return [Candidate(tuple(R for _ in tensor_inputs(node)), _outputs(node, R))]
 
 
-def _divides(size: int, tp: int) -> bool:
+def _even(size: int, tp: int) -> bool:
     return size % tp == 0 and size >= tp
 
 
@@ -87,15 +89,22 @@ def _broadcast_placement(out_ndim: int, in_shape: Sequence[int], placement: Plac
 
 
 def pointwise(node: fx.Node, tp: int) -> list[Candidate]:
+    """Any operand's shard (in output coordinates); a partial sum through a linear op; replicated.
+
+    Operands broadcast along the sharded dimension (an attention mask's size-1
+    head dimension, RoPE's cos/sin) stay whole on every rank. A partial sum
+    scaled by another operand needs that operand replicated: a partial sum times
+    a block is neither.
+    """
     inputs = tensor_inputs(node)
     out_shape = shape_of(node)
     here = [n.meta.get("placement", R) for n in inputs]
     options: list[Placement] = []
-    for placement in here:
-        if isinstance(placement, Shard) and placement not in options:
-            dim = placement.dim + (len(out_shape) - len(shape_of(inputs[here.index(placement)])))
-            if _divides(out_shape[dim], tp):
-                options.append(Shard(dim))
+    for value, placement in zip(inputs, here):
+        if isinstance(placement, Shard):
+            out = Shard(placement.dim + len(out_shape) - len(shape_of(value)))
+            if out not in options and can_split(out_shape[out.dim], tp):
+                options.append(out)
     if P in here:
         partial = [p is P for p in here]
         if node.target in _LINEAR and all(partial):
@@ -106,7 +115,7 @@ def pointwise(node: fx.Node, tp: int) -> list[Candidate]:
     candidates = []
     for out in options:
         if out is P:
-            ins = tuple(here)
+            ins = tuple(P if p is P else R for p in here)
         else:
             ins = tuple(_broadcast_placement(len(out_shape), shape_of(n), out) for n in inputs)
         candidates.append(Candidate(ins, _outputs(node, out)))
@@ -122,13 +131,13 @@ def matmul(node: fx.Node, tp: int) -> list[Candidate]:
     batch = len(a) - 2  # 0 for mm, 1 for bmm
     m, k, n = batch, batch + 1, batch + 1
     candidates = [Candidate((R, R), (R,))]
-    if _divides(a[m], tp):
+    if can_split(a[m], tp):
         candidates.append(Candidate((Shard(m), R), (Shard(m),)))
-    if _divides(b[-1], tp):
+    if can_split(b[-1], tp):
         candidates.append(Candidate((R, Shard(n)), (Shard(len(a) - 1),)))
-    if _divides(a[k], tp):
+    if can_split(a[k], tp):
         candidates.append(Candidate((Shard(k), Shard(batch)), (P,)))
-    if batch and _divides(a[0], tp):
+    if batch and can_split(a[0], tp):
         candidates.append(Candidate((Shard(0), Shard(0)), (Shard(0),)))
     candidates += [Candidate((P, R), (P,)), Candidate((R, P), (P,))]
     return candidates
@@ -192,16 +201,19 @@ def view_dim(before: Sequence[int], after: Sequence[int], dim: int, tp: int) -> 
     """Where a shard along ``before[dim]`` lands after the view, or None if it cannot stay a shard.
 
     It stays a shard when it is the outermost non-trivial dimension of its run
-    and the outermost non-trivial dimension of the matching run is a multiple of
-    the degree: splitting ``C`` into ``(heads, head_dim)`` shards the heads.
+    and both it and the outermost non-trivial dimension of the matching run are
+    multiples of the degree: splitting ``C`` into ``(heads, head_dim)`` shards the
+    heads. An uneven shard (a vocabulary of 50257) stays one only where that
+    dimension keeps its size, since its blocks need not line up with any other.
     """
     for gi, gj in view_groups(before, after):
         if dim in gi:
             outer_in = next((d for d in gi if before[d] != 1), None)
             outer_out = next((d for d in gj if after[d] != 1), None)
-            if outer_in != dim or outer_out is None or not _divides(after[outer_out], tp):
+            if outer_in != dim or outer_out is None:
                 return None
-            return outer_out
+            even = _even(before[dim], tp) and _even(after[outer_out], tp)
+            return outer_out if even or before[dim] == after[outer_out] else None
     return None
 
 
@@ -231,6 +243,50 @@ def expand(node: fx.Node, tp: int) -> list[Candidate]:
     if isinstance(here, Shard) and before[here.dim] == after[here.dim + len(after) - len(before)]:
         dim = here.dim + len(after) - len(before)
     return _carried(here, dim)
+
+
+def _argument(node: fx.Node, names: Sequence[str]) -> object:
+    """The value passed for the first of ``names`` in the op's schema (positional, keyword or default)."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name in names:
+            if index < len(node.args):
+                return node.args[index]
+            return node.kwargs.get(argument.name, argument.default_value)
+    return None
+
+
+def _dim_argument(node: fx.Node, ndim: int) -> int:
+    return _argument(node, ("dim",)) % ndim
+
+
+def along(node: fx.Node, tp: int) -> list[Candidate]:
+    """slice, its backward, split: cutting along one dimension keeps a shard along any other
+    (every rank cuts its block the same way) and a partial sum (cutting is linear)."""
+    source = tensor_inputs(node)[0]
+    here = source.meta.get("placement", R)
+    dim = _dim_argument(node, len(shape_of(source)))
+    if not isinstance(here, Shard):
+        return [Candidate((here,), _outputs(node, here))]
+    if here.dim == dim:
+        return [Candidate((R,), _outputs(node, R))]
+    return [Candidate((here,), _outputs(node, here)), Candidate((R,), _outputs(node, R))]
+
+
+def cat(node: fx.Node, tp: int) -> list[Candidate]:
+    """Joining along one dimension keeps a shard along another when every piece is split alike
+    (RoPE's rotate_half joins two halves of each head); partial sums join into one. An empty
+    1-D piece (a cache's first step), which cat skips, stays replicated."""
+    inputs = tensor_inputs(node)
+    dim = _dim_argument(node, len(shape_of(node)))
+    here = [n.meta.get("placement", R) for n in inputs]
+    pieces = [shape_of(n) != (0,) for n in inputs]
+    candidates = []
+    shard = next((p for p in here if isinstance(p, Shard) and p.dim != dim), None)
+    if shard is not None and all(len(shape_of(n)) == len(shape_of(node)) for n, piece in zip(inputs, pieces) if piece):
+        candidates.append(Candidate(tuple(shard if piece else R for piece in pieces), (shard,)))
+    if all(p is P for p, piece in zip(here, pieces) if piece):
+        candidates.append(Candidate(tuple(P if piece else R for piece in pieces), (P,)))
+    return candidates + replicated(node, tp)
 
 
 # --- reductions, normalisation, attention, embedding -------------------------------------------
@@ -293,14 +349,41 @@ def layer_norm(node: fx.Node, tp: int) -> list[Candidate]:
     return candidates + replicated(node, tp)
 
 
+_MASK_ARGUMENTS = ("attn_mask", "attn_bias")
+# Backward ops that also return the mask's gradient (by output index): where the mask is
+# broadcast over the split heads that gradient is a sum over every rank's heads, so they run whole.
+_MASK_GRADIENT = {aten._scaled_dot_product_efficient_attention_backward.default: 3}
+
+
 def attention(node: fx.Node, tp: int) -> list[Candidate]:
-    """Scaled dot-product attention and its backward: independent per batch and per head."""
+    """Scaled dot-product attention and its backward: independent per batch (dim 0) and per head (dim 1).
+
+    Every tensor of three or more dims (q, k, v, the output, its gradient, the
+    log-sum-exp) has batch and heads first and is split alike; the mask
+    broadcasts into (batch, heads, q, k) from the right, so a mask with one head
+    (a padding mask) or none (RoPE-free causal bias) is whole on every rank.
+    Seeds, offsets and sequence lengths (under three dims) are replicated.
+    """
     inputs = tensor_inputs(node)
-    here = inputs[0].meta.get("placement", R)
-    candidates = []
-    if isinstance(here, Shard) and here.dim in (0, 1):
-        candidates.append(Candidate(tuple(here for _ in inputs), _outputs(node, here)))
-    return candidates + replicated(node, tp)
+    mask = _argument(node, _MASK_ARGUMENTS)
+    mask = mask if isinstance(mask, fx.Node) else None
+    per_head = [n for n in inputs if n is not mask and len(shape_of(n)) >= 3]
+    sharded = [n.meta.get("placement") for n in per_head if isinstance(n.meta.get("placement"), Shard)]
+    here = next((p for p in sharded if p.dim in (0, 1)), None)
+    if here is None or not all(can_split(shape_of(n)[here.dim], tp) for n in per_head):
+        return replicated(node, tp)
+    ins = tuple(
+        _broadcast_placement(4, shape_of(n), here) if n is mask else here if n in per_head else R for n in inputs
+    )
+    vals = node.meta["val"]
+    outs = tuple(
+        (here if v.dim() >= 3 else R) if isinstance(v, torch.Tensor) else None
+        for v in (vals if isinstance(vals, (tuple, list)) else (vals,))
+    )
+    gradient = _MASK_GRADIENT.get(node.target)
+    if mask is not None and ins[inputs.index(mask)] == R and gradient is not None and outs[gradient] is not None:
+        return replicated(node, tp)
+    return [Candidate(ins, outs)] + replicated(node, tp)
 
 
 def embedding(node: fx.Node, tp: int) -> list[Candidate]:
@@ -341,7 +424,7 @@ def sequence_shard(node: fx.Node, tp: int) -> list[Candidate]:
         return []
     inputs = tensor_inputs(node)
     shape = shape_of(node)
-    if len(shape) < 3 or not _divides(shape[-2], tp) or all(n.meta.get("placement", R) != P for n in inputs):
+    if len(shape) < 3 or not can_split(shape[-2], tp) or all(n.meta.get("placement", R) != P for n in inputs):
         return []
     out = Shard(len(shape) - 2)
     return [Candidate(tuple(_broadcast_placement(len(shape), shape_of(n), out) for n in inputs), _outputs(node, out))]
@@ -371,6 +454,11 @@ RULES: dict[object, Rule] = {
     aten._unsafe_view.default: view,
     aten.reshape.default: view,
     aten.expand.default: expand,
+    aten.slice.Tensor: along,
+    aten.slice_backward.default: along,
+    aten.split.Tensor: along,
+    aten.split_with_sizes.default: along,
+    aten.cat.default: cat,
     aten.unsqueeze.default: view,  # inserting or dropping a size-1 dimension is a view
     aten.squeeze.dim: view,
     aten.sum.dim_IntList: reduction,

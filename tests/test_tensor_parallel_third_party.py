@@ -142,3 +142,14 @@ def test_tensor_parallel_matches_one_process(name: str, optimizer: str) -> None:
     print(f"tp on 2 ranks, {name} {optimizer}: losses {losses} vs {reference_losses}, max |difference| {diff:.2e}")
     assert abs(losses[0] - reference_losses[0]) <= 1e-5  # the forward at step 0, before any update
     assert diff <= TOLERANCE[optimizer]
+
+
+def test_a_degree_that_leaves_a_rank_no_block_is_refused(world_of_four) -> None:
+    """Uneven blocks are fine (30 rows over 4 ranks: 8, 8, 8, 6); 3 rows over 4 ranks would leave one empty."""
+    import dpar
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(ValueError, match=r"tensor parallel degree 4 leaves some ranks no part of dimension 0 of 0.weight \(shape \(3, 16\)\); choose a degree of at most 3"):
+        dpar.parallelize(
+            nn.Sequential(nn.Linear(16, 3)), strategy="tp", mesh=init_device_mesh("cpu", (4,)), tp_plan={"0.weight": 0}
+        )

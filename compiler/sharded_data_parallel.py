@@ -9,13 +9,15 @@ from typing import Any
 import torch.fx as fx
 from torch._library.fake_class_registry import FakeScriptObject
 
-from dpar.compiler.capture import GraphInput
+from dpar.compiler.capture import GraphInput, InputKind
 from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
 from dpar.compiler.passes.all_gather import ParameterGroup, bucket_all_gathers_pass
+from dpar.compiler.passes.broadcast_buffers import broadcast_buffers_pass
 from dpar.compiler.passes.prefetch import prefetch_all_gathers_pass
 from dpar.compiler.passes.reduce_scatter import bucket_reduce_scatters_pass
-from dpar.compiler.passes.reshard import tag_gathers_for_recompute
+from dpar.compiler.passes.random_ops import save_random_ops
+from dpar.compiler.passes.reshard import tag_gathers
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.pipeline import Pass, lower_checked, run_passes
 from dpar.runtime.sharding import ShardSpec
@@ -43,7 +45,8 @@ def flat_layout(inputs: Sequence[GraphInput], example_inputs: Sequence[Any]) -> 
 
 
 class ShardedDataParallelHook:
-    """zero2 / fsdp: bucketed all-gathers in forward (and backward), reduce-scatters in backward."""
+    """zero2 / fsdp / hsdp: bucketed all-gathers in forward (and backward), reduce-scatters in
+    backward, and ddp's broadcast of rank 0's buffers into every forward."""
 
     def __init__(self, inputs: Sequence[GraphInput], specs: dict[int, ShardSpec], world: World, options: Options) -> None:
         self.inputs = list(inputs)
@@ -56,17 +59,23 @@ class ShardedDataParallelHook:
         self.group_name, self.group_size = first.group_name, first.world_size
         self.max_inflight, self.reduce_dtype = first.max_inflight_gathers, first.reduce_dtype
         self.replicate = (first.replicate_group_name, first.replicate_size) if first.replicate_group_name else None
+        # Every data-parallel rank reads rank 0's buffers, as under ddp: over the whole world (zero2,
+        # fsdp, hsdp), over the data-parallel dimension under fsdp+tp (as ddp+tp), whose
+        # tensor-parallel ranks may hold different blocks of a split buffer.
+        self.buffer_group = world.group_name if self.replicate else self.group_name
+        self.buffers: list[int] = []  # positions of the buffers among the flat forward inputs
 
     def tag_joint(self, joint: fx.GraphModule) -> fx.GraphModule:
-        """Runs before the forward is compiled: plan the groups from the joint graph's inputs."""
+        """Runs before the forward is compiled: plan the groups from the joint graph's inputs, then
+        tag what the backward recomputes (activation checkpointing's tags are refined here too)."""
         primals = [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals_")]
         self._plan_groups(primals)
-        if self.reshard_after_forward:
-            tag_gathers_for_recompute(joint, self.groups)
-        return joint
+        tag_gathers(joint, self.groups, reshard_after_forward=self.reshard_after_forward)
+        return save_random_ops(joint)
 
     def _plan_groups(self, example_inputs: Sequence[Any]) -> None:
         layout = flat_layout(self.inputs, example_inputs)
+        self.buffers = [layout[i.index][0] for i in self.inputs if i.kind is InputKind.BUFFER]
         by_bucket: dict[str, list[tuple[int, int]]] = {}
         for index, spec in self.specs.items():
             by_bucket.setdefault(spec.bucket, []).append(layout[index])
@@ -78,7 +87,12 @@ class ShardedDataParallelHook:
 
     def _passes(self, role: GraphRole) -> list[Pass]:
         kw = {"group_name": self.group_name, "world_size": self.group_size}
-        passes: list[Pass] = [("bucket_all_gathers", lambda g: bucket_all_gathers_pass(g, self.groups, **kw))]
+        passes: list[Pass] = []
+        if role is not GraphRole.BACKWARD and self.options.broadcast_buffers and self.buffers:
+            passes.append(
+                ("broadcast_buffers", lambda g: broadcast_buffers_pass(g, self.buffers, group_name=self.buffer_group))
+            )
+        passes.append(("bucket_all_gathers", lambda g: bucket_all_gathers_pass(g, self.groups, **kw)))
         if role is GraphRole.BACKWARD:
             passes.append(
                 (

@@ -1,4 +1,4 @@
-"""FSDP's reshard-after-forward, as a tag on the joint graph for the partitioner."""
+"""FSDP's reshard-after-forward (and zero2's keeping), as tags on the joint graph for the partitioner."""
 
 from __future__ import annotations
 
@@ -7,19 +7,28 @@ from collections.abc import Sequence
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from dpar.compiler.collectives import WAIT
 from dpar.compiler.passes.all_gather import ParameterGroup, c10d, operand_chain, primal_placeholders, shard_source
 
 
-def tag_gathers_for_recompute(joint: fx.GraphModule, groups: Sequence[ParameterGroup]) -> fx.GraphModule:
-    """Mark every gathered parameter, and what is computed from it alone, as must-recompute.
+def tag_gathers(
+    joint: fx.GraphModule, groups: Sequence[ParameterGroup], *, reshard_after_forward: bool
+) -> fx.GraphModule:
+    """Decide for the partitioner which gathered parameters the backward gathers again.
 
-    The partitioner then saves the shard (a graph input, free to keep) instead
-    of the full parameter, and the backward graph gathers it again: the full
-    parameter lives only from its gather to its last use in each graph.
+    With ``reshard_after_forward`` (fsdp, hsdp) every gathered parameter, and
+    what is computed from it alone, is must-recompute: the partitioner then
+    saves the shard (a graph input, free to keep) instead of the full
+    parameter, and the backward graph gathers it again, so the full parameter
+    lives only from its gather to its last use in each graph. The group
+    gathered last in the forward is left gathered, as FSDP2 leaves its root
+    unsharded: the backward starts with it, so gathering it again right away
+    would only cost a collective.
 
-    The group gathered last in the forward is left alone, as FSDP2 leaves its
-    root unsharded: the backward starts with it, so gathering it again right
-    away would only cost a collective.
+    The gathers kept (all of zero2's, fsdp's last group) are must-save. Outside
+    a checkpointed region the partitioner saves collectives anyway; inside one
+    it would prefer to recompute them, gather included, which would undo
+    zero2's point of keeping the gathered parameters for the backward.
     """
     primals = primal_placeholders(joint.graph)
     group_of = {primals[i]: g.name for g in groups for i in g.inputs if i in primals}
@@ -28,10 +37,12 @@ def tag_gathers_for_recompute(joint: fx.GraphModule, groups: Sequence[ParameterG
         n for n in joint.graph.nodes
         if n.target is c10d.all_gather_into_tensor.default and shard_source(n.args[0]) in group_of
     ]
-    kept = group_of[shard_source(gathers[-1].args[0])] if gathers else None
-    tag_must_recompute(
-        joint.graph, {n for g in gathers if group_of[shard_source(g.args[0])] != kept for n in operand_chain(g)}
-    )
+    last = group_of[shard_source(gathers[-1].args[0])] if gathers else None
+    resharded = [g for g in gathers if reshard_after_forward and group_of[shard_source(g.args[0])] != last]
+    tag_must_recompute(joint.graph, {n for g in resharded for n in operand_chain(g)})
+    for gather in set(gathers) - set(resharded):
+        for node in [gather, *(w for w in gather.users if w.target is WAIT)]:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return joint
 
 

@@ -103,10 +103,10 @@ def _compile_tensor_parallel(
         joint = lambda g: sharded.tag_joint(hook.joint_pass(g))
     elif split.data_parallel_group_name is not None:  # ddp+tp
         dp_world = current_world(_resolve_process_group(split.data_parallel_group_name))
-        hook = ThenInference(mesh, DataParallelHook(inputs, dp_world, options), group_batch)
+        hook = ThenInference(mesh, DataParallelHook(inputs, dp_world, options, whole_group=world.group_name), group_batch)
         joint = hook.joint_pass
     else:
-        hook = ThenInference(mesh, TensorParallelHook(world, options), group_batch)
+        hook = ThenInference(mesh, TensorParallelHook(inputs, world, options), group_batch)
         joint = hook.joint_pass
     compiled = compile_graphs(gm, example_inputs, compiler=options.compiler, hook=hook, joint_pass=joint)
     if group_batch is None and world.backend != "fake":

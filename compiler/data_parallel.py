@@ -13,7 +13,7 @@ from dpar.compiler.graph_utils import copy_graph_module, fake_like
 from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
 from dpar.compiler.passes.all_reduce import accumulated_gradient_order, all_reduce_gradients_pass
-from dpar.compiler.passes.broadcast_buffers import broadcast_buffers_pass
+from dpar.compiler.passes.broadcast_buffers import broadcast_buffers_pass, buffer_broadcast_groups
 from dpar.compiler.passes.buckets import Bucket, Gradient, plan_buckets
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.pipeline import Pass, lower_checked, run_passes
@@ -40,13 +40,24 @@ def gradients_of(gm: fx.GraphModule, inputs: Sequence[GraphInput]) -> list[Gradi
     ]
 
 
-def ddp_forward_passes(inputs: Sequence[GraphInput], world: World, options: Options) -> list[Pass]:
-    buffers = [i.index for i in inputs if i.kind is InputKind.BUFFER]
-    passes: list[Pass] = []
-    if options.broadcast_buffers and buffers:
-        passes.append(
-            ("broadcast_buffers", lambda g: broadcast_buffers_pass(g, buffers, group_name=world.group_name))
-        )
+def broadcast_passes(options: Options, groups: dict[str, list[int]]) -> list[Pass]:
+    """DDP's broadcast_buffers, one pass per group of ``buffer_broadcast_groups``."""
+    if not options.broadcast_buffers:
+        return []
+    return [
+        ("broadcast_buffers" if len(groups) == 1 else f"broadcast_buffers[{group}]",
+         lambda g, group=group, positions=positions: broadcast_buffers_pass(g, positions, group_name=group))
+        for group, positions in groups.items()
+    ]
+
+
+def ddp_forward_passes(
+    inputs: Sequence[GraphInput], world: World, options: Options, whole_group: str | None = None
+) -> list[Pass]:
+    """``whole_group`` (ddp+tp: the whole world's) is where unsplit buffers are broadcast; ``world`` is data parallel's."""
+    buffers = [(i.index, i.tensor()) for i in inputs if i.kind is InputKind.BUFFER]
+    groups = buffer_broadcast_groups(buffers, whole_group=whole_group or world.group_name, split_group=world.group_name)
+    passes = broadcast_passes(options, groups)
     if options.sink_waits:
         passes.append(("sink_waits", sink_waits_pass))
     return passes
@@ -77,17 +88,20 @@ def ddp_backward_passes(
 class DataParallelHook:
     """Turns each graph AOTAutograd produces into its data-parallel version."""
 
-    def __init__(self, inputs: Sequence[GraphInput], world: World, options: Options) -> None:
+    def __init__(
+        self, inputs: Sequence[GraphInput], world: World, options: Options, whole_group: str | None = None
+    ) -> None:
         self.inputs = list(inputs)
         self.world = world
         self.options = options
+        self.whole_group = whole_group  # ddp+tp: the whole world's group, where unsplit buffers are broadcast
         self.buckets: list[Bucket] = []
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower
     ) -> Callable[..., Any]:
         if role is not GraphRole.BACKWARD:
-            gm = run_passes(gm, ddp_forward_passes(self.inputs, self.world, self.options), role.value)
+            gm = run_passes(gm, ddp_forward_passes(self.inputs, self.world, self.options, self.whole_group), role.value)
             return lower_checked(gm, example_inputs, f"{role.value} graph", lower, self.world, self.options)
 
         self.buckets = plan_buckets(gradients_of(gm, self.inputs), self.options.bucket_cap_bytes)

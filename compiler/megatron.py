@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -248,13 +249,17 @@ class _Follow(TorchFunctionMode):
 
 def megatron_dims(model: nn.Module, example_inputs: Sequence[Any]) -> dict[str, int | None]:
     """Parameter name -> the dimension tensor parallel splits (None: replicated)."""
-    names = {id(p): n for n, p in model.named_parameters()}
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake_inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, list(example_inputs))
-        follow = _Follow(names)
+        fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+        # Fake copies of the state too: a real buffer updated in place under the fake mode (BatchNorm's
+        # 0-dim num_batches_tracked) would otherwise count this planning forward as a training step.
+        parameters = {n: fake(p) for n, p in model.named_parameters()}
+        state = {**parameters, **{n: fake(b) for n, b in model.named_buffers()}}
+        follow = _Follow({id(p): n for n, p in parameters.items()})
         with follow, torch.no_grad():
-            model(*fake_inputs)
-    dims = {name: follow.dims.get(name) for name in names.values()}
+            functional_call(model, state, tuple(tree_map(fake, list(example_inputs))))
+    names = {id(p): n for n, p in model.named_parameters()}
+    dims = {name: follow.dims.get(name) for name in parameters}
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             name = names[id(module.weight)]

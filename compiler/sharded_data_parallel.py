@@ -13,7 +13,8 @@ from dpar.compiler.capture import GraphInput, InputKind
 from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
 from dpar.compiler.passes.all_gather import ParameterGroup, bucket_all_gathers_pass
-from dpar.compiler.passes.broadcast_buffers import broadcast_buffers_pass
+from dpar.compiler.data_parallel import broadcast_passes
+from dpar.compiler.passes.broadcast_buffers import buffer_broadcast_groups
 from dpar.compiler.passes.prefetch import prefetch_all_gathers_pass
 from dpar.compiler.passes.reduce_scatter import bucket_reduce_scatters_pass
 from dpar.compiler.passes.random_ops import save_random_ops
@@ -59,11 +60,7 @@ class ShardedDataParallelHook:
         self.group_name, self.group_size = first.group_name, first.world_size
         self.max_inflight, self.reduce_dtype = first.max_inflight_gathers, first.reduce_dtype
         self.replicate = (first.replicate_group_name, first.replicate_size) if first.replicate_group_name else None
-        # Every data-parallel rank reads rank 0's buffers, as under ddp: over the whole world (zero2,
-        # fsdp, hsdp), over the data-parallel dimension under fsdp+tp (as ddp+tp), whose
-        # tensor-parallel ranks may hold different blocks of a split buffer.
-        self.buffer_group = world.group_name if self.replicate else self.group_name
-        self.buffers: list[int] = []  # positions of the buffers among the flat forward inputs
+        self.buffer_groups: dict[str, list[int]] = {}  # group -> positions of its buffers among the flat forward inputs
 
     def tag_joint(self, joint: fx.GraphModule) -> fx.GraphModule:
         """Runs before the forward is compiled: plan the groups from the joint graph's inputs, then
@@ -75,7 +72,11 @@ class ShardedDataParallelHook:
 
     def _plan_groups(self, example_inputs: Sequence[Any]) -> None:
         layout = flat_layout(self.inputs, example_inputs)
-        self.buffers = [layout[i.index][0] for i in self.inputs if i.kind is InputKind.BUFFER]
+        # Every rank reads rank 0's buffers, as under ddp; a tensor-parallel block only over the shard group.
+        self.buffer_groups = buffer_broadcast_groups(
+            [(layout[i.index][0], i.tensor()) for i in self.inputs if i.kind is InputKind.BUFFER],
+            whole_group=self.world.group_name, split_group=self.group_name,
+        )
         by_bucket: dict[str, list[tuple[int, int]]] = {}
         for index, spec in self.specs.items():
             by_bucket.setdefault(spec.bucket, []).append(layout[index])
@@ -87,11 +88,7 @@ class ShardedDataParallelHook:
 
     def _passes(self, role: GraphRole) -> list[Pass]:
         kw = {"group_name": self.group_name, "world_size": self.group_size}
-        passes: list[Pass] = []
-        if role is not GraphRole.BACKWARD and self.options.broadcast_buffers and self.buffers:
-            passes.append(
-                ("broadcast_buffers", lambda g: broadcast_buffers_pass(g, self.buffers, group_name=self.buffer_group))
-            )
+        passes = broadcast_passes(self.options, self.buffer_groups) if role is not GraphRole.BACKWARD else []
         passes.append(("bucket_all_gathers", lambda g: bucket_all_gathers_pass(g, self.groups, **kw)))
         if role is GraphRole.BACKWARD:
             passes.append(

@@ -9,13 +9,16 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from dpar.compiler.capture import GraphInput, InputKind
+from dpar.compiler.data_parallel import broadcast_passes
 from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
 from dpar.compiler.graph_utils import refresh_fake_values
+from dpar.compiler.passes.broadcast_buffers import buffer_broadcast_groups
 from dpar.compiler.passes.group_batch import GroupBatch, unroll_group_batch
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
-from dpar.compiler.pipeline import Pass, lower_checked, run_passes
+from dpar.compiler.pipeline import lower_checked, run_passes
 from dpar.compiler.propagation.propagate import MeshDim
 from dpar.runtime.tensor_parallel import TensorParallelSpec
 from dpar.runtime.world import World
@@ -34,15 +37,19 @@ def tensor_parallel_mesh(spec: TensorParallelSpec) -> MeshDim:
 class TensorParallelHook:
     """tp alone: the collectives are the ones the joint-graph passes inserted (the group's
     rows gathered and its gradients averaged inside the unrolled graph, or, for a user who
-    feeds the group one batch, none), so the forward and backward need only lowering."""
+    feeds the group one batch, none), plus DDP's broadcast of rank 0's unsplit buffers."""
 
-    def __init__(self, world: World, options: Options) -> None:
+    def __init__(self, inputs: Sequence[GraphInput], world: World, options: Options) -> None:
         self.world, self.options = world, options
+        buffers = [(i.index, i.tensor()) for i in inputs if i.kind is InputKind.BUFFER]  # no DTensor: index is position
+        self.buffer_groups = buffer_broadcast_groups(buffers, whole_group=world.group_name, split_group=None)
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower
     ) -> Callable[..., Any]:
-        passes: list[Pass] = [("sink_waits", sink_waits_pass)] if self.options.sink_waits else []
+        passes = broadcast_passes(self.options, self.buffer_groups) if role is not GraphRole.BACKWARD else []
+        if self.options.sink_waits:
+            passes.append(("sink_waits", sink_waits_pass))
         gm = run_passes(gm, passes, role.value)
         return lower_checked(gm, example_inputs, f"{role.value} graph", lower, self.world, self.options)
 

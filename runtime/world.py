@@ -128,4 +128,5 @@ def collectives_issued() -> dict[str, int]:
     return {
         f"{pg.group_name}{sorted(ranks)}": pg._get_sequence_number_for_group()
         for pg, ranks in dist.distributed_c10d._world.pg_group_ranks.items()
+        if isinstance(pg, dist.ProcessGroup)  # c10d keys a group this rank is not in by an int sentinel
     }

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
+from dpar.runtime.tensor_parallel import tensor_parallel_spec_of
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
@@ -49,3 +51,21 @@ def broadcast_buffers_pass(
     graph.lint()
     gm.recompile()
     return gm
+
+
+def buffer_broadcast_groups(
+    buffers: Sequence[tuple[int, torch.Tensor]], *, whole_group: str, split_group: str | None
+) -> dict[str, list[int]]:
+    """Group name -> positions of the buffers broadcast from its rank 0.
+
+    DDP hands every rank rank 0's buffers. A buffer tensor parallel splits holds a
+    different block on each rank of its group, so it is broadcast only over the
+    data-parallel group (``split_group``; None where there is none).
+    """
+    groups: dict[str, list[int]] = {}
+    for position, value in buffers:
+        split = getattr(tensor_parallel_spec_of(value), "dim", None) is not None
+        group = split_group if split else whole_group
+        if group is not None:
+            groups.setdefault(group, []).append(position)
+    return groups

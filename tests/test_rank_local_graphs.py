@@ -3,8 +3,8 @@
 Under ddp a no_grad forward compiles a graph without collectives, which runs on
 rank 0 without waiting for anyone; the parameters then equal DDP's. Under zero2
 and fsdp even a forward gathers sharded parameters, so rank 0 alone cannot run
-it: it raises a named error within seconds instead of waiting out the check's
-timeout.
+it, nor under tp, where the forward's layers are split: it raises a named error
+within seconds instead of waiting out the check's timeout.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def _sharded_rank0_evaluation(rank: int, world_size: int, strategy: str) -> dict
     import dpar
 
     model = _build("tiny_gpt")
-    dpar.parallelize(model, strategy=strategy)
+    example = _batch("tiny_gpt", 0, rank, world_size) if strategy == "tp" else None
+    dpar.parallelize(model, strategy=strategy, example_inputs=example)
     runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager", "check_timeout_s": 120})
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in TRAIN_STEPS:
@@ -135,7 +136,7 @@ def _sharded_rank0_evaluation(rank: int, world_size: int, strategy: str) -> dict
     return {"error": None}
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp", "tp"])
 def test_rank0_evaluation_under_sharding_raises_a_named_error_within_seconds(strategy: str) -> None:
     rank0, rank1 = run_ranks(_sharded_rank0_evaluation, 2, strategy, timeout_s=180)
     assert rank0["error"] == "DivergedRanksError", rank0

@@ -20,43 +20,49 @@ SEQ = 8
 VOCAB = 64
 
 
-def _hf(name: str) -> nn.Module:
+def _config(name: str):
     import transformers as tf
 
     small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4)
     if name == "llama":
-        config = tf.LlamaConfig(**small, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=32)
-        return tf.LlamaForCausalLM(config)
+        return tf.LlamaConfig(**small, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=32)
     if name == "bert":
-        config = tf.BertConfig(**small, num_hidden_layers=2, max_position_embeddings=32, type_vocab_size=1)
-        return tf.BertForMaskedLM(config)
+        return tf.BertConfig(**small, num_hidden_layers=2, max_position_embeddings=32, type_vocab_size=1)
     if name == "gpt2":
-        config = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32)
-        return tf.GPT2LMHeadModel(config)
+        return tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32)
     if name == "t5":
-        config = tf.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
-        )
-        return tf.T5ForConditionalGeneration(config)
+        return tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
     if name == "mixtral":
-        config = tf.MixtralConfig(
+        return tf.MixtralConfig(
             **small, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
             max_position_embeddings=32,
         )
-        return tf.MixtralForCausalLM(config)
     raise KeyError(name)
 
 
+def _hf(name: str) -> nn.Module:
+    """Dropout off everywhere, also where a model calls F.dropout with a rate from its config
+    (T5's attention): with it on, ranks draw different masks than DDP and only statistics compare."""
+    import transformers as tf
+
+    config = _config(name)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
+            setattr(config, key, 0.0)
+    model_class = {
+        "llama": tf.LlamaForCausalLM, "bert": tf.BertForMaskedLM, "gpt2": tf.GPT2LMHeadModel,
+        "t5": tf.T5ForConditionalGeneration, "mixtral": tf.MixtralForCausalLM,
+    }[name]
+    return model_class(config)
+
+
 class HuggingFaceLM(nn.Module):
-    """Returns the model's own loss, as a user of ``labels=`` would; dropout off for comparable numbers."""
+    """Returns the model's own loss, as a user of ``labels=`` would."""
 
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
         self.inner = _hf(name)
-        for module in self.inner.modules():
-            if isinstance(module, nn.Dropout):
-                module.p = 0.0
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.name == "t5":

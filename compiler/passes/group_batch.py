@@ -20,6 +20,11 @@ depends on parameters alone (fsdp's gathers, casts) is computed once and shared.
 The work per rank equals a tensor-parallel step on the group's batch; the
 collectives are ``tp`` times as many, each ``1/tp`` the size.
 
+Random ops (dropout) in a copy draw from this rank's generator, copy after copy,
+and each rank draws only for its block of the split heads: the masks are not the
+ones rank ``j`` would draw alone, so with dropout on, tensor parallel matches DDP
+in distribution, not bit for bit (as Megatron's does).
+
 Which joint-graph values are per-rank is recorded at capture: the backend reads
 each user input through ``dpar::own_rows`` (its gradient through
 ``dpar::own_rows_grad``), identity markers that AOTAutograd traces like any op,

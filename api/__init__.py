@@ -9,7 +9,9 @@ from dpar.compiler.inspect.logs import configure as _configure_logs
 from dpar.placement import parallelize
 from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
-from dpar.runtime.errors import BatchMismatchError, CollectiveMismatchError, DparError, OptionsError, ProcessGroupError
+from dpar.runtime.errors import (
+    BatchMismatchError, CollectiveMismatchError, DivergedRanksError, DparError, OptionsError, ProcessGroupError,
+)
 from dpar.runtime.gradient_sync import no_sync
 
 register()
@@ -18,6 +20,7 @@ _configure_logs()  # DPAR_LOGS applies from the first compile on
 __all__ = [
     "BatchMismatchError",
     "CollectiveMismatchError",
+    "DivergedRanksError",
     "DparError",
     "OptionsError",
     "Plan",

@@ -38,14 +38,43 @@ class ShardedPlan:
 _plans: weakref.WeakKeyDictionary[nn.Module, ShardedPlan] = weakref.WeakKeyDictionary()
 
 
-def _buckets_by_cap(names: list[str], sizes: dict[str, int], cap_bytes: int) -> dict[str, str]:
+def _sharded_buckets(model: nn.Module, bucket_cap_mb: float | None) -> dict[str, str]:
+    """Parameter name -> the bucket whose all-gather and reduce-scatter it shares: per numbered
+    block (``layers.3``) when ``bucket_cap_mb`` is None, else consecutive parameters up to the cap."""
+    if bucket_cap_mb is None:
+        return {n: sharding.block_of(n) for n, _ in model.named_parameters()}
+    cap_bytes = int(bucket_cap_mb * 1024 * 1024)
     bucket_of, index, filled = {}, 0, 0
-    for name in names:
+    for name, p in model.named_parameters():
         bucket_of[name] = f"bucket{index}"
-        filled += sizes[name]
+        filled += p.numel() * p.element_size()
         if filled >= cap_bytes:
             index, filled = index + 1, 0
     return bucket_of
+
+
+def _check_bucket_cap(strategy: str, bucket_cap_mb: float | None) -> None:
+    """One knob, in the one place it applies for ``strategy``."""
+    if bucket_cap_mb is None:
+        return
+    if not (isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool) and bucket_cap_mb > 0):
+        raise OptionsError(f"bucket_cap_mb must be None (per block) or a number > 0, got {bucket_cap_mb!r}")
+    if strategy in ("ddp", "ddp+tp"):
+        raise OptionsError(
+            f"under {strategy!r} gradient buckets are sized when compiling, in the order gradients become "
+            f"ready: pass torch.compile(model, backend='dpar', options={{'bucket_cap_mb': {bucket_cap_mb}}}) "
+            "instead of parallelize(..., bucket_cap_mb=...)"
+        )
+    if strategy == "auto":
+        raise OptionsError(
+            "strategy='auto' chooses the strategy, so where buckets are sized is not known yet: plan first, "
+            "plan = dpar.plan(...), then parallelize(model, plan=plan, bucket_cap_mb=...) for a sharded plan"
+        )
+    if strategy == "tp":
+        raise OptionsError(
+            "strategy 'tp' has no gradient buckets (its collectives carry activations, each where the graph "
+            "needs it): leave bucket_cap_mb unset"
+        )
 
 
 def parallelize(
@@ -87,7 +116,7 @@ def parallelize(
     ``hsdp`` shards over the second dimension of a 2-D ``mesh`` and replicates
     over the first. ``bucket_cap_mb=None`` groups parameters per numbered block (``layers.3``), the
     rest in one ``root`` bucket; a number groups consecutive parameters up to that
-    many MiB instead. ``max_inflight_gathers`` bounds how many all-gathers may be
+    many MiB instead (under ddp the same knob is a compile option, and is refused here). ``max_inflight_gathers`` bounds how many all-gathers may be
     issued ahead of their use (the memory prefetch costs). ``param_dtype`` (e.g.
     ``torch.bfloat16``) is the dtype parameters are gathered and computed in, and
     ``reduce_dtype`` the one gradients are reduce-scattered in; shards, their
@@ -106,8 +135,7 @@ def parallelize(
         )
     if not isinstance(max_inflight_gathers, int) or max_inflight_gathers < 1:
         raise OptionsError(f"max_inflight_gathers must be an integer >= 1, got {max_inflight_gathers!r}")
-    if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
-        raise OptionsError(f"bucket_cap_mb must be None (per block) or a number > 0, got {bucket_cap_mb!r}")
+    _check_bucket_cap(strategy, bucket_cap_mb)
     for knob, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise OptionsError(f"{knob} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
@@ -141,7 +169,7 @@ def parallelize(
             raise OptionsError(f"param_dtype/reduce_dtype are not supported with {strategy!r} yet; use torch.autocast")
         _parallelize_tensor_parallel(
             model, strategy, mesh, tp_plan, example_inputs, world, device_type, max_inflight_gathers,
-            sequence_parallel, same_batch_in_tp_group,
+            sequence_parallel, same_batch_in_tp_group, bucket_cap_mb,
         )
         sharding.guard_optimizers_built_too_early()
         return model
@@ -161,13 +189,8 @@ def parallelize(
                 f"mesh shape {tuple(mesh.shape)}; pass init_device_mesh(device, ({world},)) or omit "
                 "mesh (for a 2-D mesh use strategy='hsdp')"
             )
-    named = [(n, p) for n, p in model.named_parameters()]
-    names = [n for n, _ in named]
-    if bucket_cap_mb is None:
-        bucket_of = {n: sharding.block_of(n) for n in names}
-    else:
-        sizes = {n: p.numel() * p.element_size() for n, p in named}
-        bucket_of = _buckets_by_cap(names, sizes, int(bucket_cap_mb * 1024 * 1024))
+    names = [n for n, _ in model.named_parameters()]
+    bucket_of = _sharded_buckets(model, bucket_cap_mb)
     sharding.shard_parameters(
         model, mesh, strategy, bucket_of, max_inflight_gathers, param_dtype=param_dtype, reduce_dtype=reduce_dtype
     )
@@ -270,6 +293,7 @@ def _parallelize_tensor_parallel(
     max_inflight_gathers: int,
     sequence_parallel: bool,
     same_batch_in_tp_group: bool,
+    bucket_cap_mb: float | None,
 ) -> None:
     dp_mesh, tp_mesh = _tensor_parallel_mesh(strategy, mesh, world, device_type)
     if tp_plan is None:
@@ -286,7 +310,7 @@ def _parallelize_tensor_parallel(
         model, tp_plan, tp_mesh.get_group(), ddp_group, sequence_parallel=sequence_parallel,
         same_batch_in_group=same_batch_in_tp_group,
     )
-    buckets = {n: sharding.block_of(n) for n in names}
+    buckets = _sharded_buckets(model, bucket_cap_mb)
     if strategy in ("zero2+tp", "fsdp+tp"):
         sharding.shard_parameters(model, dp_mesh, strategy.removesuffix("+tp"), buckets, max_inflight_gathers)
     tensor_parallel.install_markers(splits)

@@ -60,6 +60,13 @@ def dpar_backend(
     specs = {index: spec for index, spec in specs.items() if spec is not None}
     split = [tensor_parallel_spec_of(i.tensor()) for i in inputs if i.kind is InputKind.PARAMETER]
     split = [s for s in split if s is not None]
+    if parsed.bucket_cap_mb is not None and (specs or (split and split[0].data_parallel_group_name is None)):
+        raise OptionsError(
+            "options={'bucket_cap_mb': ...} sizes ddp's gradient buckets; these parameters are "
+            + ("sharded, and their buckets are laid out by parallelize: pass dpar.parallelize(model, "
+               "strategy=..., bucket_cap_mb=...) and leave it out of torch.compile's options" if specs else
+               "split by strategy 'tp', which has no gradient buckets: leave bucket_cap_mb out")
+        )
     if split:
         return _compile_tensor_parallel(gm, example_inputs, inputs, state, specs, split[0], world, parsed)
     if not specs:

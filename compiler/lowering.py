@@ -41,6 +41,33 @@ JOINT_INPUTS_KEY = "dpar_joint_inputs"
 outputs), from AOTAutograd's partitioner arguments rather than from placeholder names."""
 
 
+FLAT_INPUT_KEY = "dpar_flat_input"
+"""``node.meta`` key on a graph input: its position among AOTAutograd's flat forward inputs. Set by
+position on the joint graph's primals and on forward and inference graphs (whose inputs are the flat
+inputs in order); the partitioner shares a placeholder's ``meta`` with the joint's, so a parameter
+the backward saves keeps it there too."""
+
+TANGENT_KEY = "dpar_tangent"
+"""``node.meta`` key on the joint graph's tangent inputs (the gradients flowing into the backward)."""
+
+
+def tag_flat_inputs(gm: fx.GraphModule, count: int | None = None) -> fx.GraphModule:
+    """Tag the first ``count`` (default: every) placeholders with their position."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for position, node in enumerate(placeholders[:count]):
+        node.meta.setdefault(FLAT_INPUT_KEY, position)
+    return gm
+
+
+def flat_inputs(graph: fx.Graph) -> dict[int, fx.Node]:
+    """Position among the flat forward inputs -> this graph's placeholder for it (see FLAT_INPUT_KEY)."""
+    return {n.meta[FLAT_INPUT_KEY]: n for n in graph.nodes if n.op == "placeholder" and FLAT_INPUT_KEY in n.meta}
+
+
+def tangents(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(TANGENT_KEY)]
+
+
 def _python(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
     return make_boxed_func(gm.forward)
 
@@ -54,7 +81,15 @@ def _recorded(joint: fx.GraphModule, inputs: Sequence[Any], kwargs: dict[str, An
     """The joint graph with its calling convention in ``meta``: passes read it there, not from node names."""
     primals, _tangents = inputs
     joint.meta[JOINT_INPUTS_KEY] = (len(primals), kwargs["num_fwd_outputs"])
+    tag_flat_inputs(joint, len(primals))
+    for node in [n for n in joint.graph.nodes if n.op == "placeholder"][len(primals):]:
+        node.meta[TANGENT_KEY] = True
     return joint
+
+
+def _tagged(gm: fx.GraphModule, role: GraphRole) -> fx.GraphModule:
+    """A forward or inference graph's inputs are the flat forward inputs, in order."""
+    return gm if role is GraphRole.BACKWARD else tag_flat_inputs(gm)
 
 
 def compile_graphs(
@@ -75,7 +110,7 @@ def compile_graphs(
     lower = _python if compiler == "aot_eager" else _interpreted
 
     def role_compiler(role: GraphRole) -> Callable[..., Any]:
-        return lambda g, ex: hook(g, ex, role, lower)
+        return lambda g, ex: hook(_tagged(g, role), ex, role, lower)
 
     partition = {}
     if joint_pass is not None:
@@ -109,7 +144,7 @@ def _compile_inductor(
         def lower(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
             return compile_fx_inner(graph, inputs, **kwargs)
 
-        return hook(g, ex, role, lower)
+        return hook(_tagged(g, role), ex, role, lower)
 
     class JointThenMinCut(CustomPartitionerFn):
         def __call__(self, joint: fx.GraphModule, inputs: Sequence[object], **kwargs: Any) -> Any:

@@ -10,10 +10,14 @@ from dpar.compiler.lowering import INNER_COMPILERS
 from dpar.runtime.errors import OptionsError
 
 
+DDP_BUCKET_CAP_MB = 25.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-    bucket_cap_mb: float = 25.0
-    """Gradient bucket size, as DDP's ``bucket_cap_mb`` (MiB)."""
+    bucket_cap_mb: float | None = None
+    """Gradient bucket size under ddp (and ddp+tp), as DDP's ``bucket_cap_mb`` (MiB); None is DDP's 25.
+    Sharded strategies lay out their buckets in ``parallelize``, which takes the same knob."""
     compiler: str = "inductor"
     """Inner compiler for the post-pass graphs: inductor, aot_eager or eager (fx.Interpreter)."""
     broadcast_buffers: bool = True
@@ -25,7 +29,7 @@ class Options:
 
     @property
     def bucket_cap_bytes(self) -> int:
-        return max(1, int(self.bucket_cap_mb * 1024 * 1024))
+        return max(1, int((DDP_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb) * 1024 * 1024))
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> Options:
@@ -40,7 +44,7 @@ class Options:
 
     def _validate(self) -> None:
         cap = self.bucket_cap_mb
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
             raise OptionsError(
                 f"bucket_cap_mb must be a number of MiB greater than 0, got {cap!r}; "
                 "for example options={'bucket_cap_mb': 25}"

@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch._library.fake_class_registry import FakeScriptObject
 
 from dpar.compiler.capture import GraphInput, InputKind
-from dpar.compiler.lowering import GraphRole, Lower
+from dpar.compiler.lowering import GraphRole, Lower, flat_inputs
 from dpar.compiler.options import Options
 from dpar.compiler.passes.all_gather import ParameterGroup, bucket_all_gathers_pass
 from dpar.compiler.data_parallel import broadcast_passes
@@ -65,8 +65,8 @@ class ShardedDataParallelHook:
     def tag_joint(self, joint: fx.GraphModule) -> fx.GraphModule:
         """Runs before the forward is compiled: plan the groups from the joint graph's inputs, then
         tag what the backward recomputes (activation checkpointing's tags are refined here too)."""
-        primals = [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals_")]
-        self._plan_groups(primals)
+        primals = flat_inputs(joint.graph)
+        self._plan_groups([primals[i].meta["val"] for i in sorted(primals)])
         tag_gathers(joint, self.groups, reshard_after_forward=self.reshard_after_forward)
         return save_random_ops(joint)
 

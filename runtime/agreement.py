@@ -17,7 +17,7 @@ import time
 
 import torch.distributed as dist
 
-from dpar.runtime.errors import CollectiveMismatchError
+from dpar.runtime.errors import CollectiveMismatchError, DivergedRanksError
 from dpar.runtime.peer_progress import POLL_INTERVAL_S, PeerReport, ask, start_answering
 from dpar.runtime.world import World, collectives_issued, default_store, global_rank, wait_for_keys
 
@@ -25,10 +25,6 @@ from dpar.runtime.world import World, collectives_issued, default_store, global_
 _checks_started = 0
 # A rank that has not arrived after this long is asked where it is, and again after each answer.
 _ASK_AFTER_S = 1.0
-
-
-class DivergedRanksError(CollectiveMismatchError):
-    """Another rank waits inside collectives this rank will not issue: it runs a graph this rank does not."""
 
 
 def agree(

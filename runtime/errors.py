@@ -28,5 +28,9 @@ class CollectiveMismatchError(DparError):
     """Ranks are about to issue different collective sequences, or hold different state."""
 
 
+class DivergedRanksError(CollectiveMismatchError):
+    """Another rank waits inside collectives this rank will not issue: it runs a graph this rank does not."""
+
+
 class BatchMismatchError(DparError):
     """Ranks that the user said are fed the same rows were fed different ones."""

@@ -205,3 +205,15 @@ def test_cli_fsdp_at_1024_ranks_in_under_a_minute(capsys):
     rank0 = 4 * sum(-(-d0 // 1024) * row for d0, row in gpt_shapes())
     assert rank0 == 15_496  # one row of every parameter: 3,874 fp32 elements
     assert f"{rank0:,}" in out and f"{2 * rank0:,}" in out
+
+
+def test_a_bucket_cap_lays_out_fsdps_buckets_as_parallelize_would():
+    """``options={'bucket_cap_mb': ...}`` reaches parallelize under a sharded strategy: consecutive
+    parameters up to the cap instead of one bucket per block."""
+    cap_bytes = 2 * 4 * BLOCK_ELEMENTS  # two blocks' parameters fill a bucket
+    report = explain(*gpt(), world_size=N, strategy="fsdp", options={"bucket_cap_mb": cap_bytes / 2**20})
+    gathers = rows(report, "forward graph", "all_gather")
+    per_block = rows(gpt_report("fsdp"), "forward graph", "all_gather")
+    assert len(gathers) < len(per_block)
+    assert sum(c.bytes for c in gathers) == sum(c.bytes for c in per_block)  # every parameter, once
+    assert any(len({block_of(p) for p in report.buckets[c.bucket].parameters}) > 1 for c in gathers)

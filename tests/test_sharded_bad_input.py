@@ -59,3 +59,23 @@ def test_scalar_parameters_cannot_be_sharded(world_of_four) -> None:
 def test_in_flight_limit_must_be_a_positive_integer(world_of_four, bad) -> None:
     with pytest.raises(ValueError, match="max_inflight_gathers must be an integer >= 1"):
         dpar.parallelize(MLP(), strategy="fsdp", max_inflight_gathers=bad)
+
+
+@pytest.mark.parametrize(
+    "strategy,place",
+    [
+        ("ddp", r"under 'ddp' gradient buckets are sized when compiling.*options=\{'bucket_cap_mb': 5\}"),
+        ("tp", r"strategy 'tp' has no gradient buckets"),
+        ("auto", r"strategy='auto' chooses the strategy.*parallelize\(model, plan=plan, bucket_cap_mb=\.\.\.\)"),
+    ],
+)
+def test_bucket_cap_given_to_parallelize_where_it_does_not_apply_names_where_it_does(world_of_four, strategy, place) -> None:
+    with pytest.raises(ValueError, match=place):
+        dpar.parallelize(MLP(), strategy=strategy, bucket_cap_mb=5, example_inputs=(torch.randn(2, 16),))
+
+
+def test_bucket_cap_as_a_compile_option_on_sharded_parameters_names_parallelize(world_of_four) -> None:
+    model = dpar.parallelize(MLP(), strategy="fsdp")
+    compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager", "bucket_cap_mb": 1})
+    with pytest.raises(ValueError, match=r"these parameters are sharded.*dpar.parallelize\(model, strategy=\.\.\., bucket_cap_mb=\.\.\.\)"):
+        compiled(torch.randn(2, 16))

@@ -19,7 +19,8 @@ import torch.fx as fx
 
 from dpar.compiler.collectives import COLLECTIVE_KINDS, WAIT, is_compute
 from dpar.compiler.inspect.costs import payload_bytes
-from dpar.compiler.passes.all_gather import operand_chain, primal_placeholders
+from dpar.compiler.lowering import flat_inputs
+from dpar.compiler.passes.all_gather import operand_chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ def _reached_outputs(wait: fx.Node, output: fx.Node) -> list[fx.Node]:
 
 def _gathered_inputs(gather: fx.Node) -> list[int]:
     """Flat input positions of the shards an all-gather concatenates, in concatenation order."""
-    flat = {node: i for i, node in primal_placeholders(gather.graph).items()}
+    flat = {node: i for i, node in flat_inputs(gather.graph).items()}
     position = {n: i for i, n in enumerate(gather.graph.nodes)}
     chain = sorted(operand_chain(gather), key=position.__getitem__)
     read = [a for n in chain for a in n.all_input_nodes if a in flat]

@@ -113,13 +113,16 @@ def explain(
     """
     chosen = strategy_named(strategy)
     spec = device_spec(device)
-    parsed = Options.parse({**(options or {}), "compiler": "aot_eager"})
+    compile_options = {**(options or {}), "compiler": "aot_eager"}
+    parsed = Options.parse(compile_options)
+    # One knob: a sharded strategy's buckets are laid out by parallelize, ddp's when compiling.
+    cap = compile_options.pop("bucket_cap_mb", None) if chosen.shards_parameters else None
     start = len(compiled_graphs)
     with fake_world(world_size), padded_once():
         torch._dynamo.reset()
         try:
-            work = chosen.prepare(copy.deepcopy(model))
-            captures = _capture(work, example_inputs, {**(options or {}), "compiler": "aot_eager"}, world_size)
+            work = chosen.prepare(copy.deepcopy(model), cap)
+            captures = _capture(work, example_inputs, compile_options, world_size)
         finally:
             torch._dynamo.reset()
             del compiled_graphs[start:]

@@ -17,17 +17,17 @@ import torch
 from dpar.runtime.errors import OptionsError
 
 
-def _unchanged(model: torch.nn.Module) -> torch.nn.Module:
+def _unchanged(model: torch.nn.Module, bucket_cap_mb: float | None) -> torch.nn.Module:
     return model
 
 
-def _parallelized(strategy: str) -> Callable[[torch.nn.Module], torch.nn.Module]:
-    """``dpar.parallelize`` with its defaults (per-block buckets), as a user would call it."""
+def _parallelized(strategy: str) -> Callable[[torch.nn.Module, float | None], torch.nn.Module]:
+    """``dpar.parallelize`` as a user would call it (per-block buckets unless a cap is given)."""
 
-    def prepare(model: torch.nn.Module) -> torch.nn.Module:
+    def prepare(model: torch.nn.Module, bucket_cap_mb: float | None) -> torch.nn.Module:
         from dpar.placement import parallelize  # the api layer; imported late, it imports the runtime
 
-        return parallelize(model, strategy=strategy)
+        return parallelize(model, strategy=strategy, bucket_cap_mb=bucket_cap_mb)
 
     return prepare
 
@@ -38,8 +38,9 @@ class Strategy:
     shards_parameters: bool = False  # at rest; gathered parameters are counted from the graphs
     shards_gradients: bool = False
     shards_optimizer: bool = False
-    prepare: Callable[[torch.nn.Module], torch.nn.Module] = _unchanged
-    """Applied to a copy of the model inside the simulated world, before compiling."""
+    prepare: Callable[[torch.nn.Module, float | None], torch.nn.Module] = _unchanged
+    """Applied to a copy of the model inside the simulated world, before compiling; a strategy that
+    shards parameters takes ``bucket_cap_mb`` here (parallelize's knob), not as a compile option."""
 
 
 STRATEGIES: dict[str, Strategy] = {

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.collectives import WAIT
+from dpar.compiler.lowering import flat_inputs
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -18,24 +19,15 @@ c10d = torch.ops._c10d_functional
 class ParameterGroup:
     """Sharded parameters that share collectives.
 
-    ``inputs`` are positions among AOTAutograd's flat forward inputs (the
-    placeholder ``primals_{i + 1}``, in the forward graph and, when saved, in
-    the backward graph); ``gradients`` are the backward graph's outputs that
-    hold those parameters' gradients.
+    ``inputs`` are positions among AOTAutograd's flat forward inputs (a graph's
+    placeholder for each is found by ``lowering.flat_inputs``, in the forward
+    graph and, when saved, in the backward graph); ``gradients`` are the
+    backward graph's outputs that hold those parameters' gradients.
     """
 
     name: str
     inputs: tuple[int, ...]
     gradients: tuple[int, ...]
-
-
-def primal_placeholders(graph: fx.Graph) -> dict[int, fx.Node]:
-    """AOTAutograd names the i-th flat forward input ``primals_{i + 1}`` in both graphs."""
-    found = {}
-    for node in graph.nodes:
-        if node.op == "placeholder" and node.name.startswith("primals_"):
-            found[int(node.name.removeprefix("primals_")) - 1] = node
-    return found
 
 
 def shard_source(node: fx.Node) -> fx.Node:
@@ -71,7 +63,7 @@ def bucket_all_gathers_pass(
     parameter read twice (tied weights) is gathered once.
     """
     graph = gm.graph
-    primals = primal_placeholders(graph)
+    primals = flat_inputs(graph)
     gathers: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
         if node.target is c10d.all_gather_into_tensor.default:

@@ -8,7 +8,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from dpar.compiler.collectives import WAIT
-from dpar.compiler.passes.all_gather import ParameterGroup, c10d, operand_chain, primal_placeholders, shard_source
+from dpar.compiler.lowering import flat_inputs
+from dpar.compiler.passes.all_gather import ParameterGroup, c10d, operand_chain, shard_source
 
 
 def tag_gathers(
@@ -30,7 +31,7 @@ def tag_gathers(
     it would prefer to recompute them, gather included, which would undo
     zero2's point of keeping the gathered parameters for the backward.
     """
-    primals = primal_placeholders(joint.graph)
+    primals = flat_inputs(joint.graph)
     group_of = {primals[i]: g.name for g in groups for i in g.inputs if i in primals}
     # Gathers of parameter shards only: tensor parallel's activation gathers are computed values.
     gathers = [

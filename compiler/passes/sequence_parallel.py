@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from dpar.compiler.lowering import tangents
 from dpar.compiler.passes.reshard import tag_must_recompute
 
 aten = torch.ops.aten
@@ -25,7 +26,7 @@ _RESHUFFLES = (aten.permute.default, aten.clone.default)
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Nodes that read a tangent, directly or not: the joint graph's backward."""
-    reached = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    reached = set(tangents(graph))
     for node in graph.nodes:
         if any(a in reached for a in node.all_input_nodes):
             reached.add(node)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from dpar.compiler.registry import communication_per_step
+from dpar.compiler.registry import CompiledGraph, communication_per_step, recording
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
@@ -80,9 +80,9 @@ def ddp_communication(ddp: DistributedDataParallel) -> tuple[int, int]:
     return len(buckets), sum(buckets)
 
 
-def dpar_communication() -> tuple[int, int]:
+def dpar_communication(graphs: Sequence[CompiledGraph]) -> tuple[int, int]:
     """(collectives, bytes) per step as dpar's passes inserted them; each rank compiles one dpar model."""
-    per_kind = communication_per_step().values()
+    per_kind = communication_per_step(graphs).values()
     return sum(c["count"] for c in per_kind), sum(c["bytes"] for c in per_kind)
 
 
@@ -97,8 +97,8 @@ class Trainer:
     def train(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], float]:
         return timed_steps(self.step_model, self.optimizer, batches)
 
-    def communication(self) -> tuple[int, int]:
-        return dpar_communication() if self.ddp is None else ddp_communication(self.ddp)
+    def communication(self, graphs: Sequence[CompiledGraph]) -> tuple[int, int]:
+        return dpar_communication(graphs) if self.ddp is None else ddp_communication(self.ddp)
 
 
 def build(mode: str, args: argparse.Namespace) -> Trainer:
@@ -138,7 +138,8 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None
         ]
         per_turn = args.steps // args.rounds
         trainers = {mode: build(mode, args) for mode in args.modes}
-        first_step_ms = {mode: t.train(batches[: args.warmup])[0][0] for mode, t in trainers.items()}
+        with recording() as graphs:  # the warm-up compiles
+            first_step_ms = {mode: t.train(batches[: args.warmup])[0][0] for mode, t in trainers.items()}
         step_ms: dict[str, list[float]] = {mode: [] for mode in args.modes}
         final_loss: dict[str, float] = {}
         for turn in range(args.rounds):
@@ -148,7 +149,7 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None
                 step_ms[mode] += times
         results = {}
         for mode, trainer in trainers.items():
-            collectives, nbytes = trainer.communication()
+            collectives, nbytes = trainer.communication(graphs)
             results[mode] = dataclasses.asdict(
                 ModeResult(step_ms[mode], first_step_ms[mode], collectives, nbytes, final_loss[mode])
             )

@@ -117,11 +117,11 @@ def warm_up(mode: str, args: argparse.Namespace, batches: Sequence[Batch]) -> tu
     ``communication_per_step()`` reports.
     """
     gc.collect()  # earlier modes' garbage freed inside this session would read as negative bytes
-    # The record is per process and sums every graph compiled so far: start it afresh per dpar mode.
-    del registry.compiled_graphs[:]
     window = f"measured step ({mode})"
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+    with registry.recording() as graphs, profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
+    ) as prof:
         trainer = build(mode, args)
         first_ms = trainer.train(batches[:1])[0][0]
         trainer.train(batches[1:-1])
@@ -136,11 +136,11 @@ def warm_up(mode: str, args: argparse.Namespace, batches: Sequence[Batch]) -> tu
         "collectives": measured_collectives(prof, window, dist.get_world_size()),
     }
     if mode.startswith("dpar"):
-        if not registry.compiled_graphs:
+        if not graphs:
             raise RuntimeError(f"{mode} compiled no dpar graph: did Dynamo reuse another mode's code?")
-        measured["registry"] = registry.communication_per_step()
+        measured["registry"] = registry.communication_per_step(graphs)
         by_graph: dict[str, Counter[str]] = {}
-        for graph in registry.compiled_graphs:
+        for graph in graphs:
             for c in graph.collectives:
                 full = c.bytes * (WORLD_SIZE if c.kind == "all_gather" else 1)
                 by_graph.setdefault(graph.label, Counter())[c.kind] += full

@@ -86,11 +86,11 @@ def local_batches(mode: str, batches: list[Batch]) -> list[Batch]:
     return [(x.chunk(WORLD_SIZE)[rank], y.chunk(WORLD_SIZE)[rank]) for x, y in batches]
 
 
-def graph_activation_peak() -> int:
+def graph_activation_peak(graphs: Sequence[registry.CompiledGraph]) -> int:
     """Peak bytes of live graph tensors over a step on this rank (parameters and views of them
-    not counted), from the one forward/backward pair compiled since the registry was cleared."""
-    (forward,) = [g.graph for g in registry.compiled_graphs if g.label == "forward graph"]
-    (backward,) = [g.graph for g in registry.compiled_graphs if g.label.startswith("backward graph")]
+    not counted), from the one forward/backward pair among ``graphs``."""
+    (forward,) = [g.graph for g in graphs if g.label == "forward graph"]
+    (backward,) = [g.graph for g in graphs if g.label.startswith("backward graph")]
     return int(step_peak([(forward, backward)]).total)
 
 
@@ -101,10 +101,11 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, 
     trainers, results = {}, {}
     for mode in MODES:
         gc.collect()
-        del registry.compiled_graphs[:]
         window = f"measured step ({mode})"
         mine = local_batches(mode, batches)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        with registry.recording() as graphs, profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
+        ) as prof:
             trainers[mode] = build(mode, args, batches[0][0])
             timed_steps(*trainers[mode], mine[: args.warmup - 1])
             with record_function(window):
@@ -114,8 +115,8 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, 
             "at_step_start_bytes": at_start,
             "peak_bytes": peak,
             "collectives": measured_collectives(prof, window, world_size),
-            "registry": registry.communication_per_step() if mode != "single" else {},
-            "activation_peak": graph_activation_peak() if mode != "single" else None,
+            "registry": registry.communication_per_step(graphs) if mode != "single" else {},
+            "activation_peak": graph_activation_peak(graphs) if mode != "single" else None,
             "step_ms": [],
         }
     per_turn = args.steps // args.rounds

@@ -1,9 +1,15 @@
-"""A record of every graph dpar compiled in this process, for reports, tests and examples."""
+"""The graphs dpar compiles, handed to whoever asked for them: reports, tests, benchmarks.
+
+Nothing is kept unless a caller is recording: a long job that recompiles holds no
+graph module it no longer runs.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
+from collections.abc import Iterator, Sequence
 
 import torch.fx as fx
 
@@ -35,23 +41,39 @@ class CompiledGraph:
     stages: tuple[PassStage, ...] = ()  # the captured graph, then one per pass that ran
 
 
-compiled_graphs: list[CompiledGraph] = []
+_recorders: list[list[CompiledGraph]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[CompiledGraph]]:
+    """The graphs dpar compiles inside the block, in order, in a list the caller owns.
+
+    Only the innermost block records, so ``explain`` (which records its own
+    simulated compile) adds nothing to a caller's list.
+    """
+    graphs: list[CompiledGraph] = []
+    _recorders.append(graphs)
+    try:
+        yield graphs
+    finally:
+        _recorders.remove(graphs)
 
 
 def record(label: str, gm: fx.GraphModule, found: list[Collective]) -> None:
-    compiled_graphs.append(CompiledGraph(label, gm, tuple(found), tuple(gm.meta.get(STAGES_KEY, ()))))
+    if _recorders:
+        _recorders[-1].append(CompiledGraph(label, gm, tuple(found), tuple(gm.meta.get(STAGES_KEY, ()))))
     log_collectives(label, found)
 
 
-def communication_per_step() -> dict[str, dict[str, int]]:
+def communication_per_step(graphs: Sequence[CompiledGraph]) -> dict[str, dict[str, int]]:
     """Collectives and bytes one synchronising training step issues, by kind.
 
-    Sums the forward and synchronising backward graphs compiled so far; a model
-    that recompiled counts every version, so read it after a steady state.
+    Sums the forward and synchronising backward graphs among ``graphs``; a model
+    that recompiled counts every version, so record a steady state.
     """
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
-    for compiled in compiled_graphs:
+    for compiled in graphs:
         if compiled.label.startswith("inference") or "no_sync" in compiled.label or "accumulated" in compiled.label:
             continue
         for c in compiled.collectives:

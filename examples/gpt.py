@@ -179,7 +179,12 @@ def parse_args() -> argparse.Namespace:
         default="aot_eager",
         help="dpar's inner compiler (Inductor compiles for about a minute on a small CPU)",
     )
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="gradient bucket size: ddp's (default 25), or zero2/fsdp's (default one bucket per block)",
+    )
     parser.add_argument(
         "--strategy",
         choices=("ddp", "zero2", "fsdp", "tp"),
@@ -204,6 +209,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.sequence_parallel and args.strategy != "tp":
         parser.error("--sequence-parallel splits activations between tensor-parallel layers: add --strategy tp")
+    if args.bucket_cap_mb is not None and args.strategy == "tp":
+        parser.error("--bucket-cap-mb: tp has no gradient buckets")
     return args
 
 
@@ -235,12 +242,14 @@ def main() -> None:
         )
     elif args.strategy != "ddp":
         param_dtype = getattr(torch, args.param_dtype)
-        dpar.parallelize(model, strategy=args.strategy, param_dtype=param_dtype, reduce_dtype=torch.float32)
-    model = torch.compile(
-        model,
-        backend="dpar",
-        options={"compiler": args.compiler, "bucket_cap_mb": args.bucket_cap_mb},
-    )
+        dpar.parallelize(
+            model, strategy=args.strategy, param_dtype=param_dtype, reduce_dtype=torch.float32,
+            bucket_cap_mb=args.bucket_cap_mb,
+        )
+    options = {"compiler": args.compiler}
+    if args.strategy == "ddp" and args.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = args.bucket_cap_mb  # ddp sizes its buckets when compiling
+    model = torch.compile(model, backend="dpar", options=options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
@@ -249,27 +258,28 @@ def main() -> None:
     tokens_per_step = args.batch_size * config.block_size * world_size
     logged_step, logged_at = 0, 0.0  # steps done at the last log, and when
     loss_sum = torch.zeros((), device=device)  # since the last log; summed on the device, no sync per step
-    for step in range(args.steps):
-        x, y = (t.to(device) for t in get_batch(data, args.batch_size, config.block_size, generator))
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum += loss.detach()
-        if step != 0 and (step + 1) % args.log_every and step != args.steps - 1:
-            continue
-        if distributed:  # every rank's batches, not only rank 0's (a sum: gloo has no AVG)
-            dist.all_reduce(loss_sum)
-        steps = step + 1 - logged_step
-        mean_loss = loss_sum.item() / (world_size * steps)
-        now = time.perf_counter()  # after .item(), which waits for the device
-        # Step 0 compiles and always logs alone: tokens/s counts from step 1.
-        throughput = f"{tokens_per_step * steps / (now - logged_at):,.0f}" if logged_step else "-"
-        if rank == 0:
-            comm = format_communication(dpar.compiler.registry.communication_per_step())
-            print(f"step {step + 1:4d}  loss {mean_loss:.4f}  tokens/s {throughput}  comm/step {comm}")
-        logged_step, logged_at = step + 1, time.perf_counter()
-        loss_sum.zero_()
+    with dpar.compiler.registry.recording() as graphs:  # what dpar compiles, for comm/step
+        for step in range(args.steps):
+            x, y = (t.to(device) for t in get_batch(data, args.batch_size, config.block_size, generator))
+            loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach()
+            if step != 0 and (step + 1) % args.log_every and step != args.steps - 1:
+                continue
+            if distributed:  # every rank's batches, not only rank 0's (a sum: gloo has no AVG)
+                dist.all_reduce(loss_sum)
+            steps = step + 1 - logged_step
+            mean_loss = loss_sum.item() / (world_size * steps)
+            now = time.perf_counter()  # after .item(), which waits for the device
+            # Step 0 compiles and always logs alone: tokens/s counts from step 1.
+            throughput = f"{tokens_per_step * steps / (now - logged_at):,.0f}" if logged_step else "-"
+            if rank == 0:
+                comm = format_communication(dpar.compiler.registry.communication_per_step(graphs))
+                print(f"step {step + 1:4d}  loss {mean_loss:.4f}  tokens/s {throughput}  comm/step {comm}")
+            logged_step, logged_at = step + 1, time.perf_counter()
+            loss_sum.zero_()
 
     if distributed:
         dist.destroy_process_group()

@@ -13,8 +13,8 @@ def world_of_four():
     """A fake process group of four ranks for the test (bad-input tests: nothing is sent)."""
     from fake_world import fake_world
 
-    with fake_world(4):
-        yield
+    with fake_world(4) as graphs:
+        yield graphs
 
 
 @pytest.fixture
@@ -22,5 +22,5 @@ def world_of_two():
     """A fake process group of two ranks (structure tests: graphs are built, nothing is sent)."""
     from fake_world import fake_world
 
-    with fake_world(2):
-        yield
+    with fake_world(2) as graphs:
+        yield graphs

@@ -13,13 +13,13 @@ from dpar.compiler import registry
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """A fake group of ``world_size`` ranks, fresh Dynamo state and an empty graph registry."""
+def fake_world(world_size: int) -> Iterator[list[registry.CompiledGraph]]:
+    """A fake group of ``world_size`` ranks and fresh Dynamo state; yields the graphs dpar compiles inside."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     torch._dynamo.reset()
-    registry.compiled_graphs.clear()
     try:
-        yield
+        with registry.recording() as graphs:
+            yield graphs
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()

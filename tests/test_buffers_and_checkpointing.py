@@ -89,18 +89,17 @@ def test_broadcast_buffers_false_keeps_each_ranks_own_statistics() -> None:
 
 
 def test_sharded_forward_broadcasts_buffers_once_per_dtype_and_not_when_turned_off() -> None:
-    from dpar.compiler import registry
     from dpar.compiler.collectives import collectives
 
     def forward_kinds(options: dict) -> list[str]:
-        with fake_world(WORLD):
+        with fake_world(WORLD) as recorded:
             import dpar
 
             model = seeded_model(BATCHNORM)
             dpar.parallelize(model, strategy="fsdp")
             compiled = torch.compile(model, backend="dpar", options=options)
             compiled(torch.randn(4, 3, 8, 8)).sum().backward()
-            graphs = {g.label: g.graph for g in registry.compiled_graphs}
+            graphs = {g.label: g.graph for g in recorded}
             return [c.kind for c in collectives(graphs["forward graph"])]
 
     # running mean/var (float32) and num_batches_tracked (int64): one broadcast each.
@@ -151,11 +150,10 @@ def test_tiny_gpt_checkpointed_per_block_under_fsdp_matches_torch_ddp() -> None:
 
 def test_checkpointed_blocks_recompute_without_breaking_zero2_or_fsdp_gathers() -> None:
     """Backward recomputes each block's matmuls; fsdp gathers the blocks again, zero2 keeps them."""
-    from dpar.compiler import registry
     from dpar.compiler.collectives import collectives
 
     def graphs(strategy: str) -> dict:
-        with fake_world(WORLD):
+        with fake_world(WORLD) as recorded:
             import dpar
 
             model = checkpointed_gpt()
@@ -163,7 +161,7 @@ def test_checkpointed_blocks_recompute_without_breaking_zero2_or_fsdp_gathers() 
             compiled = torch.compile(model, backend="dpar", options=AOT_EAGER)
             idx = torch.randint(0, 256, (2, 16))
             compiled(idx, idx).backward()
-            return {g.label: g.graph for g in registry.compiled_graphs}
+            return {g.label: g.graph for g in recorded}
 
     blocks = len(checkpointed_gpt().blocks)
     for strategy, backward_gathers in (("fsdp", blocks), ("zero2", 0)):

@@ -96,6 +96,8 @@ def varying_batches(rank: int, world_size: int) -> dict:
 
     from models import MLP
 
+    from dpar.compiler.registry import recording
+
     states = {}
     for mode in ("dpar", "ddp"):
         torch._dynamo.reset()
@@ -107,17 +109,16 @@ def varying_batches(rank: int, world_size: int) -> dict:
             else nn.parallel.DistributedDataParallel(model)
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        for step, rows in enumerate([4, 4, 6, 6, 3, 5]):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(rows * world_size, 16, generator=g), torch.randn(rows * world_size, 4, generator=g)
-            opt.zero_grad()
-            F.mse_loss(runner(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
-            opt.step()
+        with recording() as graphs:
+            for step, rows in enumerate([4, 4, 6, 6, 3, 5]):
+                g = torch.Generator().manual_seed(step)
+                x, y = torch.randn(rows * world_size, 16, generator=g), torch.randn(rows * world_size, 4, generator=g)
+                opt.zero_grad()
+                F.mse_loss(runner(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+                opt.step()
         states[mode] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if mode == "dpar":
-            from dpar.compiler import registry
-
-            states["backward graphs"] = sum(1 for c in registry.compiled_graphs if c.label.startswith("backward"))
+            states["backward graphs"] = sum(1 for c in graphs if c.label.startswith("backward"))
     return states
 
 

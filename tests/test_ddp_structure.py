@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from dpar.compiler import registry
 from dpar.compiler.collectives import collectives
 from fake_world import fake_world
 from gpt import GPT, GPTConfig
@@ -15,13 +14,13 @@ MiB = 1024 * 1024
 
 
 def gpt_backward(bucket_cap_mb: float) -> tuple[GPT, fx.GraphModule]:
-    with fake_world(WORLD):
+    with fake_world(WORLD) as graphs:
         torch.manual_seed(0)
         model = GPT(GPTConfig())
         compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager", "bucket_cap_mb": bucket_cap_mb})
         idx = torch.randint(0, 256, (2, 64))
         compiled(idx, idx).backward()
-        (backward,) = [g for g in registry.compiled_graphs if g.label == "backward graph (sync)"]
+        (backward,) = [g for g in graphs if g.label == "backward graph (sync)"]
         return model, backward.graph
 
 

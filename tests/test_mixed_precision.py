@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import dpar
-from dpar.compiler import registry
 from distributed import run_ranks
 from fake_world import fake_world
 from gpt import GPT, GPTConfig, get_batch, load_corpus
@@ -17,14 +16,14 @@ TINY = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
 def collectives_with(**precision) -> tuple[GPT, dict[str, list]]:
-    with fake_world(4):
+    with fake_world(4) as graphs:
         torch.manual_seed(0)
         model = GPT(TINY)
         dpar.parallelize(model, strategy="fsdp", **precision)
         compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
         idx = torch.randint(0, 256, (2, 16))
         compiled(idx, idx).backward()
-        return model, {g.label: list(g.collectives) for g in registry.compiled_graphs}
+        return model, {g.label: list(g.collectives) for g in graphs}
 
 
 def test_bf16_gathers_half_the_bytes_and_fp32_reduce_scatters_as_asked() -> None:

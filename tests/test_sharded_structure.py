@@ -7,7 +7,6 @@ import torch
 import torch.fx as fx
 
 import dpar
-from dpar.compiler import registry
 from dpar.compiler.collectives import collectives
 from fake_world import fake_world
 from gpt import GPT, GPTConfig
@@ -17,14 +16,14 @@ CONFIG = GPTConfig(block_size=16, n_layer=4, n_head=2, n_embd=32)
 
 
 def compiled_graphs(strategy: str, **parallelize_kwargs) -> dict[str, fx.GraphModule]:
-    with fake_world(WORLD):
+    with fake_world(WORLD) as graphs:
         torch.manual_seed(0)
         model = GPT(CONFIG)
         dpar.parallelize(model, strategy=strategy, **parallelize_kwargs)
         compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
         idx = torch.randint(0, 256, (2, 16))
         compiled(idx, idx).backward()
-        return {g.label: g.graph for g in registry.compiled_graphs}
+        return {g.label: g.graph for g in graphs}
 
 
 def kinds(gm: fx.GraphModule) -> list[str]:

@@ -120,18 +120,16 @@ def test_same_batch_in_tp_group_is_checked() -> None:
         run_ranks(_same_rows, 2, True, timeout_s=120)
 
 
-def test_unrolled_graph_gathers_inputs_and_tangents_once(world_of_two) -> None:
+def test_unrolled_graph_gathers_inputs_and_tangents_once(world_of_two: list) -> None:
     """One process, fake group of 2: the forward gathers each input once and runs two copies;
     the backward gathers the tangent once; every parameter gradient is the copies' mean."""
-    from dpar.compiler import registry
-
     torch.manual_seed(0)
     model = MaskedMLP()
     x, y, keep = _batch("masked_mlp", 0, 0, 2)
     dpar.parallelize(model, strategy="tp", example_inputs=(x, y, keep))
     runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
     runner(x, y, keep).backward()
-    forward, backward = (c for c in registry.compiled_graphs if not c.label.startswith("inference"))
+    forward, backward = (c for c in world_of_two if not c.label.startswith("inference"))
     print(forward.graph.code)
     gathers = [c for c in forward.collectives if c.kind == "all_gather"]
     assert sorted(c.shape for c in gathers) == sorted([("3",), ("3", "16"), ("3", "4")])  # this rank's keep, x, y

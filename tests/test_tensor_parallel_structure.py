@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
-from dpar.compiler import registry
 from dpar.compiler.collectives import collectives
 from dpar.compiler.megatron import megatron_dims
 from fake_world import fake_world
@@ -39,12 +38,12 @@ class MLPBlocks(nn.Module):
 def compile_under_tp(model: nn.Module, world: int, *inputs: torch.Tensor, **kwargs) -> dict[str, fx.GraphModule]:
     """The graphs of the tensor-parallel pass itself: the group is fed one batch (Megatron's habit),
     so no copy per rank (tests/test_tensor_parallel_data_contract.py covers those)."""
-    with fake_world(world):
+    with fake_world(world) as graphs:
         dpar.parallelize(
             model, strategy="tp", mesh=init_device_mesh("cpu", (world,)), same_batch_in_tp_group=True, **kwargs
         )
         torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(*inputs).backward()
-        return {g.label: g.graph for g in registry.compiled_graphs}
+        return {g.label: g.graph for g in graphs}
 
 
 def test_megatron_pairs_column_then_row_from_the_traced_forward() -> None:

@@ -24,7 +24,7 @@ from dpar.compiler.inspect.uneven_shards import padded_once
 from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.sharded_data_parallel import flat_layout
-from dpar.compiler.registry import CompiledGraph, PassStage, compiled_graphs, record
+from dpar.compiler.registry import CompiledGraph, PassStage, record, recording
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +70,12 @@ def _capture(model: torch.nn.Module, example_inputs: Any, options: Mapping[str, 
     def backend(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
         graph_inputs = tuple(classify_inputs(gm, inputs))
         names = tuple(state_names.get(id(v), i.name) for i, v in zip(graph_inputs, inputs))
-        before = len(compiled_graphs)
-        if world_size == 1:
-            compiled = compile_graphs(gm, inputs, compiler="aot_eager", hook=_record_unchanged)
-        else:
-            compiled = dpar_backend(gm, inputs, options=options)
-        captures.append(_Capture(graph_inputs, names, tuple(compiled_graphs[before:])))
+        with recording() as graphs:
+            if world_size == 1:
+                compiled = compile_graphs(gm, inputs, compiler="aot_eager", hook=_record_unchanged)
+            else:
+                compiled = dpar_backend(gm, inputs, options=options)
+        captures.append(_Capture(graph_inputs, names, tuple(graphs)))
         return compiled
 
     compiled = torch.compile(model, backend=backend)
@@ -117,7 +117,6 @@ def explain(
     parsed = Options.parse(compile_options)
     # One knob: a sharded strategy's buckets are laid out by parallelize, ddp's when compiling.
     cap = compile_options.pop("bucket_cap_mb", None) if chosen.shards_parameters else None
-    start = len(compiled_graphs)
     with fake_world(world_size), padded_once():
         torch._dynamo.reset()
         try:
@@ -125,7 +124,6 @@ def explain(
             captures = _capture(work, example_inputs, compile_options, world_size)
         finally:
             torch._dynamo.reset()
-            del compiled_graphs[start:]
     report = _report(type(model).__name__, work, captures, world_size, chosen.name, spec, parsed, optimizer, ranks_shown)
     artifact("explain_report", report.to_json, encoding="json")
     return report

@@ -15,6 +15,7 @@ COLLECTIVE_KINDS: dict[object, str] = {
     c10d.broadcast.default: "broadcast",
     c10d.all_gather_into_tensor.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_to_all_single.default: "all_to_all",  # tensor parallel moving a shard to another dim
 }
 WAIT = c10d.wait_tensor.default
 

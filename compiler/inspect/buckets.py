@@ -20,6 +20,7 @@ import torch.fx as fx
 from dpar.compiler.collectives import COLLECTIVE_KINDS, WAIT, is_compute
 from dpar.compiler.inspect.costs import payload_bytes
 from dpar.compiler.lowering import flat_inputs
+from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 from dpar.compiler.passes.all_gather import operand_chain
 
 
@@ -78,6 +79,8 @@ def graph_buckets(gm: fx.GraphModule, *, gradients: bool) -> list[GraphBucket]:
         kind = COLLECTIVE_KINDS.get(node.target)
         waits = [u for u in node.users if u.target is WAIT]
         if kind is None or not waits:
+            continue
+        if node.meta.get(ACTIVATION_COLLECTIVE):  # tensor parallel moving activations: no parameter bucket
             continue
         if kind == "all_gather":
             buckets.append(_bucket(node, kind, _gathered_inputs(node)))

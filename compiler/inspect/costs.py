@@ -72,6 +72,7 @@ COMM_TERMS: dict[str, tuple[sympy.Expr, sympy.Expr]] = {
     "all_reduce": (2 * (N - 1), 2 * (N - 1) / N),
     "all_gather": (N - 1, (N - 1) / N),
     "reduce_scatter": (N - 1, (N - 1) / N),
+    "all_to_all": (N - 1, (N - 1) / N),  # pairwise exchange: every rank keeps 1/N of its buffer
     "broadcast": (_ceil_log2(N), _ceil_log2(N)),
 }
 

@@ -25,6 +25,7 @@ from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.compiler.registry import CompiledGraph, PassStage, record, recording
+from dpar.runtime.world import group_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,7 @@ class _Capture:
     inputs: tuple[GraphInput, ...]
     input_names: tuple[str, ...]
     graphs: tuple[CompiledGraph, ...]
+    group_sizes: dict[str, int]  # the sub-groups (a mesh dimension) its collectives use, by name
 
     def role(self, prefix: str) -> CompiledGraph | None:
         return next((g for g in self.graphs if g.label.startswith(prefix)), None)
@@ -75,7 +77,9 @@ def _capture(model: torch.nn.Module, example_inputs: Any, options: Mapping[str, 
                 compiled = compile_graphs(gm, inputs, compiler="aot_eager", hook=_record_unchanged)
             else:
                 compiled = dpar_backend(gm, inputs, options=options)
-        captures.append(_Capture(graph_inputs, names, tuple(graphs)))
+        groups = {c.group for g in graphs for c in g.collectives}
+        sizes = {name: size for name in groups if (size := group_size(name)) != world_size}
+        captures.append(_Capture(graph_inputs, names, tuple(graphs), sizes))
         return compiled
 
     compiled = torch.compile(model, backend=backend)
@@ -88,6 +92,13 @@ def _capture(model: torch.nn.Module, example_inputs: Any, options: Mapping[str, 
         else:
             compiled(example_inputs)
     return captures
+
+
+def _positional(example_inputs: Any) -> tuple[Any, ...] | None:
+    """The inputs as positional arguments, for a strategy that plans from them (None for keywords)."""
+    if isinstance(example_inputs, Mapping):
+        return None
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
 def explain(
@@ -116,11 +127,11 @@ def explain(
     compile_options = {**(options or {}), "compiler": "aot_eager"}
     parsed = Options.parse(compile_options)
     # One knob: a sharded strategy's buckets are laid out by parallelize, ddp's when compiling.
-    cap = compile_options.pop("bucket_cap_mb", None) if chosen.shards_parameters else None
+    cap = compile_options.pop("bucket_cap_mb", None) if chosen.takes_bucket_cap else None
     with fake_world(world_size), padded_once():
         torch._dynamo.reset()
         try:
-            work = chosen.prepare(copy.deepcopy(model), cap)
+            work = chosen.prepare(copy.deepcopy(model), _positional(example_inputs), world_size, cap)
             captures = _capture(work, example_inputs, compile_options, world_size)
         finally:
             torch._dynamo.reset()
@@ -143,6 +154,7 @@ def _report(
     many = len(captures) > 1
     views, rows, buckets, step, pairs = [], [], [], [], []
     backward_steps = []
+    group_sizes = {name: size for cap in captures for name, size in cap.group_sizes.items()}
     for k, cap in enumerate(captures):
         prefix = f"graph {k}: " if many else ""
         for g in cap.graphs:
@@ -172,16 +184,20 @@ def _report(
             for c in g.collectives:
                 local = bucket_of(found, c.issue_node)
                 nbytes = payload_bytes(nodes[c.issue_node])
+                ranks = group_sizes.get(c.group, world_size)  # a sub-group's ring is its own size
                 rows.append(CollectiveRow(
                     prefix + g.label, c.kind, c.group, dtype_name(c.dtype), nbytes,
-                    moved_bytes(c.kind, nbytes, world_size), None if local is None else first + local,
-                    c.issue_node, c.wait_node, c.compute_between, comm_time(c.kind, nbytes, world_size, spec),
+                    moved_bytes(c.kind, nbytes, ranks), None if local is None else first + local,
+                    c.issue_node, c.wait_node, c.compute_between, comm_time(c.kind, nbytes, ranks, spec),
                 ))
     params = list({id(p): p for p in model.parameters()}.values())
     memory = per_rank_memory(params, strategy_named(strategy), optimizer, step_peak(pairs), world_size)
-    timeline = build_timeline(step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown)
+    timeline = build_timeline(
+        step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, group_sizes=group_sizes
+    )
     return Report(
         model=name, world_size=world_size, strategy=strategy, device=spec.name,
         options=tuple(sorted(dataclasses.asdict(options).items())),
         graphs=tuple(views), collectives=tuple(rows), buckets=tuple(buckets), memory=memory, timeline=timeline,
+        scales_in_n=not strategy_named(strategy).local_state,
     )

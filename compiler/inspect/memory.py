@@ -8,6 +8,9 @@ sharded bytes below are rank 0's, padding included (with d0 < N, ranks past d0
 hold nothing and rank 0 still holds a row). Gradients are the stored ones (the
 shard a reduce-scatter returns); optimizer state is OPTIMIZER_STATES tensors of
 each trainable parameter's held size (Adam's scalar ``step`` is not counted).
+Where state is split over one mesh dimension only (hsdp, tensor parallel and
+the 2-D strategies), rank 0's own tensors are counted: a number, not a formula
+in N.
 
 During the step, graph intermediates come on top, read from the graphs by
 liveness (``step_peak``): at the moment their sum peaks, the part that is
@@ -31,11 +34,13 @@ from collections.abc import Sequence
 import sympy
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dpar.compiler.collectives import WAIT
 from dpar.compiler.inspect.costs import N
 from dpar.compiler.inspect.strategies import Strategy
+from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
 """Tensors of a parameter's size (and dtype) each optimizer keeps per parameter."""
@@ -111,9 +116,11 @@ def _gathered_nodes(gm: fx.GraphModule, gathered_inputs: set[str]) -> set[fx.Nod
     """All-gathers, the placeholders named in ``gathered_inputs``, and copies, casts and views of them."""
     gathered: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default or (
-            node.op == "placeholder" and node.name in gathered_inputs
-        ):
+        parameter_gather = (
+            node.target is torch.ops._c10d_functional.all_gather_into_tensor.default
+            and not node.meta.get(ACTIVATION_COLLECTIVE)  # tensor parallel's gathers carry activations
+        )
+        if parameter_gather or (node.op == "placeholder" and node.name in gathered_inputs):
             gathered.add(node)
         elif node.target in _KEEPS_GATHERED and node.all_input_nodes and all(
             a in gathered for a in node.all_input_nodes
@@ -235,8 +242,12 @@ def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]]) -> 
     return peak
 
 
-def held_bytes(param: torch.Tensor, sharded: bool) -> sympy.Expr:
-    """Bytes of ``param`` rank 0 holds, in N: all of it, or its ``ceil(d0 / N)`` rows."""
+def held_bytes(param: torch.Tensor, sharded: bool, local: bool = False) -> sympy.Expr:
+    """Bytes of ``param`` rank 0 holds, in N: all of it, or its ``ceil(d0 / N)`` rows; with ``local``,
+    what rank 0's own tensor holds (a tensor-parallel block, a shard over one mesh dimension)."""
+    if local:
+        held = param.to_local() if isinstance(param, DTensor) else param
+        return sympy.Integer(held.numel() * held.element_size())
     shape = tuple(param.shape)  # a DTensor's is the global shape
     if not sharded:
         return sympy.Integer(math.prod(shape) * param.element_size())
@@ -254,9 +265,10 @@ def per_rank_memory(
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATES)}")
     trainable = [p for p in parameters if p.requires_grad]
-    param_bytes = sum(held_bytes(p, strategy.shards_parameters) for p in parameters)
-    grad_bytes = sum(held_bytes(p, strategy.shards_gradients) for p in trainable)
-    state_bytes = OPTIMIZER_STATES[optimizer] * sum(held_bytes(p, strategy.shards_optimizer) for p in trainable)
+    local = strategy.local_state
+    param_bytes = sum(held_bytes(p, strategy.shards_parameters, local) for p in parameters)
+    grad_bytes = sum(held_bytes(p, strategy.shards_gradients, local) for p in trainable)
+    state_bytes = OPTIMIZER_STATES[optimizer] * sum(held_bytes(p, strategy.shards_optimizer, local) for p in trainable)
     formula = sympy.Integer(0) + param_bytes + grad_bytes + state_bytes + peak.gathered + peak.activations
 
     def share(sharded: bool) -> sympy.Expr:

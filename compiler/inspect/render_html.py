@@ -26,6 +26,14 @@ code.formula { font-size: 13px; }
 """
 
 
+def _formulas(report: Report) -> str:
+    if not report.scales_in_n:
+        return f"<p>{html.escape(report.strategy)}: sub-groups of fixed size; the figures hold for N = {report.world_size} only</p>"
+    return f"""<p>step time(N) = <code class="formula">{html.escape(str(report.timeline.step_time_expr))}</code> s<br>
+memory per rank(N) = <code class="formula">{html.escape(str(report.memory.symbolic))}</code>
+= {report.memory.formula} bytes</p>"""
+
+
 def _table(table: Table) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in table.headers)
     body = "".join(
@@ -74,9 +82,7 @@ def render_html(report: Report) -> str:
 <p>options: {html.escape(options)}</p>
 <h2>Simulated timeline</h2>
 <img class="timeline" alt="simulated timeline" src="data:image/png;base64,{_timeline_png(report)}">
-<p>step time(N) = <code class="formula">{html.escape(str(report.timeline.step_time_expr))}</code> s<br>
-memory per rank(N) = <code class="formula">{html.escape(str(report.memory.symbolic))}</code>
-= {report.memory.formula} bytes</p>
+{_formulas(report)}
 {"".join(_table(t) for t in report.tables())}
 <h2>Graphs after each pass</h2>
 {"".join(_graph(g) for g in report.graphs)}

@@ -96,6 +96,9 @@ class Report:
     buckets: tuple[BucketRow, ...]
     memory: Memory
     timeline: Timeline
+    scales_in_n: bool = True
+    """False where collectives run over mesh dimensions of fixed size (hsdp, tp, 2-D): the step time
+    and memory are the simulated mesh's, and the formulas in N do not extrapolate."""
 
     @property
     def title(self) -> str:
@@ -160,8 +163,8 @@ class Report:
         )
 
     def tables(self) -> list[Table]:
-        return [self.collective_table(), self.bucket_table(), self.memory_table(),
-                self.timeline_table(), self.scaling_table()]
+        tables = [self.collective_table(), self.bucket_table(), self.memory_table(), self.timeline_table()]
+        return tables + [self.scaling_table()] if self.scales_in_n else tables
 
     def to_json(self) -> str:
         """The tables and formulas as JSON (the structured-trace artifact)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import sympy
@@ -14,15 +14,22 @@ from dpar.compiler.inspect.costs import ALPHA, B, BETA, N, DeviceSpec, comm_time
 from dpar.compiler.inspect.simulate import Event, Op, OpKind, PathTime, simulate
 
 
-def step_program(graphs: Sequence[tuple[str, fx.GraphModule]], spec: DeviceSpec) -> list[Op]:
-    """The ops one rank runs in a step, graph after graph; comm durations are sympy in N."""
+def step_program(
+    graphs: Sequence[tuple[str, fx.GraphModule]], spec: DeviceSpec, group_sizes: Mapping[str, int] | None = None
+) -> list[Op]:
+    """The ops one rank runs in a step, graph after graph; comm durations are sympy in N.
+
+    A collective over a sub-group of fixed size (a tensor-parallel or 2-D mesh
+    dimension, in ``group_sizes``) costs that size's ring, a number, not N's."""
     program: list[Op] = []
     issued: dict[fx.Node, int] = {}
     for label, gm in graphs:
         for node in gm.graph.nodes:
             kind = COLLECTIVE_KINDS.get(node.target)
             if kind is not None:
+                size = (group_sizes or {}).get(str(node.args[-1]))
                 seconds = comm_time_expr(kind).subs({B: payload_bytes(node), ALPHA: spec.alpha, BETA: spec.beta})
+                seconds = seconds if size is None else seconds.subs(N, size)
                 issued[node] = len(issued)
                 program.append(Op(OpKind.ISSUE, node.name, seconds, issued[node], label))
             elif node.target is WAIT:
@@ -99,9 +106,14 @@ class Timeline:
 
 
 def build_timeline(
-    graphs: Sequence[tuple[str, fx.GraphModule]], world_size: int, spec: DeviceSpec, *, ranks_shown: int = 4
+    graphs: Sequence[tuple[str, fx.GraphModule]],
+    world_size: int,
+    spec: DeviceSpec,
+    *,
+    ranks_shown: int = 4,
+    group_sizes: Mapping[str, int] | None = None,
 ) -> Timeline:
-    program = step_program(graphs, spec)
+    program = step_program(graphs, spec, group_sizes)
     shown = max(1, min(world_size, ranks_shown))
     tracked = program_at(program, world_size, tracked=True)
     schedule = simulate({r: tracked for r in range(shown)})

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from dpar.compiler.capture import GraphInput, InputKind, classify_inputs
 from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
+from dpar.compiler.pipeline import joint_pipeline
 from dpar.compiler.data_parallel import DataParallelHook
 from dpar.compiler.sharded_data_parallel import ShardedDataParallelHook
 from dpar.compiler.passes.group_batch import GroupBatch, mark_own_rows
@@ -77,7 +78,7 @@ def dpar_backend(
     synchronize_replicas([s for s in state if not isinstance(s[2], DTensor)], world, parsed.check_timeout_s)
     sharded = ShardedDataParallelHook(inputs, specs, world, parsed)
     return compile_graphs(
-        gm, example_inputs, compiler=parsed.compiler, hook=sharded, joint_pass=sharded.tag_joint
+        gm, example_inputs, compiler=parsed.compiler, hook=sharded, joint_pass=joint_pipeline(sharded.joint_passes())
     )
 
 
@@ -107,15 +108,17 @@ def _compile_tensor_parallel(
     if specs:  # fsdp+tp
         sharded = ShardedDataParallelHook(inputs, specs, world, options)
         hook = ThenInference(mesh, sharded, group_batch)
-        joint = lambda g: sharded.tag_joint(hook.joint_pass(g))
+        joint = hook.joint_passes() + sharded.joint_passes()
     elif split.data_parallel_group_name is not None:  # ddp+tp
         dp_world = current_world(_resolve_process_group(split.data_parallel_group_name))
         hook = ThenInference(mesh, DataParallelHook(inputs, dp_world, options, whole_group=world.group_name), group_batch)
-        joint = hook.joint_pass
+        joint = hook.joint_passes()
     else:
         hook = ThenInference(mesh, TensorParallelHook(inputs, world, options), group_batch)
-        joint = hook.joint_pass
-    compiled = compile_graphs(gm, example_inputs, compiler=options.compiler, hook=hook, joint_pass=joint)
+        joint = hook.joint_passes()
+    compiled = compile_graphs(
+        gm, example_inputs, compiler=options.compiler, hook=hook, joint_pass=joint_pipeline(joint)
+    )
     if group_batch is None and world.backend != "fake":
         return checking_same_rows(compiled, data, split.group_name)
     return compiled

@@ -1,7 +1,10 @@
 """What every strategy's hook shares: running an ordered list of passes, then checking and lowering.
 
-The ordered passes themselves live with each strategy: ``data_parallel`` (ddp)
-and ``sharded_data_parallel`` (zero2, fsdp, hsdp).
+The ordered passes themselves live with each strategy: ``data_parallel`` (ddp),
+``sharded_data_parallel`` (zero2, fsdp, hsdp) and ``tensor_parallel`` (tp and
+the 2-D strategies). The joint forward+backward graph's passes, which run before
+AOTAutograd's partitioner, go through the same runner (``joint_pipeline``), so
+they are logged and recorded like the forward's and backward's.
 """
 
 from __future__ import annotations
@@ -35,6 +38,21 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[Pass], label: str) -> fx.Gra
         stages.append(stage)
     gm.meta[STAGES_KEY] = tuple(stages)
     return gm
+
+
+JOINT_LABEL = "joint graph"
+
+
+def joint_pipeline(passes: Sequence[Pass]) -> Callable[[fx.GraphModule], fx.GraphModule]:
+    """The joint graph's passes as one function for the partitioner; the result is recorded under
+    ``JOINT_LABEL`` (its collectives are the forward's and backward's again: reports skip it)."""
+
+    def run(joint: fx.GraphModule) -> fx.GraphModule:
+        joint = run_passes(joint, passes, JOINT_LABEL)
+        record(JOINT_LABEL, joint, collectives(joint))
+        return joint
+
+    return run
 
 
 def lower_checked(

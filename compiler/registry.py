@@ -74,7 +74,7 @@ def communication_per_step(graphs: Sequence[CompiledGraph]) -> dict[str, dict[st
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     for compiled in graphs:
-        if compiled.label.startswith("inference") or "no_sync" in compiled.label or "accumulated" in compiled.label:
+        if compiled.label.startswith(("inference", "joint")) or "no_sync" in compiled.label or "accumulated" in compiled.label:
             continue
         for c in compiled.collectives:
             counts[c.kind] += 1

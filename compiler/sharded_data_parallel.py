@@ -62,13 +62,15 @@ class ShardedDataParallelHook:
         self.replicate = (first.replicate_group_name, first.replicate_size) if first.replicate_group_name else None
         self.buffer_groups: dict[str, list[int]] = {}  # group -> positions of its buffers among the flat forward inputs
 
-    def tag_joint(self, joint: fx.GraphModule) -> fx.GraphModule:
-        """Runs before the forward is compiled: plan the groups from the joint graph's inputs, then
-        tag what the backward recomputes (activation checkpointing's tags are refined here too)."""
+    def joint_passes(self) -> list[Pass]:
+        """Run before the forward is compiled: plan the groups from the joint graph's inputs and tag
+        what the backward recomputes; activation checkpointing's tags are refined too."""
+        return [("tag_gathers", self._tag_gathers), ("save_random_ops", save_random_ops)]
+
+    def _tag_gathers(self, joint: fx.GraphModule) -> fx.GraphModule:
         primals = flat_inputs(joint.graph)
         self._plan_groups([primals[i].meta["val"] for i in sorted(primals)])
-        tag_gathers(joint, self.groups, reshard_after_forward=self.reshard_after_forward)
-        return save_random_ops(joint)
+        return tag_gathers(joint, self.groups, reshard_after_forward=self.reshard_after_forward)
 
     def _plan_groups(self, example_inputs: Sequence[Any]) -> None:
         layout = flat_layout(self.inputs, example_inputs)

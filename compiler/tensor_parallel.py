@@ -18,7 +18,7 @@ from dpar.compiler.passes.broadcast_buffers import buffer_broadcast_groups
 from dpar.compiler.passes.group_batch import GroupBatch, unroll_group_batch
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
-from dpar.compiler.pipeline import lower_checked, run_passes
+from dpar.compiler.pipeline import Pass, lower_checked, run_passes
 from dpar.compiler.propagation.propagate import MeshDim
 from dpar.runtime.tensor_parallel import TensorParallelSpec
 from dpar.runtime.world import World
@@ -66,15 +66,20 @@ class ThenInference:
     def __init__(self, mesh: MeshDim, hook: GraphHook, group_batch: GroupBatch | None) -> None:
         self.mesh, self.hook, self.group_batch = mesh, hook, group_batch
 
-    def joint_pass(self, joint: fx.GraphModule) -> fx.GraphModule:
+    def joint_passes(self) -> list[Pass]:
+        passes: list[Pass] = []
         if self.group_batch is not None:
-            joint = unroll_group_batch(joint, self.group_batch)
-            refresh_fake_values(joint, [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder"])
-        return tensor_parallel_pass(joint, self.mesh)
+            passes.append(("unroll_group_batch", self._unrolled))
+        return passes + [("tensor_parallel", lambda g: tensor_parallel_pass(g, self.mesh))]
+
+    def _unrolled(self, joint: fx.GraphModule) -> fx.GraphModule:
+        joint = unroll_group_batch(joint, self.group_batch)
+        refresh_fake_values(joint, [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder"])
+        return joint
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower
     ) -> Callable[..., Any]:
         if role is GraphRole.INFERENCE:
-            gm = self.joint_pass(gm)
+            gm = run_passes(gm, self.joint_passes(), role.value)
         return self.hook(gm, example_inputs, role, lower)

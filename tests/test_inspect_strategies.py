@@ -103,3 +103,17 @@ def test_auto_plans_inside_the_simulated_world_and_the_timeline_runs_every_colle
     assert r.strategy == "auto" and r.collectives
     issued = [e for e in r.timeline.events if e.stream == "comm" and e.rank == 0]
     assert len(issued) == len(r.collectives)
+
+
+def test_every_pass_is_recorded_the_joint_graphs_included() -> None:
+    """The joint graph's passes (run before the partitioner) go through the same runner as the
+    forward's and backward's, so a report shows each of them and what it added."""
+    r = report("fsdp+tp", 8)
+    stages = {g.label: [s.pass_name for s in g.stages] for g in r.graphs}
+    assert stages["joint graph"] == ["captured", "unroll_group_batch", "tensor_parallel", "tag_gathers", "save_random_ops"]
+    assert stages["forward graph"][:3] == ["captured", "broadcast_buffers", "bucket_all_gathers"] or \
+        stages["forward graph"][:2] == ["captured", "bucket_all_gathers"]
+    (joint,) = [g for g in r.graphs if g.label == "joint graph"]
+    assert any(d.startswith("unroll_group_batch: all_gather") for d in joint.op_count_diffs())
+    assert any(d.startswith("tensor_parallel: all_reduce") for d in joint.op_count_diffs())
+    assert "joint graph" not in {c.graph for c in r.collectives}  # its collectives are the others', not extra

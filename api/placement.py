@@ -114,10 +114,11 @@ def parallelize(
     ``memory_budget_gb``.
 
     ``hsdp`` shards over the second dimension of a 2-D ``mesh`` and replicates
-    over the first. ``bucket_cap_mb=None`` groups parameters per numbered block (``layers.3``), the
-    rest in one ``root`` bucket; a number groups consecutive parameters up to that
-    many MiB instead (under ddp the same knob is a compile option, and is refused here). ``max_inflight_gathers`` bounds how many all-gathers may be
-    issued ahead of their use (the memory prefetch costs). ``param_dtype`` (e.g.
+    over the first. ``bucket_cap_mb=None`` groups parameters per numbered block
+    (``layers.3``), the rest in one ``root`` bucket; a number groups consecutive
+    parameters up to that many MiB instead (under ddp the same knob is a compile
+    option, and is refused here). ``max_inflight_gathers`` bounds how many
+    all-gathers may be issued ahead of their use (the memory prefetch costs). ``param_dtype`` (e.g.
     ``torch.bfloat16``) is the dtype parameters are gathered and computed in, and
     ``reduce_dtype`` the one gradients are reduce-scattered in; shards, their
     gradients and the optimizer state stay in the stored dtype (float32).

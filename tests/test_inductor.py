@@ -25,8 +25,9 @@ def rank_main(rank: int, world_size: int, strategy: str) -> dict:
 
     torch.manual_seed(rank if strategy == "ddp" else 0)  # ddp broadcasts rank 0's; shards come from rank 0
     model = MLP()
-    dpar.parallelize(model, strategy=strategy)
-    compiled = torch.compile(model, backend="dpar", options={"compiler": "inductor", "bucket_cap_mb": 0.01})
+    small = {"bucket_cap_mb": 0.01}  # several buckets: ddp sizes them when compiling, fsdp in parallelize
+    dpar.parallelize(model, strategy=strategy, **({} if strategy == "ddp" else small))
+    compiled = torch.compile(model, backend="dpar", options={"compiler": "inductor", **(small if strategy == "ddp" else {})})
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(STEPS):
         x, y = (t.chunk(world_size)[rank] for t in batch(step, 4 * world_size))

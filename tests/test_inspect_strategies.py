@@ -9,6 +9,7 @@ A collective over a sub-group (a mesh dimension) is costed by that group's ring,
 
 from __future__ import annotations
 
+import io
 import math
 from collections import Counter
 
@@ -17,7 +18,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rich.console import Console
+
 from dpar.compiler.inspect.explain import explain
+from dpar.compiler.inspect.render_html import render_html
+from dpar.compiler.inspect.render_text import print_report
 
 
 class Pair(nn.Module):
@@ -73,6 +78,10 @@ def test_ddp_plus_tp_costs_each_collective_by_its_own_mesh_dimension() -> None:
     # Tensor parallel's gathers carry rows and activations: neither parameter buckets nor gathered parameters.
     assert [b.collective for b in r.buckets] == ["all_reduce"] and r.memory.gathered == 0
     assert not r.scales_in_n and "Step time in N" not in [t.title for t in r.tables()]
+    text = io.StringIO()
+    print_report(r, Console(file=text, width=200), show_code=False)
+    for rendered in (text.getvalue(), render_html(r)):
+        assert "the figures hold for N = 8 only" in rendered and "step time(N)" not in rendered
 
 
 def test_hsdp_shards_over_its_shard_dimension_and_all_reduces_over_replicas() -> None:

@@ -28,7 +28,7 @@ code.formula { font-size: 13px; }
 
 def _formulas(report: Report) -> str:
     if not report.scales_in_n:
-        return f"<p>{html.escape(report.strategy)}: sub-groups of fixed size; the figures hold for N = {report.world_size} only</p>"
+        return f"<p>{html.escape(report.fixed_mesh_note())}</p>"
     return f"""<p>step time(N) = <code class="formula">{html.escape(str(report.timeline.step_time_expr))}</code> s<br>
 memory per rank(N) = <code class="formula">{html.escape(str(report.memory.symbolic))}</code>
 = {report.memory.formula} bytes</p>"""

@@ -40,7 +40,7 @@ def print_report(report: Report, console: Console | None = None, *, show_code: b
     for table in report.tables():
         console.print(_rich_table(table))
     if not report.scales_in_n:
-        console.print(f"{report.strategy}: sub-groups of fixed size; the figures hold for N = {report.world_size} only")
+        console.print(report.fixed_mesh_note(), markup=False, highlight=False)
         return
     console.print(f"step time(N) = {report.timeline.step_time_expr}", markup=False, highlight=False)
     console.print(f"memory per rank(N) = {report.memory.symbolic} = {report.memory.formula} bytes",

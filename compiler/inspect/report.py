@@ -166,6 +166,10 @@ class Report:
         tables = [self.collective_table(), self.bucket_table(), self.memory_table(), self.timeline_table()]
         return tables + [self.scaling_table()] if self.scales_in_n else tables
 
+    def fixed_mesh_note(self) -> str:
+        """What replaces the formulas in N where ``scales_in_n`` is False."""
+        return f"{self.strategy}: sub-groups of fixed size; the figures hold for N = {self.world_size} only"
+
     def to_json(self) -> str:
         """The tables and formulas as JSON (the structured-trace artifact)."""
         return json.dumps({

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import weakref
@@ -15,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dpar.compiler.megatron import megatron_dims
+from dpar.compiler.plan import AxisRole, MeshAxis, ParallelPlan, Strategy, attach
 from dpar.runtime import sharding, tensor_parallel
 from dpar.runtime.errors import OptionsError, ProcessGroupError
 
@@ -25,17 +25,7 @@ STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+
 TENSOR_PARALLEL = ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
 
 
-@dataclasses.dataclass(frozen=True)
-class ShardedPlan:
-    """What ``parallelize`` decided; the backend reads the per-parameter part from the shards."""
-
-    strategy: str
-    mesh_shape: tuple[int, ...]
-    buckets: dict[str, tuple[str, ...]]  # bucket -> parameter names, in module order
-    max_inflight_gathers: int
-
-
-_plans: weakref.WeakKeyDictionary[nn.Module, ShardedPlan] = weakref.WeakKeyDictionary()
+_parallelized: weakref.WeakKeyDictionary[nn.Module, ParallelPlan] = weakref.WeakKeyDictionary()
 
 
 def _sharded_buckets(model: nn.Module, bucket_cap_mb: float | None) -> dict[str, str]:
@@ -130,7 +120,7 @@ def parallelize(
         close = difflib.get_close_matches(str(strategy), STRATEGIES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise OptionsError(f"unknown strategy {strategy!r}{hint}; choose one of {list(STRATEGIES)}")
-    if model in _plans or sharding.is_sharded(model):
+    if model in _parallelized or sharding.is_sharded(model):
         raise OptionsError(
             "parallelize was already called on this model; build a fresh model to choose another strategy"
         )
@@ -190,33 +180,37 @@ def parallelize(
                 f"mesh shape {tuple(mesh.shape)}; pass init_device_mesh(device, ({world},)) or omit "
                 "mesh (for a 2-D mesh use strategy='hsdp')"
             )
-    names = [n for n, _ in model.named_parameters()]
-    bucket_of = _sharded_buckets(model, bucket_cap_mb)
-    sharding.shard_parameters(
-        model, mesh, strategy, bucket_of, max_inflight_gathers, param_dtype=param_dtype, reduce_dtype=reduce_dtype
-    )
-    _record_plan(model, strategy, tuple(mesh.shape), names, bucket_of, max_inflight_gathers)
+    buckets = _bucket_table(model, bucket_cap_mb)
+    sharding.shard_parameters(model, mesh, param_dtype=param_dtype)
+    roles = (AxisRole.SHARD,) if mesh.ndim == 1 else (AxisRole.REPLICATE, AxisRole.SHARD)
+    _record_plan(model, ParallelPlan(
+        Strategy(strategy), _axes(mesh, roles), buckets, max_inflight_gathers, param_dtype, reduce_dtype,
+    ))
     sharding.guard_optimizers_built_too_early()
     return model
 
 
-def _record_plan(
-    model: nn.Module,
-    strategy: str,
-    mesh_shape: tuple[int, ...],
-    names: list[str],
-    bucket_of: dict[str, str],
-    max_inflight_gathers: int,
-) -> None:
+def _bucket_table(model: nn.Module, bucket_cap_mb: float | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Bucket -> its parameters' names in module order, as ``ParallelPlan.buckets`` holds them."""
+    bucket_of = _sharded_buckets(model, bucket_cap_mb)
     buckets: dict[str, list[str]] = {}
-    for name in names:
+    for name, _ in model.named_parameters():
         buckets.setdefault(bucket_of[name], []).append(name)
-    _plans[model] = ShardedPlan(
-        strategy=strategy,
-        mesh_shape=mesh_shape,
-        buckets={b: tuple(ns) for b, ns in buckets.items()},
-        max_inflight_gathers=max_inflight_gathers,
+    return tuple((b, tuple(names)) for b, names in buckets.items())
+
+
+def _axes(mesh: DeviceMesh, roles: tuple[AxisRole, ...]) -> tuple[MeshAxis, ...]:
+    names = mesh.mesh_dim_names or tuple(role.value for role in roles)
+    return tuple(
+        MeshAxis(name, role, mesh.size(dim), mesh.get_group(dim).group_name)
+        for dim, (name, role) in enumerate(zip(names, roles))
     )
+
+
+def _record_plan(model: nn.Module, plan: ParallelPlan) -> None:
+    """The plan the backend reads, reachable from every parameter of ``model`` (as it is now)."""
+    _parallelized[model] = plan
+    attach(plan, model.parameters())
 
 
 def _tensor_parallel_mesh(strategy: str, mesh: DeviceMesh | None, world: int, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh]:
@@ -305,21 +299,28 @@ def _parallelize_tensor_parallel(
                 "column- and row-parallel layers) or tp_plan={name: dim or None}"
             )
         tp_plan = megatron_dims(model, example_inputs)
-    names = [n for n, _ in model.named_parameters()]
-    ddp_group = dp_mesh.get_group() if strategy == "ddp+tp" else None
-    splits = tensor_parallel.split_parameters(
-        model, tp_plan, tp_mesh.get_group(), ddp_group, sequence_parallel=sequence_parallel,
-        same_batch_in_group=same_batch_in_tp_group,
-    )
-    buckets = _sharded_buckets(model, bucket_cap_mb)
-    if strategy in ("zero2+tp", "fsdp+tp"):
-        sharding.shard_parameters(model, dp_mesh, strategy.removesuffix("+tp"), buckets, max_inflight_gathers)
+    chosen = Strategy(strategy)
+    splits = tensor_parallel.split_parameters(model, tp_plan, tp_mesh.get_group())
+    buckets = _bucket_table(model, bucket_cap_mb) if chosen.shards_parameters else ()
+    if chosen.shards_parameters:
+        sharding.shard_parameters(model, dp_mesh)
     tensor_parallel.install_markers(splits)
-    _record_plan(model, strategy, tuple((mesh or tp_mesh).shape), names, buckets, max_inflight_gathers)
+    if dp_mesh is None:
+        axes = _axes(tp_mesh, (AxisRole.TENSOR,))
+    else:
+        data_role = AxisRole.SHARD if chosen.shards_parameters else AxisRole.REPLICATE
+        axes = tuple(
+            _axes(mesh[name], (AxisRole.TENSOR if name == "tp" else data_role,))[0] for name in mesh.mesh_dim_names
+        )
+    _record_plan(model, ParallelPlan(
+        chosen, axes, buckets, max_inflight_gathers,
+        sequence_parallel=sequence_parallel, same_batch_in_tp_group=same_batch_in_tp_group,
+    ))
 
 
-def plan_of(model: nn.Module) -> ShardedPlan | None:
-    return _plans.get(getattr(model, "_orig_mod", model))
+def plan_of(model: nn.Module) -> ParallelPlan | None:
+    """What ``parallelize`` decided for ``model`` (None: it was not called, or chose ddp)."""
+    return _parallelized.get(getattr(model, "_orig_mod", model))
 
 
-__all__ = ["STRATEGIES", "ShardedPlan", "parallelize", "plan_of"]
+__all__ = ["STRATEGIES", "parallelize", "plan_of"]

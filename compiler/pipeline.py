@@ -1,10 +1,23 @@
-"""What every strategy's hook shares: running an ordered list of passes, then checking and lowering.
+"""Every pass dpar runs, for every plan, in the order it runs them.
 
-The ordered passes themselves live with each strategy: ``data_parallel`` (ddp),
-``sharded_data_parallel`` (zero2, fsdp, hsdp) and ``tensor_parallel`` (tp and
-the 2-D strategies). The joint forward+backward graph's passes, which run before
-AOTAutograd's partitioner, go through the same runner (``joint_pipeline``), so
-they are logged and recorded like the forward's and backward's.
+A graph goes through these stages, each a list of named passes run by
+``run_passes`` (so each is logged, and kept for ``explain`` and ``dpar inspect``):
+
+  dynamo     the graph Dynamo captured, before AOTAutograd
+  joint      forward and backward together, before the partitioner splits them
+  forward    the forward AOTAutograd partitioned off
+  backward   ddp builds one per variant: sync, no_sync (no passes), sync accumulated
+  inference  a graph without backward (no_grad): the joint graph's tensor-parallel
+             passes, then the forward's
+
+``Pipeline`` lists them for one ``ParallelPlan``; the strategy modules
+(``data_parallel``, ``sharded_data_parallel``, ``tensor_parallel``) supply the
+passes and the state they plan from the graphs (buckets, groups), never the order.
+For fsdp+tp, for instance: dynamo [mark_own_rows]; joint [unroll_group_batch,
+tensor_parallel, tag_gathers, save_random_ops]; forward [broadcast_buffers,
+bucket_all_gathers, sink_waits, prefetch_all_gathers]; backward
+[bucket_all_gathers, bucket_reduce_scatters, sink_waits, prefetch_all_gathers].
+``Pipeline(...).listing()`` prints that for any plan.
 """
 
 from __future__ import annotations
@@ -14,14 +27,23 @@ from typing import Any
 
 import torch.fx as fx
 
+from dpar.compiler.capture import GraphInput, InputKind
 from dpar.compiler.collectives import collectives
-from dpar.compiler.graph_utils import refresh_fake_values
+from dpar.compiler.data_parallel import GradientBuckets, broadcast_buffers
+from dpar.compiler.graph_utils import copy_graph_module, fake_like, refresh_fake_values
 from dpar.compiler.inspect.logs import configure as configure_logs
 from dpar.compiler.inspect.logs import log_pass
-from dpar.compiler.lowering import Lower
+from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
+from dpar.compiler.passes.broadcast_buffers import buffer_broadcast_groups
+from dpar.compiler.passes.random_ops import save_random_ops
+from dpar.compiler.passes.sink_waits import sink_waits_pass
+from dpar.compiler.plan import AxisRole, ParallelPlan
 from dpar.compiler.registry import STAGES_KEY, PassStage, record
+from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout
+from dpar.compiler.tensor_parallel import TensorParallel
 from dpar.runtime.agreement import agree
+from dpar.runtime.gradient_sync import BackwardDispatch, Variant
 from dpar.runtime.world import World, group_size
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
@@ -43,18 +65,6 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[Pass], label: str) -> fx.Gra
 JOINT_LABEL = "joint graph"
 
 
-def joint_pipeline(passes: Sequence[Pass]) -> Callable[[fx.GraphModule], fx.GraphModule]:
-    """The joint graph's passes as one function for the partitioner; the result is recorded under
-    ``JOINT_LABEL`` (its collectives are the forward's and backward's again: reports skip it)."""
-
-    def run(joint: fx.GraphModule) -> fx.GraphModule:
-        joint = run_passes(joint, passes, JOINT_LABEL)
-        record(JOINT_LABEL, joint, collectives(joint))
-        return joint
-
-    return run
-
-
 def lower_checked(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -73,3 +83,135 @@ def lower_checked(
         lines = [c.fingerprint(f"over {sizes[c.group]} ranks") for c in found]
         agree(world, label, lines, options.check_timeout_s)
     return lower(gm, example_inputs)
+
+
+class Pipeline:
+    """One plan's passes, stage by stage, and the hook ``compile_graphs`` calls with every graph."""
+
+    def __init__(self, plan: ParallelPlan, inputs: Sequence[GraphInput], world: World, options: Options) -> None:
+        self.plan, self.inputs, self.world, self.options = plan, list(inputs), world, options
+        self.tensor = TensorParallel(inputs, plan) if plan.strategy.tensor_parallel else None
+        self.sharded = ShardedGroups(inputs, plan) if plan.strategy.shards_parameters else None
+        replicate = plan.axis(AxisRole.REPLICATE)
+        self.gradients = (
+            GradientBuckets(inputs, replicate, options.bucket_cap_bytes)
+            if replicate is not None and self.sharded is None else None
+        )
+        self.buffer_groups: dict[str, list[int]] = {}  # group -> positions of its buffers among the flat inputs
+
+    # The stages, in the order a graph meets them.
+
+    def dynamo_passes(self) -> list[Pass]:
+        if self.tensor is not None and self.tensor.group_batch is not None:
+            return [("mark_own_rows", self.tensor.mark_own_rows)]
+        return []
+
+    def joint_passes(self) -> list[Pass]:
+        passes = self._tensor_parallel_passes()
+        if self.sharded is not None:
+            passes += [("tag_gathers", self.sharded.tag_gathers), ("save_random_ops", save_random_ops)]
+        return passes
+
+    def _tensor_parallel_passes(self) -> list[Pass]:
+        if self.tensor is None:
+            return []
+        unroll = [("unroll_group_batch", self.tensor.unroll_group_batch)] if self.tensor.group_batch is not None else []
+        return [*unroll, ("tensor_parallel", self.tensor.tensor_parallel)]
+
+    def forward_passes(self) -> list[Pass]:
+        passes: list[Pass] = []
+        if self.options.broadcast_buffers:
+            passes.append(("broadcast_buffers", lambda g: broadcast_buffers(g, self.buffer_groups)))
+        if self.sharded is not None:
+            passes.append(("bucket_all_gathers", self.sharded.all_gathers))
+        return self._then_waits(passes)
+
+    def backward_passes(self, variant: Variant = Variant.SYNC) -> list[Pass]:
+        passes: list[Pass] = []
+        if self.sharded is not None:
+            passes += [("bucket_all_gathers", self.sharded.all_gathers), ("bucket_reduce_scatters", self.sharded.reduce_scatters)]
+        elif self.gradients is not None:
+            if variant is Variant.NO_SYNC:  # gradients accumulate locally: nothing to insert
+                return []
+            passes.append(("all_reduce_gradients", lambda g: self.gradients.all_reduce(g, variant)))
+        return self._then_waits(passes)
+
+    def inference_passes(self) -> list[Pass]:
+        return self._tensor_parallel_passes() + self.forward_passes()
+
+    def _then_waits(self, passes: list[Pass]) -> list[Pass]:
+        if self.options.sink_waits:
+            passes.append(("sink_waits", sink_waits_pass))
+        if self.sharded is not None:  # last: the in-flight bound counts from where the waits finally are
+            passes.append(("prefetch_all_gathers", self.sharded.prefetch))
+        return passes
+
+    def listing(self) -> dict[str, list[str]]:
+        """Stage -> the names of its passes, in order."""
+        stages = {
+            "dynamo": self.dynamo_passes(), "joint": self.joint_passes(), "forward": self.forward_passes(),
+            **{f"backward ({v.value})": self.backward_passes(v) for v in Variant}, "inference": self.inference_passes(),
+        }
+        return {stage: [name for name, _ in passes] for stage, passes in stages.items()}
+
+    # Running them.
+
+    def prepare(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """The Dynamo graph, before AOTAutograd sees it."""
+        return run_passes(gm, self.dynamo_passes(), "dynamo")
+
+    def joint(self) -> Callable[[fx.GraphModule], fx.GraphModule] | None:
+        """The joint graph's passes as one function for the partitioner (None: AOTAutograd's default
+        partitioner). The result is recorded under ``JOINT_LABEL``; its collectives are the forward's
+        and backward's again, which reports skip."""
+        passes = self.joint_passes()
+        if not passes:
+            return None
+
+        def run(joint: fx.GraphModule) -> fx.GraphModule:
+            joint = run_passes(joint, passes, JOINT_LABEL)
+            record(JOINT_LABEL, joint, collectives(joint))
+            return joint
+
+        return run
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower) -> Callable[..., Any]:
+        if role is GraphRole.BACKWARD:
+            if self.gradients is not None:
+                return self._backward_variants(gm, example_inputs, lower)
+            passes = self.backward_passes()
+        else:
+            self._plan_buffers(example_inputs)
+            if role is GraphRole.INFERENCE and self.sharded is not None:  # no joint graph planned the groups
+                self.sharded.plan_groups(example_inputs)
+            passes = self.forward_passes() if role is GraphRole.FORWARD else self.inference_passes()
+        gm = run_passes(gm, passes, role.value)
+        return lower_checked(gm, example_inputs, f"{role.value} graph", lower, self.world, self.options)
+
+    def _plan_buffers(self, flat_values: Sequence[Any]) -> None:
+        """Every rank reads rank 0's buffers, as under ddp; a tensor-parallel block only over its data axis."""
+        layout = flat_layout(self.inputs, flat_values)
+        data_axis = self.plan.data_axes[0].group_name if self.plan.strategy.tensor_parallel and self.plan.data_axes else None
+        self.buffer_groups = buffer_broadcast_groups(
+            [(layout[i.index][0], i.tensor()) for i in self.inputs if i.kind is InputKind.BUFFER],
+            whole_group=self.world.group_name, split_group=data_axis,
+        )
+
+    def _backward_variants(self, gm: fx.GraphModule, example_inputs: Sequence[Any], lower: Lower) -> Callable[..., Any]:
+        """ddp: the backward compiled per variant on first use, chosen each step by ``no_sync``."""
+        assert self.gradients is not None
+        self.gradients.plan(gm)
+        order = self.gradients.accumulation_order
+        outputs = gm.graph.output_node().args[0]
+
+        def build(variant: Variant) -> Callable[..., Any]:
+            label = f"backward graph ({variant.value})"
+            graph = run_passes(copy_graph_module(gm), self.backward_passes(variant), label)
+            inputs = list(example_inputs)
+            if variant is Variant.SYNC_ACCUMULATED:
+                inputs += [fake_like(outputs[i].meta["val"]) for i in order]
+            return lower_checked(graph, inputs, label, lower, self.world, self.options)
+
+        dispatch = BackwardDispatch(self.gradients.parameters(), order, build)
+        dispatch.prepare(Variant.SYNC)
+        return dispatch

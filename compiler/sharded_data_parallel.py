@@ -1,28 +1,25 @@
-"""zero2, fsdp, hsdp: bucketed all-gathers of sharded parameters, reduce-scatters of their gradients."""
+"""zero2, fsdp, hsdp's passes: bucketed all-gathers of sharded parameters, reduce-scatters of their gradients.
+
+Which of them run, and in what order, is ``pipeline.py``'s to say.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch.fx as fx
 from torch._library.fake_class_registry import FakeScriptObject
 
 from dpar.compiler.capture import GraphInput, InputKind
-from dpar.compiler.lowering import GraphRole, Lower, flat_inputs
-from dpar.compiler.options import Options
+from dpar.compiler.lowering import flat_inputs
 from dpar.compiler.passes.all_gather import ParameterGroup, bucket_all_gathers_pass
-from dpar.compiler.data_parallel import broadcast_passes
-from dpar.compiler.passes.broadcast_buffers import buffer_broadcast_groups
 from dpar.compiler.passes.prefetch import prefetch_all_gathers_pass
 from dpar.compiler.passes.reduce_scatter import bucket_reduce_scatters_pass
-from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.reshard import tag_gathers
-from dpar.compiler.passes.sink_waits import sink_waits_pass
-from dpar.compiler.pipeline import Pass, lower_checked, run_passes
-from dpar.runtime.sharding import ShardSpec
-from dpar.runtime.world import World
+from dpar.compiler.plan import AxisRole, ParallelPlan
+from dpar.runtime.sharding import spec_of
 
 log = logging.getLogger("dpar")
 
@@ -45,72 +42,46 @@ def flat_layout(inputs: Sequence[GraphInput], example_inputs: Sequence[Any]) -> 
     return layout
 
 
-class ShardedDataParallelHook:
-    """zero2 / fsdp / hsdp: bucketed all-gathers in forward (and backward), reduce-scatters in
-    backward, and ddp's broadcast of rank 0's buffers into every forward."""
+class ShardedGroups:
+    """The plan's buckets as the graphs see them (flat input and gradient positions), and the
+    passes that gather, reduce-scatter and prefetch them over the shard axis."""
 
-    def __init__(self, inputs: Sequence[GraphInput], specs: dict[int, ShardSpec], world: World, options: Options) -> None:
-        self.inputs = list(inputs)
-        self.specs = specs  # Dynamo input index -> how that parameter is sharded
-        self.world = world
-        self.options = options
+    def __init__(self, inputs: Sequence[GraphInput], plan: ParallelPlan) -> None:
+        self.inputs, self.plan = list(inputs), plan
+        shard, replicate = plan.axis(AxisRole.SHARD), plan.axis(AxisRole.REPLICATE)
+        assert shard is not None, "a sharded strategy's plan has a shard axis"
+        self.shard = shard
+        self.replicate = (replicate.group_name, replicate.size) if replicate is not None else None  # hsdp
         self.groups: list[ParameterGroup] = []
-        self.reshard_after_forward = any(s.strategy in ("fsdp", "hsdp") for s in specs.values())
-        first = next(iter(specs.values()))
-        self.group_name, self.group_size = first.group_name, first.world_size
-        self.max_inflight, self.reduce_dtype = first.max_inflight_gathers, first.reduce_dtype
-        self.replicate = (first.replicate_group_name, first.replicate_size) if first.replicate_group_name else None
-        self.buffer_groups: dict[str, list[int]] = {}  # group -> positions of its buffers among the flat forward inputs
 
-    def joint_passes(self) -> list[Pass]:
-        """Run before the forward is compiled: plan the groups from the joint graph's inputs and tag
-        what the backward recomputes; activation checkpointing's tags are refined too."""
-        return [("tag_gathers", self._tag_gathers), ("save_random_ops", save_random_ops)]
-
-    def _tag_gathers(self, joint: fx.GraphModule) -> fx.GraphModule:
-        primals = flat_inputs(joint.graph)
-        self._plan_groups([primals[i].meta["val"] for i in sorted(primals)])
-        return tag_gathers(joint, self.groups, reshard_after_forward=self.reshard_after_forward)
-
-    def _plan_groups(self, example_inputs: Sequence[Any]) -> None:
-        layout = flat_layout(self.inputs, example_inputs)
-        # Every rank reads rank 0's buffers, as under ddp; a tensor-parallel block only over the shard group.
-        self.buffer_groups = buffer_broadcast_groups(
-            [(layout[i.index][0], i.tensor()) for i in self.inputs if i.kind is InputKind.BUFFER],
-            whole_group=self.world.group_name, split_group=self.group_name,
-        )
+    def plan_groups(self, flat_values: Sequence[Any]) -> None:
+        """Group the sharded parameters' flat positions by bucket, from the flat forward inputs."""
+        layout = flat_layout(self.inputs, flat_values)
         by_bucket: dict[str, list[tuple[int, int]]] = {}
-        for index, spec in self.specs.items():
-            by_bucket.setdefault(spec.bucket, []).append(layout[index])
+        for inp in self.inputs:
+            spec = spec_of(inp.tensor()) if inp.kind is InputKind.PARAMETER else None
+            if spec is not None:
+                by_bucket.setdefault(self.plan.bucket_of(spec.name), []).append(layout[inp.index])
         self.groups = [
             ParameterGroup(name, tuple(i for i, _ in pairs), tuple(g for _, g in pairs))
             for name, pairs in by_bucket.items()
         ]
         log.info("sharded buckets: %s", [(g.name, len(g.inputs)) for g in self.groups])
 
-    def _passes(self, role: GraphRole) -> list[Pass]:
-        kw = {"group_name": self.group_name, "world_size": self.group_size}
-        passes = broadcast_passes(self.options, self.buffer_groups) if role is not GraphRole.BACKWARD else []
-        passes.append(("bucket_all_gathers", lambda g: bucket_all_gathers_pass(g, self.groups, **kw)))
-        if role is GraphRole.BACKWARD:
-            passes.append(
-                (
-                    "bucket_reduce_scatters",
-                    lambda g: bucket_reduce_scatters_pass(
-                        g, self.groups, reduce_dtype=self.reduce_dtype, replicate=self.replicate, **kw
-                    ),
-                )
-            )
-        if self.options.sink_waits:
-            passes.append(("sink_waits", sink_waits_pass))
-        # Last: the in-flight bound counts from where the waits finally are.
-        passes.append(("prefetch_all_gathers", lambda g: prefetch_all_gathers_pass(g, self.max_inflight)))
-        return passes
+    def tag_gathers(self, joint: fx.GraphModule) -> fx.GraphModule:
+        """Plan the groups from the joint graph's inputs, and tag what the backward gathers again."""
+        primals = flat_inputs(joint.graph)
+        self.plan_groups([primals[i].meta["val"] for i in sorted(primals)])
+        return tag_gathers(joint, self.groups, reshard_after_forward=self.plan.strategy.reshard_after_forward)
 
-    def __call__(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower
-    ) -> Callable[..., Any]:
-        if role is GraphRole.INFERENCE:  # no joint graph was partitioned
-            self._plan_groups(example_inputs)
-        gm = run_passes(gm, self._passes(role), role.value)
-        return lower_checked(gm, example_inputs, f"{role.value} graph", lower, self.world, self.options)
+    def all_gathers(self, gm: fx.GraphModule) -> fx.GraphModule:
+        return bucket_all_gathers_pass(gm, self.groups, group_name=self.shard.group_name, world_size=self.shard.size)
+
+    def reduce_scatters(self, gm: fx.GraphModule) -> fx.GraphModule:
+        return bucket_reduce_scatters_pass(
+            gm, self.groups, group_name=self.shard.group_name, world_size=self.shard.size,
+            reduce_dtype=self.plan.reduce_dtype, replicate=self.replicate,
+        )
+
+    def prefetch(self, gm: fx.GraphModule) -> fx.GraphModule:
+        return prefetch_all_gathers_pass(gm, self.plan.max_inflight_gathers)

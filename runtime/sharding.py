@@ -30,19 +30,10 @@ from dpar.runtime.errors import OptionsError
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """How one parameter is sharded and which collectives carry it."""
+    """One parameter's facts; how the model as a whole is sharded is its plan's (``compiler/plan.py``)."""
 
     name: str
-    strategy: str  # "fsdp", "zero2" or "hsdp"
-    bucket: str  # parameters of one bucket are gathered and reduce-scattered together
     global_shape: tuple[int, ...]
-    group_name: str
-    world_size: int
-    max_inflight_gathers: int
-    replicate_group_name: str | None = None  # hsdp: the group the shards are replicated over
-    replicate_size: int = 1
-    param_dtype: torch.dtype | None = None  # gathered and computed in; None: as stored
-    reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in; None: as computed
 
 
 # Identity-keyed: parameters compare elementwise.
@@ -96,15 +87,7 @@ def _gathering_class(
     return type(f"Sharded{cls.__name__}", (cls,), members)
 
 
-def shard_parameters(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    strategy: str,
-    bucket_of: dict[str, str],
-    max_inflight_gathers: int,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-) -> list[ShardSpec]:
+def shard_parameters(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None) -> list[ShardSpec]:
     """Replace every parameter of ``model`` by its dim-0 shard over ``mesh``, in place."""
     scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
     if scalars:  # refuse before anything is replaced
@@ -114,8 +97,6 @@ def shard_parameters(
         )
     # 1-D: shard over the mesh. 2-D (hsdp): replicate over dim 0, shard over dim 1.
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
-    group = mesh.get_group(mesh.ndim - 1)
-    replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     specs = []
     shard_of: dict[int, nn.Parameter] = {}  # tied weights: one shard, read by every owner
     for module_name, module in model.named_modules(remove_duplicate=False):
@@ -131,19 +112,7 @@ def shard_parameters(
             shard = nn.Parameter(
                 distribute_tensor(full.detach(), mesh, placements), requires_grad=full.requires_grad
             )
-            spec = ShardSpec(
-                name=qualified,
-                strategy=strategy,
-                bucket=bucket_of[qualified],
-                global_shape=tuple(full.shape),
-                group_name=group.group_name,
-                world_size=mesh.size(mesh.ndim - 1),
-                max_inflight_gathers=max_inflight_gathers,
-                replicate_group_name=replicate.group_name if replicate is not None else None,
-                replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
-                param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype,
-            )
+            spec = ShardSpec(name=qualified, global_shape=tuple(full.shape))
             module._parameters[name] = shard_of[id(full)] = shard
             _specs[shard] = spec
             _retired[full] = True

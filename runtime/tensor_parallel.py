@@ -31,16 +31,14 @@ from dpar.runtime.errors import OptionsError
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallelSpec:
-    """How one parameter is split over the tensor-parallel group (``dim`` None: replicated)."""
+    """How one parameter is split over the tensor-parallel group (``dim`` None: replicated), as the
+    runtime's gather of its blocks needs it; the model-wide choices are its plan's."""
 
     name: str
     dim: int | None
     global_shape: tuple[int, ...]
     group_name: str
     tp_size: int
-    data_parallel_group_name: str | None = None  # ddp+tp: gradients are all-reduced over this group
-    sequence_parallel: bool = False  # norms and the residual stream split along the sequence (Megatron-SP)
-    same_batch_in_group: bool = False  # the user feeds every rank of the tp group the same rows (Megatron's habit)
 
 
 _specs: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -144,9 +142,6 @@ def split_parameters(
     model: nn.Module,
     tp_dims: dict[str, int | None],
     group: dist.ProcessGroup,
-    data_parallel_group: dist.ProcessGroup | None = None,
-    sequence_parallel: bool = False,
-    same_batch_in_group: bool = False,
 ) -> Splits:
     """Replace each parameter that ``tp_dims`` splits by this rank's block, in place.
 
@@ -176,11 +171,7 @@ def split_parameters(
             qualified = f"{module_name}.{pname}" if module_name else pname
             if id(param) not in block_of:
                 dim = tp_dims.get(qualified)
-                spec = TensorParallelSpec(
-                    qualified, dim, tuple(param.shape), group.group_name, tp_size,
-                    data_parallel_group.group_name if data_parallel_group is not None else None,
-                    sequence_parallel, same_batch_in_group,
-                )
+                spec = TensorParallelSpec(qualified, dim, tuple(param.shape), group.group_name, tp_size)
                 block = param
                 if dim is not None:
                     local = param.detach().narrow(dim, *local_block(param.shape[dim], tp_size, rank))
@@ -198,15 +189,10 @@ def split_parameters(
 
 
 def install_markers(splits: Splits) -> None:
-    """Swap each module's class so split parameters read as marked full tensors; register every parameter.
-
-    Every parameter is registered, split or not, so the backend knows the model
-    is tensor parallel: a replicated parameter needs no gradient reduction over
-    the tensor-parallel group, where every rank computes the same gradient.
-    """
+    """Swap each module's class so split parameters read as marked full tensors, and register their blocks."""
     for module, specs in splits.items():
-        for pname, spec in specs.items():
-            _specs[module._parameters[pname]] = spec
         split = {n: s for n, s in specs.items() if s.dim is not None}
+        for pname, spec in split.items():
+            _specs[module._parameters[pname]] = spec
         if split:
             module.__class__ = _marking_class(type(module), split)

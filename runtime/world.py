@@ -89,6 +89,13 @@ def check_devices(tensors: dict[str, torch.Tensor], world: World) -> torch.devic
     return device
 
 
+def world_of_group(group_name: str) -> World:
+    """The ranks of the group this process knows as ``group_name`` (a mesh axis's, say)."""
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    return World(rank=dist.get_rank(group), size=dist.get_world_size(group), group_name=group_name,
+                 backend=dist.get_backend(group))
+
+
 def group_size(group_name: str) -> int:
     return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
 

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
+from dpar.compiler.plan import AxisRole
 from dpar.placement import plan_of
 from training import STEPS, Case, global_batch, loss_of, make_optimizer, seeded_model
 
@@ -23,12 +24,9 @@ def data_parallel_rank(model: torch.nn.Module, world_size: int, same_batch_in_tp
     """(rank, size) of this process among the ranks fed different rows: every rank (DDP's contract),
     or, for a user who feeds a tensor-parallel group one batch, the group's position on the dp axis."""
     chosen = plan_of(model)
-    strategy = chosen.strategy if chosen is not None else "ddp"
     if not same_batch_in_tp_group:
         return dist.get_rank(), world_size
-    if strategy == "tp":
-        return 0, 1
-    tp = chosen.mesh_shape[1]
+    tp = chosen.axis(AxisRole.TENSOR).size
     return dist.get_rank() // tp, world_size // tp
 
 

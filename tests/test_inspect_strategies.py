@@ -120,8 +120,7 @@ def test_every_pass_is_recorded_the_joint_graphs_included() -> None:
     r = report("fsdp+tp", 8)
     stages = {g.label: [s.pass_name for s in g.stages] for g in r.graphs}
     assert stages["joint graph"] == ["captured", "unroll_group_batch", "tensor_parallel", "tag_gathers", "save_random_ops"]
-    assert stages["forward graph"][:3] == ["captured", "broadcast_buffers", "bucket_all_gathers"] or \
-        stages["forward graph"][:2] == ["captured", "bucket_all_gathers"]
+    assert stages["forward graph"] == ["captured", "broadcast_buffers", "bucket_all_gathers", "sink_waits", "prefetch_all_gathers"]
     (joint,) = [g for g in r.graphs if g.label == "joint graph"]
     assert any(d.startswith("unroll_group_batch: all_gather") for d in joint.op_count_diffs())
     assert any(d.startswith("tensor_parallel: all_reduce") for d in joint.op_count_diffs())

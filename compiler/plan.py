@@ -1,0 +1,135 @@
+"""The plan ``parallelize`` decides for a model, frozen: the one value the backend reads.
+
+Per-parameter facts (a shard's global shape, a tensor-parallel block's dimension)
+stay with the runtime's specs; everything that holds for the model as a whole
+(the strategy, the mesh axes and what each does, buckets, prefetch bound,
+resharding, dtypes) is here, once. A model nobody parallelized has no plan and
+trains as ddp over the whole world.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+from collections.abc import Iterable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from dpar.runtime.errors import OptionsError
+
+
+class Strategy(enum.Enum):
+    DDP = "ddp"
+    ZERO2 = "zero2"
+    FSDP = "fsdp"
+    HSDP = "hsdp"
+    TP = "tp"
+    DDP_TP = "ddp+tp"
+    ZERO2_TP = "zero2+tp"
+    FSDP_TP = "fsdp+tp"
+
+    @classmethod
+    def parse(cls, name: str) -> Strategy:
+        names = [s.value for s in cls]
+        if name not in names:
+            close = difflib.get_close_matches(str(name), [*names, "auto"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise OptionsError(f"unknown strategy {name!r}{hint}; choose one of {[*names, 'auto']}")
+        return cls(name)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self in (Strategy.TP, Strategy.DDP_TP, Strategy.ZERO2_TP, Strategy.FSDP_TP)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters, gradients and optimizer state live as dim-0 shards over a data axis."""
+        return self in (Strategy.ZERO2, Strategy.FSDP, Strategy.HSDP, Strategy.ZERO2_TP, Strategy.FSDP_TP)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Gathered parameters are freed after their forward use and gathered again in the backward
+        (fsdp); zero2 keeps them for the backward."""
+        return self in (Strategy.FSDP, Strategy.HSDP, Strategy.FSDP_TP)
+
+
+class AxisRole(enum.Enum):
+    REPLICATE = "replicate"  # whole copies of what it holds; gradients all-reduced over it
+    SHARD = "shard"  # parameters, gradients and optimizer state split along dim 0 over it
+    TENSOR = "tensor"  # layers split Megatron-style; activations cross it
+    # A pipeline axis (stages) is the next role.
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxis:
+    name: str
+    role: AxisRole
+    size: int
+    group_name: str  # this rank's process group along the axis
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+    strategy: Strategy
+    axes: tuple[MeshAxis, ...]
+    buckets: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Sharded strategies: bucket -> parameter names, in module order (ddp sizes its buckets when
+    compiling, from the order gradients become ready)."""
+    max_inflight_gathers: int = 1
+    param_dtype: torch.dtype | None = None  # gathered and computed in; None: as stored
+    reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in; None: as computed
+    sequence_parallel: bool = False
+    same_batch_in_tp_group: bool = False  # the user feeds every rank of a tensor-parallel group the same rows
+
+    def axis(self, role: AxisRole) -> MeshAxis | None:
+        return next((a for a in self.axes if a.role is role), None)
+
+    def bucket_of(self, parameter: str) -> str:
+        return next(bucket for bucket, names in self.buckets if parameter in names)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(a.size for a in self.axes)
+
+    @property
+    def data_axes(self) -> tuple[MeshAxis, ...]:
+        """The axes along which ranks are fed different rows."""
+        return tuple(a for a in self.axes if a.role is not AxisRole.TENSOR)
+
+
+def replicated(group_name: str, size: int) -> ParallelPlan:
+    """ddp over one group: what a model without a plan trains as."""
+    return ParallelPlan(Strategy.DDP, (MeshAxis("dp", AxisRole.REPLICATE, size, group_name),))
+
+
+# Identity-keyed: parameters compare elementwise.
+_plans: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def attach(plan: ParallelPlan, parameters: Iterable[torch.Tensor]) -> None:
+    """Make ``plan`` the one the backend reads for a graph that takes these parameters."""
+    for p in parameters:
+        _plans[p] = plan
+
+
+def plan_of_parameters(parameters: dict[str, torch.Tensor]) -> ParallelPlan | None:
+    """The plan of the model these parameters (by graph input name) belong to, or None (ddp).
+
+    One graph may hold parameters of one parallelized model only: the rest would
+    get no gradient synchronisation, which is silent, so it is refused.
+    """
+    planned = {name: _plans.get(p) for name, p in parameters.items()}
+    plans = {id(p): p for p in planned.values() if p is not None}
+    if not plans:
+        return None
+    unplanned = [name for name, p in planned.items() if p is None]
+    if len(plans) > 1 or unplanned:
+        what = (f"parameter {unplanned[0]} belongs to no model dpar.parallelize was called on" if unplanned
+                else "its parameters come from models parallelized separately")
+        raise OptionsError(
+            f"one compiled graph mixes parameters of different plans: {what}. Call dpar.parallelize once on "
+            "the module that owns every parameter the compiled function reads (wrap the models in one nn.Module)"
+        )
+    return next(iter(plans.values()))

@@ -4,8 +4,8 @@
 """
 
 from dpar.compiler.backend import dpar_backend, register
-from dpar.compiler.inspect.explain import explain
-from dpar.compiler.inspect.logs import configure as _configure_logs
+from dpar.inspect.explain import explain
+from dpar.compiler.logs import configure as _configure_logs
 from dpar.placement import parallelize
 from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint

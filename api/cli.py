@@ -41,8 +41,8 @@ def load_target(target: str) -> Callable[[], tuple[Any, Any]]:
 def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from dpar.compiler.inspect.explain import explain
-    from dpar.compiler.inspect.render_text import print_report
+    from dpar.inspect.explain import explain
+    from dpar.inspect.render_text import print_report
 
     model, example_inputs = load_target(args.target)()
     options = {"sink_waits": not args.no_sink_waits}
@@ -59,12 +59,12 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.png:
         console.print(f"timeline plot: {report.timeline.plot(args.png)}")
     if args.dot:
-        from dpar.compiler.inspect.render_dot import write_dot
+        from dpar.inspect.render_dot import write_dot
 
         for path in write_dot(report, Path(args.dot)):
             console.print(f"graph: {path}")
     if args.html:
-        from dpar.compiler.inspect.render_html import write_html
+        from dpar.inspect.render_html import write_html
 
         console.print(f"html: {write_html(report, Path(args.html))}")
     return 0
@@ -73,7 +73,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from dpar.compiler.planner.plan import render
+    from dpar.planner.plan import render
     from dpar.planning import global_batch, plan
     from dpar.runtime.errors import OptionsError
 
@@ -105,9 +105,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from dpar.compiler.inspect.costs import PRESETS
-    from dpar.compiler.inspect.memory import OPTIMIZER_STATES
-    from dpar.compiler.inspect.strategies import STRATEGIES
+    from dpar.inspect.costs import PRESETS
+    from dpar.inspect.memory import OPTIMIZER_STATES
+    from dpar.inspect.strategies import STRATEGIES
 
     top = argparse.ArgumentParser(prog="dpar", description="dpar: graph-level data parallelism for torch.compile")
     sub = top.add_subparsers(dest="command", required=True)

@@ -19,7 +19,7 @@ from dpar.runtime import sharding, tensor_parallel
 from dpar.runtime.errors import OptionsError, ProcessGroupError
 
 if TYPE_CHECKING:
-    from dpar.compiler.planner.plan import Plan
+    from dpar.planner.plan import Plan
 
 STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "auto")
 TENSOR_PARALLEL = ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")

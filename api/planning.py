@@ -1,6 +1,6 @@
 """``dpar.plan``: capture the model on fake tensors, price every layout and candidate, solve the ILP.
 
-See ``docs/planner.md`` and the Notes in ``compiler/planner/`` (the cost model, the ILP,
+See ``docs/planner.md`` and the Notes in ``planner/`` (the cost model, the ILP,
 repeated blocks).
 """
 
@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dpar.compiler.planner.capture import build_op_graph
-from dpar.compiler.planner.evaluate import evaluate
-from dpar.compiler.planner.hardware import Hardware, h100
-from dpar.compiler.planner.layout import ROLES, Layout, layouts
-from dpar.compiler.planner.opgraph import OpGraph
-from dpar.compiler.planner.plan import CostBreakdown, ParameterPlan, Plan
-from dpar.compiler.planner.rules import candidates
+from dpar.planner.capture import build_op_graph
+from dpar.planner.evaluate import evaluate
+from dpar.planner.hardware import Hardware, h100
+from dpar.planner.layout import ROLES, Layout, layouts
+from dpar.planner.opgraph import OpGraph
+from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan
+from dpar.planner.rules import candidates
 from dpar.runtime.errors import OptionsError
 
 __all__ = ["CostBreakdown", "Hardware", "ParameterPlan", "Plan", "global_batch", "plan"]
@@ -45,7 +45,7 @@ def plan(
     ``mesh_dim_names`` fixes each dimension's role (``"dp"`` or ``"tp"``) instead of letting
     the solver choose. ``hardware`` defaults to H100 nodes of 8 (see ``hardware.h100``).
     """
-    from dpar.compiler.planner.solver import solve  # scipy.optimize: loaded when planning, not on import dpar
+    from dpar.planner.solver import solve  # scipy.optimize: loaded when planning, not on import dpar
 
     shape = _mesh_shape(mesh_shape)
     names = _mesh_dim_names(mesh_dim_names, shape)

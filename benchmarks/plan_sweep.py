@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
-from dpar.compiler.planner.capture import build_op_graph  # noqa: E402
-from dpar.compiler.planner.hardware import h100  # noqa: E402
-from dpar.compiler.planner.plan import Plan  # noqa: E402
-from dpar.compiler.planner.strategies import evaluate_strategies  # noqa: E402
+from dpar.planner.capture import build_op_graph  # noqa: E402
+from dpar.planner.hardware import h100  # noqa: E402
+from dpar.planner.plan import Plan  # noqa: E402
+from dpar.planner.strategies import evaluate_strategies  # noqa: E402
 from dpar.planning import plan  # noqa: E402
 from dpar.runtime.errors import OptionsError  # noqa: E402
 

@@ -1,1 +1,4 @@
-"""Capture, planning and graph passes: everything that decides and edits graphs."""
+"""Capture, the plan, the pass pipeline and lowering: everything that edits graphs.
+
+The planner (``dpar.planner``) and inspection (``dpar.inspect``) read it from outside.
+"""

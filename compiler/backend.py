@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from dpar.compiler.plan import ParallelPlan, Strategy, plan_of_parameters, repli
 from dpar.runtime.errors import OptionsError
 from dpar.runtime.replicate import synchronize_replicas
 from dpar.runtime.same_rows import checking_same_rows
+from dpar.runtime.sharding import uneven_shards_padded_once
 from dpar.runtime.tensor_parallel import tensor_parallel_spec_of
 from dpar.runtime.world import check_devices, current_world
 
@@ -62,7 +64,9 @@ def dpar_backend(
     synchronize_replicas(whole, world, parsed.check_timeout_s)
     pipeline = Pipeline(plan, inputs, world, parsed)
     gm = pipeline.prepare(gm)
-    compiled = compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=pipeline, joint_pass=pipeline.joint())
+    # See [Note: uneven shards, one pad] in runtime/sharding.py.
+    with uneven_shards_padded_once() if plan.strategy.shards_parameters else contextlib.nullcontext():
+        compiled = compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=pipeline, joint_pass=pipeline.joint())
     if plan.same_batch_in_tp_group and world.backend != "fake":
         return checking_same_rows(compiled, [i.index for i in inputs if i.kind is InputKind.DATA], pipeline.tensor.mesh.group_name)
     return compiled

@@ -31,8 +31,8 @@ from dpar.compiler.capture import GraphInput, InputKind
 from dpar.compiler.collectives import collectives
 from dpar.compiler.data_parallel import GradientBuckets, broadcast_buffers
 from dpar.compiler.graph_utils import copy_graph_module, fake_like, refresh_fake_values
-from dpar.compiler.inspect.logs import configure as configure_logs
-from dpar.compiler.inspect.logs import log_pass
+from dpar.compiler.logs import configure as configure_logs
+from dpar.compiler.logs import log_pass
 from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
 from dpar.compiler.passes.broadcast_buffers import buffer_broadcast_groups

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch.fx as fx
 
 from dpar.compiler.collectives import Collective, op_counts
-from dpar.compiler.inspect.logs import log_collectives
+from dpar.compiler.logs import log_collectives
 
 STAGES_KEY = "dpar_pass_stages"
 """``GraphModule.meta`` key under which ``run_passes`` leaves the graph after each pass."""

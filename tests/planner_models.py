@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpar.compiler.planner.hardware import Hardware
+from dpar.planner.hardware import Hardware
 
 # Round numbers so known answers can be worked out by hand: 100 TFLOP/s, 1 TB/s,
 # a fast link (α 1 µs, 100 GB/s) and a slow one (α 10 µs, 10 GB/s).

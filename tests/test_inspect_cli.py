@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dpar.cli import load_target, main
-from dpar.compiler.inspect.costs import PRESETS
-from dpar.compiler.inspect.explain import explain
+from dpar.inspect.costs import PRESETS
+from dpar.inspect.explain import explain
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = '''

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import dpar  # noqa: F401  (registers the backend)
-from dpar.compiler.inspect.costs import PRESETS
-from dpar.compiler.inspect.explain import explain
+from dpar.inspect.costs import PRESETS
+from dpar.inspect.explain import explain
 from dpar.compiler.registry import recording
 from dpar.runtime.errors import OptionsError, ProcessGroupError
 from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dpar.compiler.inspect.explain import explain
-from dpar.compiler.inspect.render_html import write_html
+from dpar.inspect.explain import explain
+from dpar.inspect.render_html import write_html
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -13,8 +13,8 @@ from torch._logging._internal import trace_log
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dpar  # noqa: F401
-from dpar.compiler.inspect import logs
-from dpar.compiler.inspect.explain import explain
+from dpar.inspect import logs
+from dpar.inspect.explain import explain
 
 
 @pytest.fixture

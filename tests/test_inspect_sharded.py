@@ -26,8 +26,8 @@ import torch.nn as nn
 
 import dpar
 from dpar.cli import main
-from dpar.compiler.inspect.costs import PRESETS
-from dpar.compiler.inspect.explain import explain
+from dpar.inspect.costs import PRESETS
+from dpar.inspect.explain import explain
 from dpar.runtime.sharding import block_of
 from fake_world import fake_world
 

@@ -11,10 +11,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 import dpar  # noqa: F401
-from dpar.compiler.inspect.costs import ALPHA, BETA, B, N, PRESETS, DeviceSpec, comm_time, comm_time_expr
-from dpar.compiler.inspect.explain import explain
-from dpar.compiler.inspect.simulate import Op, OpKind, simulate
-from dpar.compiler.inspect.timeline import build_timeline, step_program
+from dpar.inspect.costs import ALPHA, BETA, B, N, PRESETS, DeviceSpec, comm_time, comm_time_expr
+from dpar.inspect.explain import explain
+from dpar.inspect.simulate import Op, OpKind, simulate
+from dpar.inspect.timeline import build_timeline, step_program
 
 c10d = torch.ops._c10d_functional
 H100 = PRESETS["h100"]

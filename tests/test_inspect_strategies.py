@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from rich.console import Console
 
-from dpar.compiler.inspect.explain import explain
-from dpar.compiler.inspect.render_html import render_html
-from dpar.compiler.inspect.render_text import print_report
+from dpar.inspect.explain import explain
+from dpar.inspect.render_html import render_html
+from dpar.inspect.render_text import print_report
 
 
 class Pair(nn.Module):

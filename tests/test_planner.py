@@ -9,8 +9,8 @@ import pytest
 from planner_models import FAST, SLOW, fork, gpt, hardware, mlp
 
 import dpar
-from dpar.compiler.planner.capture import build_op_graph
-from dpar.compiler.planner.strategies import evaluate_strategies
+from dpar.planner.capture import build_op_graph
+from dpar.planner.strategies import evaluate_strategies
 from dpar.planning import Plan, plan
 
 WIDE_MLP = dict(hidden=4096, batch=8)  # weights >> activations: tensor parallel
@@ -142,9 +142,9 @@ def test_plan_round_trips_through_json_and_its_table_lists_every_parameter():
 def test_ilp_optimum_equals_brute_force_over_every_assignment(mesh_shape, links, build):
     """The linearisation (edge products, per-placement gradient sums, overlap) is exact; a tp
     axis that splits no parameter is not a tp plan (it is one of the dp layouts)."""
-    from dpar.compiler.planner.evaluate import Assignment, evaluate
-    from dpar.compiler.planner.layout import layouts
-    from dpar.compiler.planner.rules import candidates
+    from dpar.planner.evaluate import Assignment, evaluate
+    from dpar.planner.layout import layouts
+    from dpar.planner.rules import candidates
 
     model, inputs = build()
     graph, hw = build_op_graph(model, inputs), hardware(*links)

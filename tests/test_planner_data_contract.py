@@ -1,7 +1,7 @@
 """The planner under the data contract: each rank is fed its own slice of the global batch.
 
 A ``tp`` axis that splits no parameter is a data-parallel axis ([Note: which mesh axes split
-the data] in ``compiler/planner/plan.py``); ``strategy="auto"`` plans for the global batch of
+the data] in ``planner/plan.py``); ``strategy="auto"`` plans for the global batch of
 every rank's slice; the parameters come out as torch DDP's on the same slices (2 gloo ranks).
 """
 

@@ -8,9 +8,9 @@ from planner_models import FAST, SLOW, gpt, hardware, mlp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dpar
-from dpar.compiler.planner.capture import build_op_graph
-from dpar.compiler.planner.rules import candidates
-from dpar.compiler.planner.strategies import strategy_assignment
+from dpar.planner.capture import build_op_graph
+from dpar.planner.rules import candidates
+from dpar.planner.strategies import strategy_assignment
 from dpar.planning import plan
 
 

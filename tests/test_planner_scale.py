@@ -7,7 +7,7 @@ import time
 import pytest
 from planner_models import gpt
 
-from dpar.compiler.planner.capture import build_op_graph
+from dpar.planner.capture import build_op_graph
 from dpar.planning import plan
 
 GPT_24 = dict(n_layer=24, n_embd=1024, n_head=16, block=1024, vocab=50304, batch=64)

@@ -1,6 +1,6 @@
 """Planning models this project did not write: Hugging Face ModelOutputs, caches, graph breaks.
 
-See [Note: what the planner captures of a model's outputs] in ``compiler/planner/capture.py``.
+See [Note: what the planner captures of a model's outputs] in ``planner/capture.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpar
-from dpar.compiler.planner.capture import build_op_graph
+from dpar.planner.capture import build_op_graph
 from dpar.planning import plan
 
 pytest.importorskip("transformers")

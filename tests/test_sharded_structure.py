@@ -83,3 +83,29 @@ def test_prefetch_issues_the_next_blocks_gather_before_this_blocks_compute() -> 
         # The gather of the next bucket is issued before this bucket's data is even waited for.
         assert at[following.issue_node] < at[current.wait_node]
         assert current.compute_between > 0 or current is found[0]
+
+
+def test_uneven_shards_are_padded_once_and_explain_shows_the_program_that_trains() -> None:
+    """Linear(16, 30) -> (30, 5) -> (5, 4) over 4 ranks: two weights and two biases whose rows 4 does not
+    divide. Each gradient is padded once before its reduce-scatter (DTensor's own path pads each of the
+    4 chunks), and explain's backward is the backward torch.compile trains with, op for op."""
+    from collections import Counter
+
+    from models import Uneven
+
+    from dpar.inspect.explain import explain
+
+    def ops(gm: fx.GraphModule) -> Counter:
+        return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    with fake_world(WORLD) as graphs:
+        model = dpar.parallelize(Uneven(), strategy="fsdp")
+        torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(x).sum().backward()
+    trained = {g.label: g.graph for g in graphs}["backward graph"]
+    uneven = sum(1 for p in Uneven().parameters() if p.shape[0] % WORLD)
+    assert uneven == 4
+    assert ops(trained)["aten.constant_pad_nd.default"] == uneven  # DTensor's per-chunk path pads 6 here
+    reported = next(g for g in explain(Uneven(), (x,), world_size=WORLD, strategy="fsdp").graphs if g.label == "backward graph")
+    assert ops(reported.graph) == ops(trained)

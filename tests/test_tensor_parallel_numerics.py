@@ -54,7 +54,7 @@ def train_planned(
     """``dpar.plan`` with the mesh dimension's role fixed (and ``links`` as (α, β) of a
     100 GFLOP/s device, if given), applied by ``parallelize(plan=...)``."""
     import dpar
-    from dpar.compiler.planner.hardware import Hardware
+    from dpar.planner.hardware import Hardware
     from training import global_batch, seeded_model
 
     x0, _ = global_batch(case.model, 0, 0, 8)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from dpar.compiler.planner.evaluate import Assignment, evaluate
-from dpar.compiler.planner.hardware import Hardware
-from dpar.compiler.planner.layout import Layout
-from dpar.compiler.planner.opgraph import OpGraph
-from dpar.compiler.planner.plan import Plan
-from dpar.compiler.planner.rules import FORWARD_CONVERT, Candidate, candidates
+from dpar.planner.evaluate import Assignment, evaluate
+from dpar.planner.hardware import Hardware
+from dpar.planner.layout import Layout
+from dpar.planner.opgraph import OpGraph
+from dpar.planner.plan import Plan
+from dpar.planner.rules import FORWARD_CONVERT, Candidate, candidates
 from dpar.runtime.errors import OptionsError
 
 DP_MODES = {"ddp": "replicate", "zero2": "zero2", "fsdp": "fsdp"}

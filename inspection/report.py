@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from dpar.compiler.inspect.memory import Memory
-from dpar.compiler.inspect.timeline import Timeline
+from dpar.inspect.memory import Memory
+from dpar.inspect.timeline import Timeline
 from dpar.compiler.registry import PassStage
 
 

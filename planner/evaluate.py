@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from dpar.compiler.planner.costs import BYTES, CostModel, OpCost, local_numel
-from dpar.compiler.planner.hardware import Hardware
-from dpar.compiler.planner.layout import Layout
-from dpar.compiler.planner.opgraph import OpGraph
-from dpar.compiler.planner.plan import CollectivePlan, CostBreakdown, OpPlan, ParameterPlan, Plan
-from dpar.compiler.planner.rules import Candidate, candidates
+from dpar.planner.costs import BYTES, CostModel, OpCost, local_numel
+from dpar.planner.hardware import Hardware
+from dpar.planner.layout import Layout
+from dpar.planner.opgraph import OpGraph
+from dpar.planner.plan import CollectivePlan, CostBreakdown, OpPlan, ParameterPlan, Plan
+from dpar.planner.rules import Candidate, candidates
 from dpar.runtime.errors import OptionsError
 
 

@@ -13,7 +13,7 @@ import torch.fx as fx
 from dpar.compiler.collectives import COLLECTIVE_KINDS, WAIT
 
 if TYPE_CHECKING:
-    from dpar.compiler.inspect.report import Report
+    from dpar.inspect.report import Report
 
 SVG_MAX_NODES = 400
 """Above this, dot takes long and the picture is unreadable: the .dot file is still written."""

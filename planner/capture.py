@@ -35,8 +35,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from dpar.compiler.planner.opgraph import Op, OpGraph
-from dpar.compiler.planner.repeats import collapse_repeats
+from dpar.planner.opgraph import Op, OpGraph
+from dpar.planner.repeats import collapse_repeats
 from dpar.runtime.errors import OptionsError
 
 aten = torch.ops.aten

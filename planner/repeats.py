@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch.nn as nn
 
-from dpar.compiler.planner.opgraph import Edge, Op, OpGraph, ParamInfo
+from dpar.planner.opgraph import Edge, Op, OpGraph, ParamInfo
 
 PERIOD = 2
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpar.compiler.planner.opgraph import Op
+from dpar.planner.opgraph import Op
 
 
 @dataclasses.dataclass(frozen=True)

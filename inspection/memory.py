@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dpar.compiler.collectives import WAIT
-from dpar.compiler.inspect.costs import N
-from dpar.compiler.inspect.strategies import Strategy
+from dpar.inspect.costs import N
+from dpar.inspect.strategies import Strategy
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}

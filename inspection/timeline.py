@@ -10,8 +10,8 @@ import sympy
 import torch.fx as fx
 
 from dpar.compiler.collectives import COLLECTIVE_KINDS, WAIT
-from dpar.compiler.inspect.costs import ALPHA, B, BETA, N, DeviceSpec, comm_time_expr, node_cost, payload_bytes
-from dpar.compiler.inspect.simulate import Event, Op, OpKind, PathTime, simulate
+from dpar.inspect.costs import ALPHA, B, BETA, N, DeviceSpec, comm_time_expr, node_cost, payload_bytes
+from dpar.inspect.simulate import Event, Op, OpKind, PathTime, simulate
 
 
 def step_program(
@@ -95,12 +95,12 @@ class Timeline:
 
     def save(self, path: str | Path) -> Path:
         """Chrome/Perfetto trace JSON: one process per rank, compute and comm threads."""
-        from dpar.compiler.inspect.trace import write_trace
+        from dpar.inspect.trace import write_trace
 
         return write_trace(self, Path(path))
 
     def plot(self, path: str | Path) -> Path:
-        from dpar.compiler.inspect.render_plot import plot_timeline
+        from dpar.inspect.render_plot import plot_timeline
 
         return plot_timeline(self, Path(path))
 

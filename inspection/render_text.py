@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from dpar.compiler.inspect.report import Report, Table
+    from dpar.inspect.report import Report, Table
 
 
 def _rich_table(table: Table):

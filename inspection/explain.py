@@ -12,15 +12,14 @@ import torch.fx as fx
 
 from dpar.compiler.backend import dpar_backend
 from dpar.compiler.capture import GraphInput, classify_inputs
-from dpar.compiler.inspect.buckets import bucket_of, graph_buckets
-from dpar.compiler.inspect.costs import DeviceSpec, comm_time, device_spec, moved_bytes, payload_bytes
-from dpar.compiler.inspect.fake_world import fake_world
-from dpar.compiler.inspect.logs import artifact
-from dpar.compiler.inspect.memory import per_rank_memory, step_peak
-from dpar.compiler.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
-from dpar.compiler.inspect.strategies import strategy as strategy_named
-from dpar.compiler.inspect.timeline import build_timeline
-from dpar.compiler.inspect.uneven_shards import padded_once
+from dpar.inspect.buckets import bucket_of, graph_buckets
+from dpar.inspect.costs import DeviceSpec, comm_time, device_spec, moved_bytes, payload_bytes
+from dpar.inspect.fake_world import fake_world
+from dpar.compiler.logs import artifact
+from dpar.inspect.memory import per_rank_memory, step_peak
+from dpar.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
+from dpar.inspect.strategies import strategy as strategy_named
+from dpar.inspect.timeline import build_timeline
 from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.sharded_data_parallel import flat_layout
@@ -117,7 +116,7 @@ def explain(
     ``example_inputs`` is a tuple of positional arguments, a dict of keyword
     arguments, or one tensor. ``options`` are the backend's (bucket_cap_mb,
     sink_waits, ...); the inner compiler is always aot_eager. ``device`` names a
-    preset of ``dpar.compiler.inspect.costs.PRESETS`` or is a ``DeviceSpec``.
+    preset of ``dpar.inspect.costs.PRESETS`` or is a ``DeviceSpec``.
     The model and any process group state are left as they were: a sharding
     ``strategy`` (zero2, fsdp) runs ``dpar.parallelize`` on the copy, inside the
     simulated world.
@@ -128,7 +127,7 @@ def explain(
     parsed = Options.parse(compile_options)
     # One knob: a sharded strategy's buckets are laid out by parallelize, ddp's when compiling.
     cap = compile_options.pop("bucket_cap_mb", None) if chosen.takes_bucket_cap else None
-    with fake_world(world_size), padded_once():
+    with fake_world(world_size):
         torch._dynamo.reset()
         try:
             work = chosen.prepare(copy.deepcopy(model), _positional(example_inputs), world_size, cap)

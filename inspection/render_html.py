@@ -8,10 +8,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpar.compiler.inspect.render_dot import slug, svg
+from dpar.inspect.render_dot import slug, svg
 
 if TYPE_CHECKING:
-    from dpar.compiler.inspect.report import GraphView, Report, Table
+    from dpar.inspect.report import GraphView, Report, Table
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }

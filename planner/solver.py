@@ -40,12 +40,12 @@ import numpy as np
 from scipy.optimize import LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from dpar.compiler.planner.costs import CostModel
-from dpar.compiler.planner.evaluate import Assignment
-from dpar.compiler.planner.hardware import Hardware
-from dpar.compiler.planner.layout import Layout
-from dpar.compiler.planner.opgraph import OpGraph
-from dpar.compiler.planner.rules import candidates
+from dpar.planner.costs import CostModel
+from dpar.planner.evaluate import Assignment
+from dpar.planner.hardware import Hardware
+from dpar.planner.layout import Layout
+from dpar.planner.opgraph import OpGraph
+from dpar.planner.rules import candidates
 from dpar.runtime.errors import OptionsError
 
 TIE_LAYOUT = 1e-4  # per position in layouts(), in units of single-device compute

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from dpar.compiler.planner.layout import Layout
+from dpar.planner.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)

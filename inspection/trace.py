@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dpar.compiler.inspect.timeline import Timeline
+    from dpar.inspect.timeline import Timeline
 
 STREAMS = {"compute": 0, "comm": 1}
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dpar.compiler.inspect.timeline import Timeline
+    from dpar.inspect.timeline import Timeline
 
 COLOURS = {"compute": "#4c72b0", "comm": "#dd8452"}
 

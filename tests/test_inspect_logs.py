@@ -13,7 +13,7 @@ from torch._logging._internal import trace_log
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dpar  # noqa: F401
-from dpar.inspect import logs
+from dpar.compiler import logs
 from dpar.inspect.explain import explain
 
 

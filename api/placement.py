@@ -15,13 +15,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dpar.compiler.megatron import megatron_dims
 from dpar.compiler.plan import AxisRole, MeshAxis, ParallelPlan, Strategy, attach
-from dpar.runtime import sharding, tensor_parallel
+from dpar.runtime import local_sgd, sharding, tensor_parallel
 from dpar.runtime.errors import OptionsError, ProcessGroupError
 
 if TYPE_CHECKING:
     from dpar.planner.plan import Plan
 
-STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "auto")
+STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "auto")
 TENSOR_PARALLEL = ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
 
 
@@ -49,6 +49,11 @@ def _check_bucket_cap(strategy: str, bucket_cap_mb: float | None) -> None:
         return
     if not (isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool) and bucket_cap_mb > 0):
         raise OptionsError(f"bucket_cap_mb must be None (per block) or a number > 0, got {bucket_cap_mb!r}")
+    if strategy == "local_sgd":
+        raise OptionsError(
+            "strategy 'local_sgd' has no gradient buckets (it averages the parameters every sync_every steps, "
+            "one flattened all-reduce per dtype): leave bucket_cap_mb unset"
+        )
     if strategy in ("ddp", "ddp+tp"):
         raise OptionsError(
             f"under {strategy!r} gradient buckets are sized when compiling, in the order gradients become "
@@ -82,6 +87,7 @@ def parallelize(
     memory_budget_gb: float | None = None,
     sequence_parallel: bool = False,
     same_batch_in_tp_group: bool = False,
+    sync_every: int | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place for ``strategy``; build the optimizer afterwards.
 
@@ -127,24 +133,10 @@ def parallelize(
     if not isinstance(max_inflight_gathers, int) or max_inflight_gathers < 1:
         raise OptionsError(f"max_inflight_gathers must be an integer >= 1, got {max_inflight_gathers!r}")
     _check_bucket_cap(strategy, bucket_cap_mb)
+    _check_sync_every(strategy, sync_every)
     for knob, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise OptionsError(f"{knob} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
-    if strategy == "ddp":
-        if param_dtype is not None or reduce_dtype is not None:
-            raise OptionsError("param_dtype/reduce_dtype apply to zero2 and fsdp; for ddp use torch.autocast")
-        return model  # replication needs no change at rest: the backend inserts the all-reduces
-    if not dist.is_initialized():
-        raise ProcessGroupError(
-            f"strategy {strategy!r} shards parameters over ranks, but torch.distributed is not "
-            "initialized: call torch.distributed.init_process_group() before dpar.parallelize"
-        )
-    world = dist.get_world_size()
-    device_type = next((p.device.type for p in model.parameters()), "cpu")
-    if plan is not None and mesh is None:
-        mesh = _mesh_of_plan(model, plan)
-    if strategy == "auto":
-        return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype)
     if same_batch_in_tp_group and strategy not in TENSOR_PARALLEL:
         raise OptionsError(
             f"same_batch_in_tp_group says every rank of a tensor-parallel group is fed the same rows; strategy "
@@ -155,6 +147,24 @@ def parallelize(
             f"sequence_parallel splits the activations between tensor-parallel layers; it needs a "
             f"tensor-parallel strategy ({', '.join(TENSOR_PARALLEL)}), not {strategy!r}"
         )
+    if strategy == "ddp":
+        if param_dtype is not None or reduce_dtype is not None:
+            raise OptionsError("param_dtype/reduce_dtype apply to zero2 and fsdp; for ddp use torch.autocast")
+        return model  # replication needs no change at rest: the backend inserts the all-reduces
+    if not dist.is_initialized():
+        raise ProcessGroupError(
+            f"strategy {strategy!r} places parameters over ranks, but torch.distributed is not "
+            "initialized: call torch.distributed.init_process_group() before dpar.parallelize"
+        )
+    world = dist.get_world_size()
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    if plan is not None and mesh is None:
+        mesh = _mesh_of_plan(model, plan)
+    if strategy == "auto":
+        return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype)
+    if strategy == "local_sgd":
+        _parallelize_local_sgd(model, mesh, sync_every, param_dtype, reduce_dtype, world, device_type)
+        return model
     if strategy in TENSOR_PARALLEL:
         if param_dtype is not None or reduce_dtype is not None:
             raise OptionsError(f"param_dtype/reduce_dtype are not supported with {strategy!r} yet; use torch.autocast")
@@ -188,6 +198,43 @@ def parallelize(
     ))
     sharding.guard_optimizers_built_too_early()
     return model
+
+
+def _check_sync_every(strategy: str, sync_every: int | None) -> None:
+    if strategy != "local_sgd":
+        if sync_every is not None:
+            raise OptionsError(
+                f"sync_every sets how often strategy='local_sgd' averages its replicas; {strategy!r} synchronises "
+                "gradients every step: drop sync_every, or choose strategy='local_sgd'"
+            )
+        return
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise OptionsError(
+            f"strategy='local_sgd' needs sync_every, the number of optimizer steps between averages, as an integer "
+            f">= 1 (1 averages after every step), got {sync_every!r}"
+        )
+
+
+def _parallelize_local_sgd(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    sync_every: int,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    world: int,
+    device_type: str,
+) -> None:
+    """Whole replicas, as under ddp; the plan and the averaging period are attached to the parameters."""
+    if param_dtype is not None or reduce_dtype is not None:
+        raise OptionsError("param_dtype/reduce_dtype apply to zero2 and fsdp; for local_sgd use torch.autocast")
+    mesh = mesh if mesh is not None else init_device_mesh(device_type, (world,))
+    if mesh.ndim != 1 or mesh.size() != world:
+        raise OptionsError(
+            f"strategy 'local_sgd' averages replicas over the whole world ({world} ranks) on a 1-D mesh, got mesh "
+            f"shape {tuple(mesh.shape)}; omit mesh"
+        )
+    _record_plan(model, ParallelPlan(Strategy.LOCAL_SGD, _axes(mesh, (AxisRole.REPLICATE,)), sync_every=sync_every))
+    local_sgd.attach(local_sgd.Period(sync_every), model.parameters())
 
 
 def _bucket_table(model: nn.Module, bucket_cap_mb: float | None) -> tuple[tuple[str, tuple[str, ...]], ...]:

@@ -17,6 +17,7 @@ from dpar.compiler.options import Options
 from dpar.compiler.pipeline import Pipeline
 from dpar.compiler.plan import ParallelPlan, Strategy, plan_of_parameters, replicated
 from dpar.runtime.errors import OptionsError
+from dpar.runtime.local_sgd import period_of
 from dpar.runtime.replicate import synchronize_replicas
 from dpar.runtime.same_rows import checking_same_rows
 from dpar.runtime.sharding import uneven_shards_padded_once
@@ -61,7 +62,7 @@ def dpar_backend(
     # Shards and tensor-parallel blocks were placed by parallelize (from rank 0's values); every
     # whole tensor still starts from rank 0's.
     whole = [s for s in state if not isinstance(s[2], DTensor) and tensor_parallel_spec_of(s[2]) is None]
-    synchronize_replicas(whole, world, parsed.check_timeout_s)
+    synchronize_replicas(whole, world, parsed.check_timeout_s, broadcast=not _resumed_local_sgd(plan, state))
     pipeline = Pipeline(plan, inputs, world, parsed)
     gm = pipeline.prepare(gm)
     # See [Note: uneven shards, one pad] in runtime/sharding.py.
@@ -72,17 +73,27 @@ def dpar_backend(
     return compiled
 
 
+def _resumed_local_sgd(plan: ParallelPlan, state: list[tuple[str, str, torch.Tensor]]) -> bool:
+    """Local SGD replicas loaded mid-period differ by rank on purpose: broadcasting rank 0's would
+    lose the others' local steps."""
+    if plan.strategy is not Strategy.LOCAL_SGD:
+        return False
+    period = next((period_of(t) for kind, _, t in state if kind == "parameter"), None)
+    return period is not None and period.steps > 0
+
+
 def _check_bucket_cap(plan: ParallelPlan, options: Options) -> None:
     """ddp's gradient buckets are sized here; a sharded plan's were laid out by parallelize."""
     if options.bucket_cap_mb is None or plan.strategy in (Strategy.DDP, Strategy.DDP_TP):
         return
-    raise OptionsError(
-        "options={'bucket_cap_mb': ...} sizes ddp's gradient buckets; these parameters are "
-        + ("sharded, and their buckets are laid out by parallelize: pass dpar.parallelize(model, "
-           "strategy=..., bucket_cap_mb=...) and leave it out of torch.compile's options"
-           if plan.strategy.shards_parameters else
-           "split by strategy 'tp', which has no gradient buckets: leave bucket_cap_mb out")
-    )
+    if plan.strategy.shards_parameters:
+        where = ("sharded, and their buckets are laid out by parallelize: pass dpar.parallelize(model, "
+                 "strategy=..., bucket_cap_mb=...) and leave it out of torch.compile's options")
+    elif plan.strategy is Strategy.LOCAL_SGD:
+        where = "averaged by local SGD, one flattened all-reduce per dtype, with no gradient buckets: leave bucket_cap_mb out"
+    else:
+        where = "split by strategy 'tp', which has no gradient buckets: leave bucket_cap_mb out"
+    raise OptionsError("options={'bucket_cap_mb': ...} sizes ddp's gradient buckets; these parameters are " + where)
 
 
 def register() -> None:

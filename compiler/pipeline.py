@@ -5,7 +5,8 @@ A graph goes through these stages, each a list of named passes run by
 
   dynamo     the graph Dynamo captured, before AOTAutograd
   joint      forward and backward together, before the partitioner splits them
-  forward    the forward AOTAutograd partitioned off
+  forward    the forward AOTAutograd partitioned off; local SGD builds two variants,
+             one of which first averages the parameters
   backward   ddp builds one per variant: sync, no_sync (no passes), sync accumulated
   inference  a graph without backward (no_grad): the joint graph's tensor-parallel
              passes, then the forward's
@@ -35,15 +36,16 @@ from dpar.compiler.logs import configure as configure_logs
 from dpar.compiler.logs import log_pass
 from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
-from dpar.compiler.passes.broadcast_buffers import buffer_broadcast_groups
+from dpar.compiler.passes.broadcast_buffers import average_inputs_pass, buffer_broadcast_groups
 from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.sink_waits import sink_waits_pass
-from dpar.compiler.plan import AxisRole, ParallelPlan
+from dpar.compiler.plan import AxisRole, ParallelPlan, Strategy
 from dpar.compiler.registry import STAGES_KEY, PassStage, record
 from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout
 from dpar.compiler.tensor_parallel import TensorParallel
 from dpar.runtime.agreement import agree
 from dpar.runtime.gradient_sync import BackwardDispatch, Variant
+from dpar.runtime.local_sgd import ForwardDispatch, period_of
 from dpar.runtime.world import World, group_size
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
@@ -95,8 +97,9 @@ class Pipeline:
         replicate = plan.axis(AxisRole.REPLICATE)
         self.gradients = (
             GradientBuckets(inputs, replicate, options.bucket_cap_bytes)
-            if replicate is not None and self.sharded is None else None
+            if plan.strategy in (Strategy.DDP, Strategy.DDP_TP) else None
         )
+        self.averaged = replicate if plan.strategy is Strategy.LOCAL_SGD else None  # the axis replicas average over
         self.buffer_groups: dict[str, list[int]] = {}  # group -> positions of its buffers among the flat inputs
 
     # The stages, in the order a graph meets them.
@@ -118,8 +121,10 @@ class Pipeline:
         unroll = [("unroll_group_batch", self.tensor.unroll_group_batch)] if self.tensor.group_batch is not None else []
         return [*unroll, ("tensor_parallel", self.tensor.tensor_parallel)]
 
-    def forward_passes(self) -> list[Pass]:
+    def forward_passes(self, average: bool = False) -> list[Pass]:
         passes: list[Pass] = []
+        if average:
+            passes.append(("average_parameters", self._average_parameters))
         if self.options.broadcast_buffers:
             passes.append(("broadcast_buffers", lambda g: broadcast_buffers(g, self.buffer_groups)))
         if self.sharded is not None:
@@ -150,6 +155,7 @@ class Pipeline:
         """Stage -> the names of its passes, in order."""
         stages = {
             "dynamo": self.dynamo_passes(), "joint": self.joint_passes(), "forward": self.forward_passes(),
+            **({"forward (average)": self.forward_passes(average=True)} if self.averaged is not None else {}),
             **{f"backward ({v.value})": self.backward_passes(v) for v in Variant}, "inference": self.inference_passes(),
         }
         return {stage: [name for name, _ in passes] for stage, passes in stages.items()}
@@ -184,6 +190,8 @@ class Pipeline:
             self._plan_buffers(example_inputs)
             if role is GraphRole.INFERENCE and self.sharded is not None:  # no joint graph planned the groups
                 self.sharded.plan_groups(example_inputs)
+            if role is GraphRole.FORWARD and self.averaged is not None:
+                return self._forward_variants(gm, example_inputs, lower)
             passes = self.forward_passes() if role is GraphRole.FORWARD else self.inference_passes()
         gm = run_passes(gm, passes, role.value)
         return lower_checked(gm, example_inputs, f"{role.value} graph", lower, self.world, self.options)
@@ -196,6 +204,26 @@ class Pipeline:
             [(layout[i.index][0], i.tensor()) for i in self.inputs if i.kind is InputKind.BUFFER],
             whole_group=self.world.group_name, split_group=data_axis,
         )
+
+    def _average_parameters(self, gm: fx.GraphModule) -> fx.GraphModule:
+        assert self.averaged is not None
+        trained = [i.index for i in self.inputs if i.kind is InputKind.PARAMETER and i.requires_grad]
+        return average_inputs_pass(gm, trained, group_name=self.averaged.group_name, world_size=self.averaged.size)
+
+    def _forward_variants(self, gm: fx.GraphModule, example_inputs: Sequence[Any], lower: Lower) -> Callable[..., Any]:
+        """local SGD: the forward compiled with and without the average, chosen each call by the period."""
+        parameters = [i for i in self.inputs if i.kind is InputKind.PARAMETER]
+        period = period_of(parameters[0].tensor())
+        assert period is not None, "parallelize attached a period to a local-SGD model's parameters"
+
+        def build(average: bool) -> Callable[..., Any]:
+            label = "forward graph (average)" if average else "forward graph"
+            graph = run_passes(copy_graph_module(gm), self.forward_passes(average), label)
+            return lower_checked(graph, example_inputs, label, lower, self.world, self.options)
+
+        dispatch = ForwardDispatch(period, [i.tensor for i in parameters], build)
+        dispatch.prepare(False)
+        return dispatch
 
     def _backward_variants(self, gm: fx.GraphModule, example_inputs: Sequence[Any], lower: Lower) -> Callable[..., Any]:
         """ddp: the backward compiled per variant on first use, chosen each step by ``no_sync``."""

@@ -29,6 +29,7 @@ class Strategy(enum.Enum):
     DDP_TP = "ddp+tp"
     ZERO2_TP = "zero2+tp"
     FSDP_TP = "fsdp+tp"
+    LOCAL_SGD = "local_sgd"  # replicas step alone and are averaged every ``sync_every`` steps
 
     @classmethod
     def parse(cls, name: str) -> Strategy:
@@ -82,6 +83,7 @@ class ParallelPlan:
     reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in; None: as computed
     sequence_parallel: bool = False
     same_batch_in_tp_group: bool = False  # the user feeds every rank of a tensor-parallel group the same rows
+    sync_every: int | None = None  # local_sgd: optimizer steps between averages of the replicas
 
     def axis(self, role: AxisRole) -> MeshAxis | None:
         return next((a for a in self.axes if a.role is role), None)

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from dpar.runtime.errors import OptionsError
+from dpar.runtime.local_sgd import Period, period_of
 from dpar.runtime.tensor_parallel import gather_blocks, tensor_parallel_spec_of
 
 CheckpointDir = str | os.PathLike[str]  # a directory: DCP writes one file per rank and a metadata file
@@ -38,31 +39,68 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Checkp
     """Write every rank's shards of ``model`` (and ``optimizer``) to the DCP directory ``path``.
 
     Call it on every rank: DCP agrees on who writes what with a collective plan.
+    Under local SGD each rank's replica is its own (see ``_local_sgd``).
     """
     module = _unwrap(model)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
         state["optimizer"] = _optimizer_state_by_name(module, optimizer)
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(_local_sgd(module, state), checkpoint_id=path)
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: CheckpointDir) -> None:
     """Read the checkpoint at ``path`` into ``model`` (and ``optimizer``) in place, on every rank.
 
     Works at any world size: DCP reshards the saved global tensors onto this run's shards,
-    or into a plain model's full tensors without a process group. Call it after
-    ``dpar.parallelize`` and after the optimizer is built.
+    or into a plain model's full tensors without a process group (a local-SGD checkpoint
+    resumes at the world size that saved it). Call it after ``dpar.parallelize`` and after
+    the optimizer is built.
     """
     module = _unwrap(model)
+    prefix = _replica_prefix(module, path)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
         _create_optimizer_state(optimizer)
-        state["optimizer"] = _saved_part(_optimizer_state_by_name(module, optimizer), path)
-    dcp.load(state, checkpoint_id=path)
+        state["optimizer"] = _saved_part(_optimizer_state_by_name(module, optimizer), path, prefix)
+    wrapped = _local_sgd(module, state)
+    dcp.load(wrapped, checkpoint_id=path)
     # DCP filled the tensors in place; these also restore what it replaces (extra state, hyperparameters).
     module.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_by_position(module, optimizer, state["optimizer"]))
+    if "local_sgd" in wrapped:
+        _period(module).load_state_dict(wrapped["local_sgd"])
+
+
+def _period(module: nn.Module) -> Period | None:
+    return next((period_of(p) for p in module.parameters()), None)
+
+
+def _local_sgd(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """Under local SGD, ``state`` under this rank's own key, and the averaging period beside it.
+
+    Mid-period the replicas (and their optimizers' moments) differ by rank: DCP would keep one
+    copy of a plain tensor that every rank holds, so each rank's goes under ``replica<rank>``.
+    """
+    period = _period(module)
+    if period is None:
+        return state
+    return {f"replica{dist.get_rank()}": state, "local_sgd": period.state_dict()}
+
+
+def _replica_prefix(module: nn.Module, path: CheckpointDir) -> str:
+    """Where this rank's state is among the checkpoint's keys: ``replica<rank>.`` under local SGD."""
+    if _period(module) is None:
+        return ""
+    rank = dist.get_rank()
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if not any(key.startswith(f"replica{rank}.") for key in saved):
+        replicas = len({key.split(".")[0] for key in saved if key.startswith("replica")})
+        raise OptionsError(
+            f"the checkpoint at {os.fspath(path)!r} holds no local-SGD replica for rank {rank} ({replicas or 'no'} "
+            "replicas saved): a local-SGD run resumes at the world size, and with the strategy, that saved it"
+        )
+    return f"replica{rank}."
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Any] | None:
@@ -140,7 +178,7 @@ def _optimizer_state_by_position(
     }
 
 
-def _saved_part(by_name: dict[str, Any], path: CheckpointDir) -> dict[str, Any]:
+def _saved_part(by_name: dict[str, Any], path: CheckpointDir, prefix: str = "") -> dict[str, Any]:
     """The optimizer state to read: only that of the parameters the saved optimizer had state for.
 
     A parameter no gradient reached (a layer the forward never reads) has no state in the
@@ -148,12 +186,12 @@ def _saved_part(by_name: dict[str, Any], path: CheckpointDir) -> dict[str, Any]:
     keys. Dropped here, it has none after ``optimizer.load_state_dict``, as when it was saved.
     """
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    if not any(key.startswith("optimizer.") for key in saved):
+    if not any(key.startswith(f"{prefix}optimizer.") for key in saved):
         raise OptionsError(f"the checkpoint at {os.fspath(path)!r} has no optimizer state: load it with optimizer=None")
     stepped = {
         name: param_state
         for name, param_state in by_name["state"].items()
-        if any(f"optimizer.state.{name}.{key}" in saved for key in param_state)  # DCP's flat names
+        if any(f"{prefix}optimizer.state.{name}.{key}" in saved for key in param_state)  # DCP's flat names
     }
     return {**by_name, "state": stepped}
 

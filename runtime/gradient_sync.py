@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +48,11 @@ def no_sync(model: torch.nn.Module) -> Iterator[None]:
             _inside_no_sync[p] -= 1
             if _inside_no_sync[p] == 0:
                 del _inside_no_sync[p]
+
+
+def inside_no_sync(parameters: Iterable[torch.Tensor]) -> bool:
+    """Whether a ``no_sync`` block holds any of ``parameters`` now."""
+    return any(p in _inside_no_sync for p in parameters)
 
 
 class BackwardDispatch:
@@ -84,7 +89,7 @@ class BackwardDispatch:
     def __call__(self, args: list[Any]) -> Any:
         params = {i: ref() for i, ref in self._parameters.items()}
         live = [p for p in params.values() if p is not None]
-        if any(p in _inside_no_sync for p in live):
+        if inside_no_sync(live):
             for p in live:
                 _pending_local_grad[p] = True
             return self._run(Variant.NO_SYNC, args)

@@ -17,7 +17,7 @@ _synchronized: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def synchronize_replicas(
-    state: Sequence[tuple[str, str, torch.Tensor]], world: World, timeout_s: float
+    state: Sequence[tuple[str, str, torch.Tensor]], world: World, timeout_s: float, *, broadcast: bool = True
 ) -> int:
     """Check that every rank holds the same (kind, name, shape, dtype) state, then broadcast
     from rank 0 the tensors not broadcast before. Returns how many tensors were sent.
@@ -26,7 +26,8 @@ def synchronize_replicas(
     whose state was all synchronized before (an evaluation or no_grad recompile of a
     model already trained) returns at once: it may be compiled on some ranks only, and
     they would wait here for ranks that never come. Only a graph that reads a tensor for
-    the first time rendezvouses, so every rank must compile that one.
+    the first time rendezvouses, so every rank must compile that one. ``broadcast=False``
+    checks without sending: replicas that differ by design (local SGD resumed mid-period).
     """
     fresh = [t for _, _, t in state if t not in _synchronized]
     if world.backend == "fake" or not fresh:  # fake: simulated ranks, nothing to agree with or send to
@@ -41,6 +42,7 @@ def synchronize_replicas(
     group = dist.distributed_c10d._resolve_process_group(world.group_name)
     with torch.no_grad():
         for tensor in fresh:
-            dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+            if broadcast:
+                dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
             _synchronized[tensor] = True
-    return len(fresh)
+    return len(fresh) if broadcast else 0

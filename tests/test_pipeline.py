@@ -42,6 +42,8 @@ EXPECTED = {
            "backward (sync)": WAITS, "inference": [*TP_JOINT, "broadcast_buffers", *WAITS]},
     "ddp+tp": {"dynamo": ["mark_own_rows"], "joint": TP_JOINT, "forward": ["broadcast_buffers", *WAITS],
                "backward (sync)": ["all_reduce_gradients", *WAITS]},
+    "local_sgd": {"dynamo": [], "joint": [], "forward": ["broadcast_buffers", *WAITS],
+                  "forward (average)": ["average_parameters", "broadcast_buffers", *WAITS], "backward (sync)": WAITS},
     "fsdp+tp": {"dynamo": ["mark_own_rows"], "joint": [*TP_JOINT, "tag_gathers", "save_random_ops"],
                 "forward": SHARDED_FORWARD, "backward (sync)": SHARDED_BACKWARD,
                 "inference": [*TP_JOINT, *SHARDED_FORWARD]},
@@ -56,6 +58,8 @@ def gpt_and_batch() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
 
 def parallelized(strategy: str, x: torch.Tensor, model: torch.nn.Module) -> torch.nn.Module:
     kwargs: dict = {"example_inputs": (x,)} if "tp" in strategy else {}
+    if strategy == "local_sgd":
+        kwargs["sync_every"] = 1
     if "+" in strategy:
         kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     return dpar.parallelize(model, strategy=strategy, **kwargs)

@@ -1,9 +1,10 @@
-"""DDP's broadcast_buffers: every forward reads rank 0's buffers (BatchNorm statistics)."""
+"""Inputs replaced by a collective over them at the top of a forward: DDP's broadcast of rank 0's
+buffers (BatchNorm statistics), local SGD's average of the parameters."""
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -23,11 +24,39 @@ def broadcast_buffers_pass(
     0's values on every rank, which is what DDP does by broadcasting into the
     buffers before each forward.
     """
+    return replace_inputs_by_collective(
+        gm, buffer_indices, lambda graph, flat: graph.call_function(c10d.broadcast.default, (flat, 0, group_name))
+    )
+
+
+def average_inputs_pass(
+    gm: fx.GraphModule, indices: Sequence[int], *, group_name: str, world_size: int
+) -> fx.GraphModule:
+    """Replace the inputs at ``indices`` by their average over the group, one flattened all-reduce per
+    dtype, and write the averages back into them (local SGD's parameter averaging)."""
+
+    def average(graph: fx.Graph, flat: fx.Node) -> fx.Node:
+        scaled = graph.call_function(aten.div.Tensor, (flat, world_size))
+        return graph.call_function(c10d.all_reduce.default, (scaled, "sum", group_name))
+
+    return replace_inputs_by_collective(gm, indices, average, write_back=True)
+
+
+def replace_inputs_by_collective(
+    gm: fx.GraphModule,
+    indices: Sequence[int],
+    collective: Callable[[fx.Graph, fx.Node], fx.Node],
+    *,
+    write_back: bool = False,
+) -> fx.GraphModule:
+    """At the top of the graph, each dtype's inputs among ``indices`` flattened into one tensor,
+    ``collective`` issued on it, and every later use of an input reading its part of the result.
+    ``write_back`` also copies the result into the input tensors themselves."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    buffers = [placeholders[i] for i in buffer_indices]
+    inputs = [placeholders[i] for i in indices]
     by_dtype: dict[torch.dtype, list[fx.Node]] = {}
-    for node in buffers:
+    for node in inputs:
         by_dtype.setdefault(node.meta["val"].dtype, []).append(node)
     anchor = placeholders[-1]
     for nodes in by_dtype.values():
@@ -36,7 +65,7 @@ def broadcast_buffers_pass(
         with graph.inserting_before(anchor.next):
             flats = [graph.call_function(aten.view.default, (n, [k])) for n, k in zip(nodes, numels)]
             flat = flats[0] if len(flats) == 1 else graph.call_function(aten.cat.default, (flats,))
-            sent = graph.call_function(c10d.broadcast.default, (flat, 0, group_name))
+            sent = collective(graph, flat)
             waited = graph.call_function(c10d.wait_tensor.default, (sent,))
             pieces = graph.call_function(aten.split_with_sizes.default, (waited, numels))
             received = [
@@ -48,6 +77,10 @@ def broadcast_buffers_pass(
         for node, value in zip(nodes, received):
             node.replace_all_uses_with(value, delete_user_cb=lambda user: user not in flats)
         anchor = received[-1]
+        if write_back:
+            for node, value in zip(nodes, received):
+                with graph.inserting_after(anchor):
+                    anchor = graph.call_function(aten.copy_.default, (node, value))
     graph.lint()
     gm.recompile()
     return gm

@@ -1,0 +1,87 @@
+"""Local SGD: where a model is in its averaging period, and the forward variant each call runs.
+
+[Note: when local SGD averages]
+Every rank steps its own replica on its own rows, with no gradient
+communication. After every ``sync_every`` optimizer steps the replicas are
+averaged: the forward that follows the H-th step runs a variant whose first
+collective averages the parameters and writes the averages back. A step is a
+forward outside ``no_sync`` (the micro-batches inside it accumulate into the same
+step), so accumulation does not shift the period; the averaging forward may be
+the first micro-batch of a step. With plain SGD and ``sync_every=1`` every forward
+sees DDP's parameters of that step: the average of the replicas' SGD steps from
+one common point is the step on the average gradient. The period's position is
+saved with ``dpar.checkpoint`` so a resumed run averages where the uninterrupted
+one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from dpar.runtime.gradient_sync import inside_no_sync
+
+
+@dataclasses.dataclass
+class Period:
+    sync_every: int
+    steps: int = 0  # forwards outside no_sync so far: optimizer steps taken, or being taken
+    averaged_at: int = 0  # ``steps`` when the replicas were last averaged
+
+    def next_forward(self, accumulating: bool) -> bool:
+        """Whether this forward averages first; advances the count of steps."""
+        average = self.steps > self.averaged_at and self.steps % self.sync_every == 0
+        if average:
+            self.averaged_at = self.steps
+        if not accumulating:
+            self.steps += 1
+        return average
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"steps": torch.tensor(self.steps), "averaged_at": torch.tensor(self.averaged_at)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.steps, self.averaged_at = int(state["steps"]), int(state["averaged_at"])
+
+
+_periods: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its model's Period
+
+
+def attach(period: Period, parameters: Iterable[torch.Tensor]) -> None:
+    for p in parameters:
+        _periods[p] = period
+
+
+def period_of(parameter: torch.Tensor) -> Period | None:
+    return _periods.get(parameter)
+
+
+class ForwardDispatch:
+    """The forward callable AOTAutograd runs under local SGD: the local variant, or the averaging one
+    when the period says so (each built on first use)."""
+
+    def __init__(
+        self,
+        period: Period,
+        parameters: list[Callable[[], torch.Tensor | None]],
+        build: Callable[[bool], Callable[..., Any]],
+    ) -> None:
+        self._boxed_call = True  # an instance attribute: AOTAutograd reads it through a copy of __dict__
+        self._period, self._parameters, self._build = period, parameters, build
+        self._variants: dict[bool, Callable[..., Any]] = {}
+        self.calls = {False: 0, True: 0}
+
+    def prepare(self, average: bool) -> Callable[..., Any]:
+        if average not in self._variants:
+            self._variants[average] = self._build(average)
+        return self._variants[average]
+
+    def __call__(self, args: list[Any]) -> Any:
+        live = [p for p in (ref() for ref in self._parameters) if p is not None]
+        average = self._period.next_forward(accumulating=inside_no_sync(live))
+        self.calls[average] += 1
+        return self.prepare(average)(args)

@@ -13,6 +13,7 @@ from dpar.runtime.errors import (
     BatchMismatchError, CollectiveMismatchError, DivergedRanksError, DparError, OptionsError, ProcessGroupError,
 )
 from dpar.runtime.gradient_sync import no_sync
+from dpar.runtime.local_sgd import OuterSGD
 
 register()
 _configure_logs()  # DPAR_LOGS applies from the first compile on
@@ -23,6 +24,7 @@ __all__ = [
     "DivergedRanksError",
     "DparError",
     "OptionsError",
+    "OuterSGD",
     "Plan",
     "ProcessGroupError",
     "checkpoint",

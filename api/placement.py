@@ -88,6 +88,7 @@ def parallelize(
     sequence_parallel: bool = False,
     same_batch_in_tp_group: bool = False,
     sync_every: int | None = None,
+    outer_optimizer: local_sgd.OuterSGD | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place for ``strategy``; build the optimizer afterwards.
 
@@ -134,6 +135,11 @@ def parallelize(
         raise OptionsError(f"max_inflight_gathers must be an integer >= 1, got {max_inflight_gathers!r}")
     _check_bucket_cap(strategy, bucket_cap_mb)
     _check_sync_every(strategy, sync_every)
+    if outer_optimizer is not None and (strategy != "local_sgd" or not isinstance(outer_optimizer, local_sgd.OuterSGD)):
+        raise OptionsError(
+            f"outer_optimizer is local SGD's outer step (DiLoCo): pass strategy='local_sgd', sync_every=H, "
+            f"outer_optimizer=dpar.OuterSGD(lr=0.7, momentum=0.9); got strategy {strategy!r}, {outer_optimizer!r}"
+        )
     for knob, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise OptionsError(f"{knob} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
@@ -163,7 +169,7 @@ def parallelize(
     if strategy == "auto":
         return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype)
     if strategy == "local_sgd":
-        _parallelize_local_sgd(model, mesh, sync_every, param_dtype, reduce_dtype, world, device_type)
+        _parallelize_local_sgd(model, mesh, sync_every, outer_optimizer, param_dtype, reduce_dtype, world, device_type)
         return model
     if strategy in TENSOR_PARALLEL:
         if param_dtype is not None or reduce_dtype is not None:
@@ -219,6 +225,7 @@ def _parallelize_local_sgd(
     model: nn.Module,
     mesh: DeviceMesh | None,
     sync_every: int,
+    outer_optimizer: local_sgd.OuterSGD | None,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     world: int,
@@ -234,7 +241,7 @@ def _parallelize_local_sgd(
             f"shape {tuple(mesh.shape)}; omit mesh"
         )
     _record_plan(model, ParallelPlan(Strategy.LOCAL_SGD, _axes(mesh, (AxisRole.REPLICATE,)), sync_every=sync_every))
-    local_sgd.attach(local_sgd.Period(sync_every), model.parameters())
+    local_sgd.attach(local_sgd.Period(sync_every, outer_optimizer), model.parameters())
 
 
 def _bucket_table(model: nn.Module, bucket_cap_mb: float | None) -> tuple[tuple[str, tuple[str, ...]], ...]:

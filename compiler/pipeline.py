@@ -205,10 +205,17 @@ class Pipeline:
             whole_group=self.world.group_name, split_group=data_axis,
         )
 
+    def _trained(self) -> list[GraphInput]:
+        return [i for i in self.inputs if i.kind is InputKind.PARAMETER and i.requires_grad]
+
     def _average_parameters(self, gm: fx.GraphModule) -> fx.GraphModule:
         assert self.averaged is not None
-        trained = [i.index for i in self.inputs if i.kind is InputKind.PARAMETER and i.requires_grad]
-        return average_inputs_pass(gm, trained, group_name=self.averaged.group_name, world_size=self.averaged.size)
+        period = period_of(self._trained()[0].tensor())
+        outer = (period.outer.lr, period.outer.momentum, period.outer.nesterov) if period and period.outer else None
+        return average_inputs_pass(
+            gm, [i.index for i in self._trained()], group_name=self.averaged.group_name,
+            world_size=self.averaged.size, outer=outer,
+        )
 
     def _forward_variants(self, gm: fx.GraphModule, example_inputs: Sequence[Any], lower: Lower) -> Callable[..., Any]:
         """local SGD: the forward compiled with and without the average, chosen each call by the period."""
@@ -216,12 +223,17 @@ class Pipeline:
         period = period_of(parameters[0].tensor())
         assert period is not None, "parallelize attached a period to a local-SGD model's parameters"
 
+        trained = self._trained()
+
         def build(average: bool) -> Callable[..., Any]:
             label = "forward graph (average)" if average else "forward graph"
             graph = run_passes(copy_graph_module(gm), self.forward_passes(average), label)
-            return lower_checked(graph, example_inputs, label, lower, self.world, self.options)
+            inputs = list(example_inputs)
+            if average and period.outer is not None:  # anchors and momenta, as the dispatch appends them
+                inputs += [fake_like(example_inputs[i.index]) for i in trained] * 2
+            return lower_checked(graph, inputs, label, lower, self.world, self.options)
 
-        dispatch = ForwardDispatch(period, [i.tensor for i in parameters], build)
+        dispatch = ForwardDispatch(period, [i.tensor for i in parameters], [i.tensor for i in trained], build)
         dispatch.prepare(False)
         return dispatch
 

@@ -85,7 +85,8 @@ def _local_sgd(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     period = _period(module)
     if period is None:
         return state
-    return {f"replica{dist.get_rank()}": state, "local_sgd": period.state_dict()}
+    trained = [p for p in module.parameters() if p.requires_grad]
+    return {f"replica{dist.get_rank()}": state, "local_sgd": period.state_dict(trained)}
 
 
 def _replica_prefix(module: nn.Module, path: CheckpointDir) -> str:

@@ -26,11 +26,30 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dpar.runtime.gradient_sync import inside_no_sync
 
 
+@dataclasses.dataclass(frozen=True)
+class OuterSGD:
+    """DiLoCo's outer optimizer: SGD with (Nesterov) momentum on anchor - average, every period."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
 @dataclasses.dataclass
 class Period:
     sync_every: int
+    outer: OuterSGD | None = None
     steps: int = 0  # forwards outside no_sync so far: optimizer steps taken, or being taken
     averaged_at: int = 0  # ``steps`` when the replicas were last averaged
+    anchors: list[torch.Tensor] | None = None  # outer: the trained parameters where the period began
+    momenta: list[torch.Tensor] | None = None
+
+    def outer_state(self, trained: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Anchors then momenta, created from ``trained`` (the replicas as they start) on first use."""
+        if self.anchors is None:
+            self.anchors = [p.detach().clone() for p in trained]
+            self.momenta = [torch.zeros_like(p) for p in trained]
+        return [*self.anchors, *self.momenta]
 
     def next_forward(self, accumulating: bool) -> bool:
         """Whether this forward averages first; advances the count of steps."""
@@ -41,10 +60,15 @@ class Period:
             self.steps += 1
         return average
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"steps": torch.tensor(self.steps), "averaged_at": torch.tensor(self.averaged_at)}
+    def state_dict(self, trained: list[torch.Tensor]) -> dict[str, Any]:
+        state: dict[str, Any] = {"steps": torch.tensor(self.steps), "averaged_at": torch.tensor(self.averaged_at)}
+        if self.outer is not None:
+            outer = self.outer_state(trained)
+            state["outer"] = {str(i): t for i, t in enumerate(outer)}
+        return state
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After DCP loaded into ``state_dict``'s tensors (the outer state in place)."""
         self.steps, self.averaged_at = int(state["steps"]), int(state["averaged_at"])
 
 
@@ -68,10 +92,11 @@ class ForwardDispatch:
         self,
         period: Period,
         parameters: list[Callable[[], torch.Tensor | None]],
+        trained: list[Callable[[], torch.Tensor | None]],
         build: Callable[[bool], Callable[..., Any]],
     ) -> None:
         self._boxed_call = True  # an instance attribute: AOTAutograd reads it through a copy of __dict__
-        self._period, self._parameters, self._build = period, parameters, build
+        self._period, self._parameters, self._trained, self._build = period, parameters, trained, build
         self._variants: dict[bool, Callable[..., Any]] = {}
         self.calls = {False: 0, True: 0}
 
@@ -82,6 +107,8 @@ class ForwardDispatch:
 
     def __call__(self, args: list[Any]) -> Any:
         live = [p for p in (ref() for ref in self._parameters) if p is not None]
+        # DiLoCo's anchors and momenta; the anchors are the replicas as the first forward finds them.
+        outer = self._period.outer_state([ref() for ref in self._trained]) if self._period.outer is not None else []
         average = self._period.next_forward(accumulating=inside_no_sync(live))
         self.calls[average] += 1
-        return self.prepare(average)(args)
+        return self.prepare(average)([*args, *outer] if average else args)

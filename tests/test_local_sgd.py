@@ -50,12 +50,12 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def local_sgd_run(rank: int, world_size: int, make_opt, sync_every: int, steps: int, micro_batches: int = 1,
-                  checkpoint: tuple[str, int] | None = None) -> tuple[list[dict], nn.Module]:
+                  checkpoint: tuple[str, int] | None = None, outer: dpar.OuterSGD | None = None) -> tuple[list[dict], nn.Module]:
     """``steps`` steps under local SGD; the parameters after each. ``checkpoint=(dir, k)``: save after step k,
     then go on in a fresh model and optimizer loaded from it."""
     torch._dynamo.reset()
     torch.manual_seed(rank)  # rank 0's replica is broadcast at the first compile
-    model = dpar.parallelize(MLP(), strategy="local_sgd", sync_every=sync_every)
+    model = dpar.parallelize(MLP(), strategy="local_sgd", sync_every=sync_every, outer_optimizer=outer)
     compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
     opt = make_opt(model.parameters())
     after = []
@@ -66,27 +66,38 @@ def local_sgd_run(rank: int, world_size: int, make_opt, sync_every: int, steps: 
             dpar.checkpoint.save(compiled, opt, checkpoint[0])
             torch._dynamo.reset()
             torch.manual_seed(1234)
-            model = dpar.parallelize(MLP(), strategy="local_sgd", sync_every=sync_every)
+            model = dpar.parallelize(MLP(), strategy="local_sgd", sync_every=sync_every, outer_optimizer=outer)
             compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
             opt = make_opt(model.parameters())
             dpar.checkpoint.load(compiled, opt, checkpoint[0])
     return after, compiled
 
 
-def simulated_replicas(world_size: int, make_opt, sync_every: int, steps: int, micro_batches: int) -> list[dict]:
+def simulated_replicas(world_size: int, make_opt, sync_every: int, steps: int, micro_batches: int,
+                       outer: dpar.OuterSGD | None = None) -> list[dict]:
     """Each rank's replica after ``steps`` steps, in one process: every replica its own optimizer and
-    rows, the replicas' parameters averaged before the forward that follows every ``sync_every``-th step."""
+    rows, the replicas' parameters averaged (or DiLoCo's outer step taken, with torch's SGD on the
+    anchors) before the forward that follows every ``sync_every``-th step."""
     torch.manual_seed(0)
     start = MLP()
     replicas = [copy.deepcopy(start) for _ in range(world_size)]
     opts = [make_opt(r.parameters()) for r in replicas]
+    anchors = [p.detach().clone().requires_grad_() for p in start.parameters()]
+    outer_opt = torch.optim.SGD(anchors, lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov) if outer else None
     for step in range(steps):
         if step and step % sync_every == 0:
             with torch.no_grad():
-                for params in zip(*(r.parameters() for r in replicas)):
+                for anchor, params in zip(anchors, zip(*(r.parameters() for r in replicas))):
                     mean = sum(p / world_size for p in params)
+                    if outer_opt is not None:
+                        anchor.grad = anchor - mean
+                    else:
+                        anchor.copy_(mean)
+                if outer_opt is not None:
+                    outer_opt.step()
+                for anchor, params in zip(anchors, zip(*(r.parameters() for r in replicas))):
                     for p in params:
-                        p.copy_(mean)
+                        p.copy_(anchor)
         for rank, (replica, opt) in enumerate(zip(replicas, opts)):
             step_on(replica, opt, step, rank, world_size, micro_batches)
     return [state(r) for r in replicas]
@@ -119,11 +130,20 @@ def rank_main(rank: int, world_size: int, directory: str) -> dict:
     after, compiled = local_sgd_run(rank, world_size, adamw, sync_every=2, steps=5, micro_batches=2)
     results["h2"] = after[-1]
 
-    # Saved after step 3 (mid-period for H = 2), resumed in a fresh model.
-    uninterrupted, _ = local_sgd_run(rank, world_size, adamw, sync_every=2, steps=6)
-    resumed, _ = local_sgd_run(rank, world_size, adamw, sync_every=2, steps=6, checkpoint=(directory, 3))
+    # DiLoCo: SGD inside, Nesterov outside; outer lr 1 without momentum is the plain average.
+    results["diloco"] = local_sgd_run(rank, world_size, sgd, sync_every=2, steps=5, outer=DILOCO)[0][-1]
+    results["outer_plain"] = local_sgd_run(rank, world_size, sgd, sync_every=2, steps=5, outer=PLAIN)[0][-1]
+    results["plain"] = local_sgd_run(rank, world_size, sgd, sync_every=2, steps=5)[0][-1]
+
+    # Saved after step 3 (mid-period for H = 2), resumed in a fresh model (DiLoCo: anchors and momenta too).
+    uninterrupted, _ = local_sgd_run(rank, world_size, adamw, sync_every=2, steps=6, outer=DILOCO)
+    resumed, _ = local_sgd_run(rank, world_size, adamw, sync_every=2, steps=6, checkpoint=(directory, 3), outer=DILOCO)
     results["uninterrupted"], results["resumed"] = uninterrupted[-1], resumed[-1]
     return results
+
+
+DILOCO = dpar.OuterSGD(lr=0.7, momentum=0.9)
+PLAIN = dpar.OuterSGD(lr=1.0, momentum=0.0, nesterov=False)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +171,14 @@ def test_each_replica_is_the_simulated_one_between_averages(trained) -> None:
     assert max_diff(trained[0]["h2"], trained[1]["h2"]) > 1e-4
 
 
+def test_diloco_takes_torch_sgds_nesterov_step_on_the_averaged_delta(trained) -> None:
+    want = simulated_replicas(2, sgd, sync_every=2, steps=5, micro_batches=1, outer=DILOCO)
+    for rank in range(2):
+        assert max_diff(trained[rank]["diloco"], want[rank]) <= 1e-6
+        assert max_diff(trained[rank]["outer_plain"], trained[rank]["plain"]) <= 1e-6
+    assert max_diff(trained[0]["diloco"], trained[0]["plain"]) > 1e-4  # the outer momentum moved it
+
+
 def test_a_run_resumed_mid_period_continues_exactly(trained) -> None:
     for rank in range(2):
         assert max_diff(trained[rank]["resumed"], trained[rank]["uninterrupted"]) == 0.0
@@ -164,6 +192,7 @@ def test_a_run_resumed_mid_period_continues_exactly(trained) -> None:
         ({"strategy": "fsdp", "sync_every": 4}, "drop sync_every, or choose strategy='local_sgd'"),
         ({"strategy": "local_sgd", "sync_every": 4, "bucket_cap_mb": 1}, "no gradient buckets"),
         ({"strategy": "local_sgd", "sync_every": 4, "sequence_parallel": True}, "needs a tensor-parallel strategy"),
+        ({"strategy": "ddp", "outer_optimizer": dpar.OuterSGD()}, "outer_optimizer is local SGD's outer step"),
     ],
 )
 def test_bad_input_is_named(kwargs: dict, message: str) -> None:

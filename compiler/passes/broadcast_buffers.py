@@ -30,16 +30,49 @@ def broadcast_buffers_pass(
 
 
 def average_inputs_pass(
-    gm: fx.GraphModule, indices: Sequence[int], *, group_name: str, world_size: int
+    gm: fx.GraphModule,
+    indices: Sequence[int],
+    *,
+    group_name: str,
+    world_size: int,
+    outer: tuple[float, float, bool] | None = None,
 ) -> fx.GraphModule:
     """Replace the inputs at ``indices`` by their average over the group, one flattened all-reduce per
-    dtype, and write the averages back into them (local SGD's parameter averaging)."""
+    dtype, and write the results back into them (local SGD's parameter averaging).
+
+    ``outer`` = (lr, momentum, nesterov): DiLoCo's outer step instead of the plain average. The
+    graph takes two more inputs per averaged one, appended in order: its anchor (the parameters
+    where the period began, the same on every rank) and its momentum; the outer gradient is
+    anchor - average, the result anchor - lr x (Nesterov) momentum step, and anchor and momentum
+    are updated in place.
+    """
 
     def average(graph: fx.Graph, flat: fx.Node) -> fx.Node:
         scaled = graph.call_function(aten.div.Tensor, (flat, world_size))
         return graph.call_function(c10d.all_reduce.default, (scaled, "sum", group_name))
 
-    return replace_inputs_by_collective(gm, indices, average, write_back=True)
+    then = None
+    if outer is not None:
+        lr, momentum, nesterov = outer
+        last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+        with gm.graph.inserting_after(last):
+            momenta = [gm.graph.placeholder(f"outer_momentum_{i}") for i in reversed(indices)][::-1]
+        with gm.graph.inserting_after(last):
+            anchors = [gm.graph.placeholder(f"outer_anchor_{i}") for i in reversed(indices)][::-1]
+        position = {index: k for k, index in enumerate(indices)}
+
+        def then(graph: fx.Graph, index: int, averaged: fx.Node) -> fx.Node:
+            anchor, buffer = anchors[position[index]], momenta[position[index]]
+            delta = graph.call_function(aten.sub.Tensor, (anchor, averaged))
+            moved = graph.call_function(aten.add.Tensor, (graph.call_function(aten.mul.Tensor, (buffer, momentum)), delta))
+            step = graph.call_function(aten.add.Tensor, (delta, graph.call_function(aten.mul.Tensor, (moved, momentum)))) \
+                if nesterov else moved
+            new = graph.call_function(aten.sub.Tensor, (anchor, graph.call_function(aten.mul.Tensor, (step, lr))))
+            graph.call_function(aten.copy_.default, (buffer, moved))
+            graph.call_function(aten.copy_.default, (anchor, new))
+            return new
+
+    return replace_inputs_by_collective(gm, indices, average, write_back=True, then=then)
 
 
 def replace_inputs_by_collective(
@@ -48,13 +81,16 @@ def replace_inputs_by_collective(
     collective: Callable[[fx.Graph, fx.Node], fx.Node],
     *,
     write_back: bool = False,
+    then: Callable[[fx.Graph, int, fx.Node], fx.Node] | None = None,
 ) -> fx.GraphModule:
     """At the top of the graph, each dtype's inputs among ``indices`` flattened into one tensor,
-    ``collective`` issued on it, and every later use of an input reading its part of the result.
-    ``write_back`` also copies the result into the input tensors themselves."""
+    ``collective`` issued on it, and every later use of an input reading its part of the result
+    (or what ``then(graph, index, part)`` makes of it). ``write_back`` also copies the result
+    into the input tensors themselves."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     inputs = [placeholders[i] for i in indices]
+    index_of = dict(zip(inputs, indices))
     by_dtype: dict[torch.dtype, list[fx.Node]] = {}
     for node in inputs:
         by_dtype.setdefault(node.meta["val"].dtype, []).append(node)
@@ -74,6 +110,8 @@ def replace_inputs_by_collective(
                 )
                 for i, shape in enumerate(shapes)
             ]
+            if then is not None:
+                received = [then(graph, index_of[n], value) for n, value in zip(nodes, received)]
         for node, value in zip(nodes, received):
             node.replace_all_uses_with(value, delete_user_cb=lambda user: user not in flats)
         anchor = received[-1]

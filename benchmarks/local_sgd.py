@@ -1,6 +1,6 @@
 """Bulk synchronous (ddp) against local SGD: loss against steps, bytes communicated and wall time.
 
-    python benchmarks/local_sgd.py                 # 2 and 4 gloo ranks, ddp and H = 4, 16, 64
+    python benchmarks/local_sgd.py                 # 2 and 4 gloo ranks: ddp, H = 4, 16, 64, DiLoCo at 16
     python benchmarks/local_sgd.py --world-sizes 2 --steps 128
 
 The example GPT, AdamW, every mode from the same weights on the same batches (rank r draws
@@ -33,7 +33,7 @@ from dpar.compiler.registry import recording
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 from gpt import GPT, GPTConfig, get_batch, load_corpus  # noqa: E402
-from harness import RESULTS, revision  # noqa: E402  (beside this file)
+from harness import RESULTS, revision, timed_steps  # noqa: E402  (beside this file)
 
 
 def ring_bytes(payload: int, world_size: int) -> float:
@@ -44,21 +44,18 @@ def train_mode(mode: str, rank: int, world_size: int, args: argparse.Namespace, 
     torch._dynamo.reset()
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig())
-    if mode != "ddp":
-        dpar.parallelize(model, strategy="local_sgd", sync_every=int(mode.split("_")[-1]))
+    if mode != "ddp":  # local_sgd_H, or diloco_H: the same with DiLoCo's outer Nesterov step
+        outer = dpar.OuterSGD(lr=0.7, momentum=0.9) if mode.startswith("diloco") else None
+        dpar.parallelize(model, strategy="local_sgd", sync_every=int(mode.split("_")[-1]), outer_optimizer=outer)
     compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses, seconds, elapsed = [], [], 0.0
     with recording() as graphs:
-        for x, y in batches:
-            start = time.perf_counter()
-            loss = compiled(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            elapsed += time.perf_counter() - start
+        for batch in batches:  # one step at a time: the loss's average over ranks is not timed
+            (step_ms,), loss = timed_steps(compiled, optimizer, [batch])
+            elapsed += step_ms / 1e3
             seconds.append(elapsed)
-            mean = loss.detach().clone()
+            mean = torch.tensor(loss)
             dist.all_reduce(mean)
             losses.append(mean.item() / world_size)
     # Payload per event: ddp's backward all-reduces every step, local SGD's averaging forward every H steps.
@@ -138,8 +135,8 @@ def plot(record: dict[str, Any], out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--modes", nargs="+", default=["ddp", "local_sgd_4", "local_sgd_16", "local_sgd_64"])
-    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--modes", nargs="+", default=["ddp", "local_sgd_4", "local_sgd_16", "local_sgd_64", "diloco_16"])
+    parser.add_argument("--steps", type=int, default=192)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -154,7 +151,7 @@ def main() -> None:
         ddp = modes.get("ddp")
         for mode, r in modes.items():
             saved = 1 - r["bytes"][-1] / ddp["bytes"][-1] if ddp else float("nan")
-            print(f"{world} ranks {mode:>13}: final loss {sum(r['loss'][-16:]) / 16:.3f}, held-out {r['held_out_loss']:.3f}, "
+            print(f"{world} ranks {mode:>13}: final loss {sum(r['loss'][-16:]) / len(r['loss'][-16:]):.3f}, held-out {r['held_out_loss']:.3f}, "
                   f"{r['bytes'][-1] / 1e6:8.1f} MB ({saved:6.1%} saved), {r['seconds'][-1]:6.1f} s, "
                   f"median step {r['step_ms_median']:.1f} ms")
 

@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import dpar
 from dpar.compiler.registry import recording
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
+sys.path[:0] = [str(REPO / "examples"), str(REPO / "tests")]
+from distributed import run_ranks  # noqa: E402  (the tests' launcher: gloo ranks under a timeout)
 from gpt import GPT, GPTConfig, get_batch, load_corpus  # noqa: E402
 from harness import RESULTS, revision, timed_steps  # noqa: E402  (beside this file)
 
@@ -76,36 +73,13 @@ def train_mode(mode: str, rank: int, world_size: int, args: argparse.Namespace, 
             "step_ms_median": 1e3 * float(torch.tensor(seconds).diff().median()) if len(seconds) > 1 else 0.0}
 
 
-def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        config, data = GPTConfig(), load_corpus()
-        generator = torch.Generator().manual_seed(args.seed + rank)
-        batches = [get_batch(data, args.batch_size, config.block_size, generator) for _ in range(args.steps)]
-        held = torch.Generator().manual_seed(10_000)
-        held_out = [get_batch(data, args.batch_size, config.block_size, held) for _ in range(8)]
-        queue.put((rank, {mode: train_mode(mode, rank, world_size, args, batches, held_out) for mode in args.modes}))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_world(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    context = mp.start_processes(run_rank, args=(world_size, port, args, queue), nprocs=world_size, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + args.timeout_s
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"ranks still running after {args.timeout_s:.0f} s; killed them")
-    results = dict(queue.get() for _ in range(world_size))
-    return results[0]  # losses and bytes agree across ranks; times are rank 0's
+def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    config, data = GPTConfig(), load_corpus()
+    generator = torch.Generator().manual_seed(args.seed + rank)
+    batches = [get_batch(data, args.batch_size, config.block_size, generator) for _ in range(args.steps)]
+    held = torch.Generator().manual_seed(10_000)
+    held_out = [get_batch(data, args.batch_size, config.block_size, held) for _ in range(8)]
+    return {mode: train_mode(mode, rank, world_size, args, batches, held_out) for mode in args.modes}
 
 
 def plot(record: dict[str, Any], out: Path) -> None:
@@ -143,7 +117,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1500.0)
     args = parser.parse_args()
     record = {"revision": revision(), "torch": torch.__version__, "steps": args.steps, "batch_size": args.batch_size,
-              "worlds": {str(n): run_world(n, args) for n in args.world_sizes}}
+              # Losses and bytes agree across ranks; times are rank 0's.
+              "worlds": {str(n): run_ranks(run_rank, n, args, timeout_s=args.timeout_s)[0] for n in args.world_sizes}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "local_sgd.json").write_text(json.dumps(record, indent=1) + "\n")
     plot(record, RESULTS / "local_sgd.png")

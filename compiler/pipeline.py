@@ -100,6 +100,9 @@ class Pipeline:
             if plan.strategy in (Strategy.DDP, Strategy.DDP_TP) else None
         )
         self.averaged = replicate if plan.strategy is Strategy.LOCAL_SGD else None  # the axis replicas average over
+        self.period = next(  # local SGD: where the model is in its period (parallelize attached it)
+            (period_of(i.tensor()) for i in inputs if i.kind is InputKind.PARAMETER), None
+        ) if self.averaged is not None else None
         self.buffer_groups: dict[str, list[int]] = {}  # group -> positions of its buffers among the flat inputs
 
     # The stages, in the order a graph meets them.
@@ -209,9 +212,9 @@ class Pipeline:
         return [i for i in self.inputs if i.kind is InputKind.PARAMETER and i.requires_grad]
 
     def _average_parameters(self, gm: fx.GraphModule) -> fx.GraphModule:
-        assert self.averaged is not None
-        period = period_of(self._trained()[0].tensor())
-        outer = (period.outer.lr, period.outer.momentum, period.outer.nesterov) if period and period.outer else None
+        assert self.averaged is not None and self.period is not None
+        outer = self.period.outer
+        outer = (outer.lr, outer.momentum, outer.nesterov) if outer is not None else None
         return average_inputs_pass(
             gm, [i.index for i in self._trained()], group_name=self.averaged.group_name,
             world_size=self.averaged.size, outer=outer,
@@ -219,11 +222,9 @@ class Pipeline:
 
     def _forward_variants(self, gm: fx.GraphModule, example_inputs: Sequence[Any], lower: Lower) -> Callable[..., Any]:
         """local SGD: the forward compiled with and without the average, chosen each call by the period."""
-        parameters = [i for i in self.inputs if i.kind is InputKind.PARAMETER]
-        period = period_of(parameters[0].tensor())
+        period = self.period
         assert period is not None, "parallelize attached a period to a local-SGD model's parameters"
-
-        trained = self._trained()
+        parameters, trained = [i for i in self.inputs if i.kind is InputKind.PARAMETER], self._trained()
 
         def build(average: bool) -> Callable[..., Any]:
             label = "forward graph (average)" if average else "forward graph"

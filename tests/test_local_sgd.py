@@ -198,3 +198,29 @@ def test_a_run_resumed_mid_period_continues_exactly(trained) -> None:
 def test_bad_input_is_named(kwargs: dict, message: str) -> None:
     with pytest.raises(OptionsError, match=message):
         dpar.parallelize(MLP(), **kwargs)
+
+
+def llama_against_torch_ddp(rank: int, world_size: int) -> float:
+    """A Hugging Face Llama (random config) fed per-rank slices: local SGD at H = 1 with plain SGD,
+    after the forward that averages the last step, against torch DDP's parameters."""
+    from third_party import ROWS_PER_RANK, STEPS, Run, build, global_batch, max_abs_diff, rank_slice, train
+
+    reference = train(rank, world_size, Run("llama", "torch_ddp", optimizer="sgd"))
+    torch._dynamo.reset()
+    model = build("llama")
+    dpar.parallelize(model, strategy="local_sgd", sync_every=1)
+    compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(STEPS + 1):  # the last forward only averages
+        opt.zero_grad()
+        loss = compiled(*rank_slice(global_batch(step, ROWS_PER_RANK * world_size), rank, world_size))
+        if step < STEPS:
+            loss.backward()
+            opt.step()
+    return max_abs_diff(reference, state(model))
+
+
+def test_a_hugging_face_llama_averaged_every_step_is_ddp() -> None:
+    diffs = run_ranks(llama_against_torch_ddp, 2, timeout_s=600)
+    print(f"llama, 2 ranks, {diffs=}")
+    assert max(diffs) <= 1e-6

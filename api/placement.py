@@ -15,13 +15,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dpar.compiler.megatron import megatron_dims
 from dpar.compiler.plan import AxisRole, MeshAxis, ParallelPlan, Strategy, attach
-from dpar.runtime import local_sgd, sharding, tensor_parallel
+from dpar.runtime import local_sgd, sharding, tensor_parallel, zero1
 from dpar.runtime.errors import OptionsError, ProcessGroupError
 
 if TYPE_CHECKING:
     from dpar.planner.plan import Plan
 
-STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "auto")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "auto")
 TENSOR_PARALLEL = ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
 
 
@@ -54,7 +54,7 @@ def _check_bucket_cap(strategy: str, bucket_cap_mb: float | None) -> None:
             "strategy 'local_sgd' has no gradient buckets (it averages the parameters every sync_every steps, "
             "one flattened all-reduce per dtype): leave bucket_cap_mb unset"
         )
-    if strategy in ("ddp", "ddp+tp"):
+    if strategy in ("ddp", "zero1", "ddp+tp"):
         raise OptionsError(
             f"under {strategy!r} gradient buckets are sized when compiling, in the order gradients become "
             f"ready: pass torch.compile(model, backend='dpar', options={{'bucket_cap_mb': {bucket_cap_mb}}}) "
@@ -168,8 +168,14 @@ def parallelize(
         mesh = _mesh_of_plan(model, plan)
     if strategy == "auto":
         return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype)
-    if strategy == "local_sgd":
-        _parallelize_local_sgd(model, mesh, sync_every, outer_optimizer, param_dtype, reduce_dtype, world, device_type)
+    if strategy in ("zero1", "local_sgd"):
+        placed = _parallelize_replicated(
+            model, Strategy(strategy), mesh, param_dtype, reduce_dtype, world, device_type, sync_every
+        )
+        if strategy == "zero1":  # each rank's optimizer steps and keeps state for its range of each parameter
+            zero1.shard_optimizer_state(model.parameters(), placed.get_group())
+        else:  # where the model is in its averaging period, read by the backend and saved with checkpoints
+            local_sgd.attach(local_sgd.Period(sync_every, outer_optimizer), model.parameters())
         return model
     if strategy in TENSOR_PARALLEL:
         if param_dtype is not None or reduce_dtype is not None:
@@ -221,27 +227,27 @@ def _check_sync_every(strategy: str, sync_every: int | None) -> None:
         )
 
 
-def _parallelize_local_sgd(
+def _parallelize_replicated(
     model: nn.Module,
+    strategy: Strategy,
     mesh: DeviceMesh | None,
-    sync_every: int,
-    outer_optimizer: local_sgd.OuterSGD | None,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     world: int,
     device_type: str,
-) -> None:
-    """Whole replicas, as under ddp; the plan and the averaging period are attached to the parameters."""
+    sync_every: int | None,
+) -> DeviceMesh:
+    """zero1 and local_sgd: whole parameters over the whole world, as under ddp; their plan recorded."""
     if param_dtype is not None or reduce_dtype is not None:
-        raise OptionsError("param_dtype/reduce_dtype apply to zero2 and fsdp; for local_sgd use torch.autocast")
+        raise OptionsError(f"param_dtype/reduce_dtype apply to zero2 and fsdp; for {strategy.value} use torch.autocast")
     mesh = mesh if mesh is not None else init_device_mesh(device_type, (world,))
     if mesh.ndim != 1 or mesh.size() != world:
         raise OptionsError(
-            f"strategy 'local_sgd' averages replicas over the whole world ({world} ranks) on a 1-D mesh, got mesh "
+            f"strategy {strategy.value!r} replicates over the whole world ({world} ranks) on a 1-D mesh, got mesh "
             f"shape {tuple(mesh.shape)}; omit mesh"
         )
-    _record_plan(model, ParallelPlan(Strategy.LOCAL_SGD, _axes(mesh, (AxisRole.REPLICATE,)), sync_every=sync_every))
-    local_sgd.attach(local_sgd.Period(sync_every, outer_optimizer), model.parameters())
+    _record_plan(model, ParallelPlan(strategy, _axes(mesh, (AxisRole.REPLICATE,)), sync_every=sync_every))
+    return mesh
 
 
 def _bucket_table(model: nn.Module, bucket_cap_mb: float | None) -> tuple[tuple[str, tuple[str, ...]], ...]:

@@ -84,7 +84,7 @@ def _resumed_local_sgd(plan: ParallelPlan, state: list[tuple[str, str, torch.Ten
 
 def _check_bucket_cap(plan: ParallelPlan, options: Options) -> None:
     """ddp's gradient buckets are sized here; a sharded plan's were laid out by parallelize."""
-    if options.bucket_cap_mb is None or plan.strategy in (Strategy.DDP, Strategy.DDP_TP):
+    if options.bucket_cap_mb is None or plan.strategy in (Strategy.DDP, Strategy.DDP_TP, Strategy.ZERO1):
         return
     if plan.strategy.shards_parameters:
         where = ("sharded, and their buckets are laid out by parallelize: pass dpar.parallelize(model, "

@@ -44,8 +44,8 @@ from dpar.compiler.registry import STAGES_KEY, PassStage, record
 from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout
 from dpar.compiler.tensor_parallel import TensorParallel
 from dpar.runtime.agreement import agree
-from dpar.runtime.gradient_sync import BackwardDispatch, Variant
-from dpar.runtime.local_sgd import ForwardDispatch, period_of
+from dpar.runtime.gradient_sync import BackwardDispatch, ForwardDispatch, Variant
+from dpar.runtime.local_sgd import choose_variant, period_of
 from dpar.runtime.world import World, group_size
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
@@ -97,12 +97,16 @@ class Pipeline:
         replicate = plan.axis(AxisRole.REPLICATE)
         self.gradients = (
             GradientBuckets(inputs, replicate, options.bucket_cap_bytes)
-            if plan.strategy in (Strategy.DDP, Strategy.DDP_TP) else None
+            if plan.strategy in (Strategy.DDP, Strategy.DDP_TP, Strategy.ZERO1) else None
         )
-        self.averaged = replicate if plan.strategy is Strategy.LOCAL_SGD else None  # the axis replicas average over
+        self.replicate = replicate
         self.period = next(  # local SGD: where the model is in its period (parallelize attached it)
             (period_of(i.tensor()) for i in inputs if i.kind is InputKind.PARAMETER), None
-        ) if self.averaged is not None else None
+        ) if plan.strategy is Strategy.LOCAL_SGD else None
+        # The forward a strategy runs instead on some calls: local SGD's, every H steps.
+        self.other_forward: tuple[str, Pass] | None = {
+            Strategy.LOCAL_SGD: ("average", ("average_parameters", self._average_parameters)),
+        }.get(plan.strategy)
         self.buffer_groups: dict[str, list[int]] = {}  # group -> positions of its buffers among the flat inputs
 
     # The stages, in the order a graph meets them.
@@ -124,10 +128,10 @@ class Pipeline:
         unroll = [("unroll_group_batch", self.tensor.unroll_group_batch)] if self.tensor.group_batch is not None else []
         return [*unroll, ("tensor_parallel", self.tensor.tensor_parallel)]
 
-    def forward_passes(self, average: bool = False) -> list[Pass]:
+    def forward_passes(self, other: bool = False) -> list[Pass]:
         passes: list[Pass] = []
-        if average:
-            passes.append(("average_parameters", self._average_parameters))
+        if other and self.other_forward is not None:
+            passes.append(self.other_forward[1])
         if self.options.broadcast_buffers:
             passes.append(("broadcast_buffers", lambda g: broadcast_buffers(g, self.buffer_groups)))
         if self.sharded is not None:
@@ -158,7 +162,7 @@ class Pipeline:
         """Stage -> the names of its passes, in order."""
         stages = {
             "dynamo": self.dynamo_passes(), "joint": self.joint_passes(), "forward": self.forward_passes(),
-            **({"forward (average)": self.forward_passes(average=True)} if self.averaged is not None else {}),
+            **({f"forward ({self.other_forward[0]})": self.forward_passes(other=True)} if self.other_forward else {}),
             **{f"backward ({v.value})": self.backward_passes(v) for v in Variant}, "inference": self.inference_passes(),
         }
         return {stage: [name for name, _ in passes] for stage, passes in stages.items()}
@@ -193,7 +197,7 @@ class Pipeline:
             self._plan_buffers(example_inputs)
             if role is GraphRole.INFERENCE and self.sharded is not None:  # no joint graph planned the groups
                 self.sharded.plan_groups(example_inputs)
-            if role is GraphRole.FORWARD and self.averaged is not None:
+            if role is GraphRole.FORWARD and self.other_forward is not None:
                 return self._forward_variants(gm, example_inputs, lower)
             passes = self.forward_passes() if role is GraphRole.FORWARD else self.inference_passes()
         gm = run_passes(gm, passes, role.value)
@@ -212,29 +216,32 @@ class Pipeline:
         return [i for i in self.inputs if i.kind is InputKind.PARAMETER and i.requires_grad]
 
     def _average_parameters(self, gm: fx.GraphModule) -> fx.GraphModule:
-        assert self.averaged is not None and self.period is not None
+        assert self.replicate is not None and self.period is not None
         outer = self.period.outer
         outer = (outer.lr, outer.momentum, outer.nesterov) if outer is not None else None
         return average_inputs_pass(
-            gm, [i.index for i in self._trained()], group_name=self.averaged.group_name,
-            world_size=self.averaged.size, outer=outer,
+            gm, [i.index for i in self._trained()], group_name=self.replicate.group_name,
+            world_size=self.replicate.size, outer=outer,
         )
 
     def _forward_variants(self, gm: fx.GraphModule, example_inputs: Sequence[Any], lower: Lower) -> Callable[..., Any]:
-        """local SGD: the forward compiled with and without the average, chosen each call by the period."""
-        period = self.period
-        assert period is not None, "parallelize attached a period to a local-SGD model's parameters"
-        parameters, trained = [i for i in self.inputs if i.kind is InputKind.PARAMETER], self._trained()
+        """The forward compiled with and without ``other_forward``'s pass, chosen each call by the runtime."""
+        assert self.other_forward is not None
+        name = self.other_forward[0]
+        trained = self._trained()
+        outer = self.period is not None and self.period.outer is not None
 
-        def build(average: bool) -> Callable[..., Any]:
-            label = "forward graph (average)" if average else "forward graph"
-            graph = run_passes(copy_graph_module(gm), self.forward_passes(average), label)
+        def build(other: bool) -> Callable[..., Any]:
+            label = f"forward graph ({name})" if other else "forward graph"
+            graph = run_passes(copy_graph_module(gm), self.forward_passes(other), label)
             inputs = list(example_inputs)
-            if average and period.outer is not None:  # anchors and momenta, as the dispatch appends them
+            if other and outer:  # DiLoCo's anchors and momenta, as the dispatch appends them
                 inputs += [fake_like(example_inputs[i.index]) for i in trained] * 2
             return lower_checked(graph, inputs, label, lower, self.world, self.options)
 
-        dispatch = ForwardDispatch(period, [i.tensor for i in parameters], [i.tensor for i in trained], build)
+        assert self.period is not None, "parallelize attached a period to a local-SGD model's parameters"
+        parameters = [i.tensor for i in self.inputs if i.kind is InputKind.PARAMETER]
+        dispatch = ForwardDispatch(choose_variant(self.period, parameters, [i.tensor for i in trained]), build)
         dispatch.prepare(False)
         return dispatch
 

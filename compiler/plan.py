@@ -30,6 +30,7 @@ class Strategy(enum.Enum):
     ZERO2_TP = "zero2+tp"
     FSDP_TP = "fsdp+tp"
     LOCAL_SGD = "local_sgd"  # replicas step alone and are averaged every ``sync_every`` steps
+    ZERO1 = "zero1"  # ddp's graphs; each rank keeps and steps 1/N of the optimizer state
 
     @classmethod
     def parse(cls, name: str) -> Strategy:

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from dpar.runtime.errors import OptionsError
+from dpar.runtime import zero1
 from dpar.runtime.local_sgd import Period, period_of
 from dpar.runtime.tensor_parallel import gather_blocks, tensor_parallel_spec_of
 
@@ -39,13 +40,13 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Checkp
     """Write every rank's shards of ``model`` (and ``optimizer``) to the DCP directory ``path``.
 
     Call it on every rank: DCP agrees on who writes what with a collective plan.
-    Under local SGD each rank's replica is its own (see ``_local_sgd``).
+    Under local SGD and zero1 each rank's state is its own (see ``_per_rank``).
     """
     module = _unwrap(model)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
         state["optimizer"] = _optimizer_state_by_name(module, optimizer)
-    dcp.save(_local_sgd(module, state), checkpoint_id=path)
+    dcp.save(_per_rank(module, state), checkpoint_id=path)
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: CheckpointDir) -> None:
@@ -62,7 +63,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Checkp
     if optimizer is not None:
         _create_optimizer_state(optimizer)
         state["optimizer"] = _saved_part(_optimizer_state_by_name(module, optimizer), path, prefix)
-    wrapped = _local_sgd(module, state)
+    wrapped = _per_rank(module, state)
     dcp.load(wrapped, checkpoint_id=path)
     # DCP filled the tensors in place; these also restore what it replaces (extra state, hyperparameters).
     module.load_state_dict(state["model"])
@@ -76,30 +77,38 @@ def _period(module: nn.Module) -> Period | None:
     return next((period_of(p) for p in module.parameters()), None)
 
 
-def _local_sgd(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """Under local SGD, ``state`` under this rank's own key, and the averaging period beside it.
+def _rank_local(module: nn.Module) -> bool:
+    """Whether ranks hold different state under the same names: local SGD's replicas mid-period,
+    zero1's optimizer ranges."""
+    return _period(module) is not None or any(zero1.is_zero1(p) for p in module.parameters())
 
-    Mid-period the replicas (and their optimizers' moments) differ by rank: DCP would keep one
-    copy of a plain tensor that every rank holds, so each rank's goes under ``replica<rank>``.
+
+def _per_rank(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` under this rank's own key where ranks differ (and local SGD's period beside it).
+
+    DCP keeps one copy of a plain tensor every rank holds under one name: each rank's goes under
+    ``replica<rank>`` instead.
     """
-    period = _period(module)
-    if period is None:
+    if not _rank_local(module):
         return state
-    trained = [p for p in module.parameters() if p.requires_grad]
-    return {f"replica{dist.get_rank()}": state, "local_sgd": period.state_dict(trained)}
+    wrapped = {f"replica{dist.get_rank()}": state}
+    period = _period(module)
+    if period is not None:
+        wrapped["local_sgd"] = period.state_dict([p for p in module.parameters() if p.requires_grad])
+    return wrapped
 
 
 def _replica_prefix(module: nn.Module, path: CheckpointDir) -> str:
-    """Where this rank's state is among the checkpoint's keys: ``replica<rank>.`` under local SGD."""
-    if _period(module) is None:
+    """Where this rank's state is among the checkpoint's keys: ``replica<rank>.`` where ranks differ."""
+    if not _rank_local(module):
         return ""
     rank = dist.get_rank()
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     if not any(key.startswith(f"replica{rank}.") for key in saved):
         replicas = len({key.split(".")[0] for key in saved if key.startswith("replica")})
         raise OptionsError(
-            f"the checkpoint at {os.fspath(path)!r} holds no local-SGD replica for rank {rank} ({replicas or 'no'} "
-            "replicas saved): a local-SGD run resumes at the world size, and with the strategy, that saved it"
+            f"the checkpoint at {os.fspath(path)!r} holds no state of rank {rank} ({replicas or 'no'} ranks saved "
+            "theirs): a local_sgd or zero1 run resumes at the world size, and with the strategy, that saved it"
         )
     return f"replica{rank}."
 
@@ -141,6 +150,7 @@ def _parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> lis
     names = []
     for group in optimizer.param_groups:
         for param in group["params"]:
+            param = zero1.whole_of(param)  # zero1: the optimizer steps a view of this rank's range
             if id(param) not in name_of:
                 raise OptionsError(
                     f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} that is not "

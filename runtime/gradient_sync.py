@@ -111,3 +111,25 @@ class BackwardDispatch:
             else:
                 accumulated.append(torch.zeros_like(p))
         return self._run(Variant.SYNC_ACCUMULATED, [*args, *accumulated])
+
+
+class ForwardDispatch:
+    """The forward callable AOTAutograd runs where a strategy has two forwards: ``choose()`` says,
+    each call, whether this one runs the other variant and which extra inputs that takes; each
+    variant is built on first use (local SGD's averaging forward)."""
+
+    def __init__(self, choose: Callable[[], tuple[bool, list[torch.Tensor]]], build: Callable[[bool], Callable[..., Any]]) -> None:
+        self._boxed_call = True  # an instance attribute: AOTAutograd reads it through a copy of __dict__
+        self._choose, self._build = choose, build
+        self._variants: dict[bool, Callable[..., Any]] = {}
+        self.calls = {False: 0, True: 0}
+
+    def prepare(self, other: bool) -> Callable[..., Any]:
+        if other not in self._variants:
+            self._variants[other] = self._build(other)
+        return self._variants[other]
+
+    def __call__(self, args: list[Any]) -> Any:
+        other, extra = self._choose()
+        self.calls[other] += 1
+        return self.prepare(other)([*args, *extra])

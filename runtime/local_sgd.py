@@ -84,31 +84,18 @@ def period_of(parameter: torch.Tensor) -> Period | None:
     return _periods.get(parameter)
 
 
-class ForwardDispatch:
-    """The forward callable AOTAutograd runs under local SGD: the local variant, or the averaging one
-    when the period says so (each built on first use)."""
+def choose_variant(
+    period: Period,
+    parameters: list[Callable[[], torch.Tensor | None]],
+    trained: list[Callable[[], torch.Tensor | None]],
+) -> Callable[[], tuple[bool, list[torch.Tensor]]]:
+    """For ``ForwardDispatch``: whether this forward averages, and the extra inputs it then takes
+    (DiLoCo's anchors and momenta; the anchors are the replicas as the first forward finds them)."""
 
-    def __init__(
-        self,
-        period: Period,
-        parameters: list[Callable[[], torch.Tensor | None]],
-        trained: list[Callable[[], torch.Tensor | None]],
-        build: Callable[[bool], Callable[..., Any]],
-    ) -> None:
-        self._boxed_call = True  # an instance attribute: AOTAutograd reads it through a copy of __dict__
-        self._period, self._parameters, self._trained, self._build = period, parameters, trained, build
-        self._variants: dict[bool, Callable[..., Any]] = {}
-        self.calls = {False: 0, True: 0}
+    def choose() -> tuple[bool, list[torch.Tensor]]:
+        live = [p for p in (ref() for ref in parameters) if p is not None]
+        outer = period.outer_state([ref() for ref in trained]) if period.outer is not None else []
+        average = period.next_forward(accumulating=inside_no_sync(live))
+        return average, outer if average else []
 
-    def prepare(self, average: bool) -> Callable[..., Any]:
-        if average not in self._variants:
-            self._variants[average] = self._build(average)
-        return self._variants[average]
-
-    def __call__(self, args: list[Any]) -> Any:
-        live = [p for p in (ref() for ref in self._parameters) if p is not None]
-        # DiLoCo's anchors and momenta; the anchors are the replicas as the first forward finds them.
-        outer = self._period.outer_state([ref() for ref in self._trained]) if self._period.outer is not None else []
-        average = self._period.next_forward(accumulating=inside_no_sync(live))
-        self.calls[average] += 1
-        return self.prepare(average)([*args, *outer] if average else args)
+    return choose

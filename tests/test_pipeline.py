@@ -44,6 +44,8 @@ EXPECTED = {
                "backward (sync)": ["all_reduce_gradients", *WAITS]},
     "local_sgd": {"dynamo": [], "joint": [], "forward": ["broadcast_buffers", *WAITS],
                   "forward (average)": ["average_parameters", "broadcast_buffers", *WAITS], "backward (sync)": WAITS},
+    "zero1": {"dynamo": [], "joint": [], "forward": ["broadcast_buffers", *WAITS],
+              "backward (sync)": ["all_reduce_gradients", *WAITS], "backward (no_sync)": []},
     "fsdp+tp": {"dynamo": ["mark_own_rows"], "joint": [*TP_JOINT, "tag_gathers", "save_random_ops"],
                 "forward": SHARDED_FORWARD, "backward (sync)": SHARDED_BACKWARD,
                 "inference": [*TP_JOINT, *SHARDED_FORWARD]},

@@ -7,9 +7,9 @@ all-reduces gradient buckets and every rank holds the whole averaged gradient
 elements are cut into N equal ranges (the last ones shorter, or empty); rank r
 owns range r. The first step of an optimizer over such parameters replaces each
 in its param groups by a Parameter viewing this rank's range of it, so the
-optimizer creates and keeps state for those elements only (1/N). Before every
-step the views' gradients are the same elements of the whole gradients, which
-the step then releases, as ``zero_grad`` would. The step writes this rank's
+optimizer creates and keeps state for those elements only (1/N), and its
+``zero_grad`` clears the whole gradients too. Before every step the views'
+gradients are the same elements of the whole gradients. The step writes this rank's
 elements in place, and right after it one all-gather per dtype brings every
 rank's range into the whole parameters. That gather is not deferred to the next
 forward's graph: between a step and the next forward, ``model.state_dict()``, an
@@ -22,7 +22,8 @@ would see only its range.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -79,9 +80,16 @@ def whole_of(parameter: torch.Tensor) -> torch.Tensor:
     return owned.whole if owned is not None else parameter
 
 
+_switched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
 def _step_on_owned_ranges(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer not in _switched and any(p in _owned for g in optimizer.param_groups for p in g["params"]):
+        for group in optimizer.param_groups:
+            group["params"] = [_owned[p].view if p in _owned else p for p in group["params"]]
+        optimizer.zero_grad = _clearing_whole_gradients(optimizer)  # type: ignore[method-assign]
+        _switched.add(optimizer)
     for group in optimizer.param_groups:
-        group["params"] = [_owned[p].view if p in _owned else p for p in group["params"]]
         for view in group["params"]:
             owned = _views.get(view)
             if owned is not None:
@@ -89,11 +97,31 @@ def _step_on_owned_ranges(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
                 view.grad = None if grad is None else grad.reshape(-1)[owned.lo : owned.hi]
 
 
+def _clearing_whole_gradients(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
+    """The optimizer's ``zero_grad``, which now reaches its views only, extended to the whole gradients
+    the backward accumulates into (a zero_grad without a step in between must clear them too)."""
+    zero_grad = optimizer.zero_grad
+
+    def clearing(set_to_none: bool = True) -> None:
+        zero_grad(set_to_none)
+        for group in optimizer.param_groups:
+            for view in group["params"]:
+                owned = _views.get(view)
+                if owned is None or owned.whole.grad is None:
+                    continue
+                if set_to_none:
+                    owned.whole.grad = None
+                else:
+                    owned.whole.grad.zero_()
+
+    return clearing
+
+
 def _gather_after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Release the whole gradients, then every rank's stepped range into the whole parameters."""
+    """Every rank's stepped range into the whole parameters (the whole gradients stay, as DDP's do)."""
     stepped = [_views[v] for group in optimizer.param_groups for v in group["params"] if v in _views]
     for owned in stepped:
-        owned.whole.grad = owned.view.grad = None
+        owned.view.grad = None  # a view of the whole gradient, made again before each step
     by_dtype: dict[tuple[torch.dtype, dist.ProcessGroup], list[Owned]] = {}
     for owned in stepped:
         by_dtype.setdefault((owned.whole.dtype, owned.group), []).append(owned)

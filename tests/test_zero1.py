@@ -47,6 +47,28 @@ def resumed_run(rank: int, world_size: int, directory: str, save_after: int | No
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def skipped_step_run(rank: int, world_size: int, zero1: bool) -> dict:
+    """A loop that skips one optimizer step (a NaN guard would): backward, zero_grad, no step."""
+    import dpar
+    from training import global_batch, loss_of
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = BUILDERS["mlp"]()
+    if zero1:
+        runner = torch.compile(dpar.parallelize(model, strategy="zero1"), backend="dpar", options={"compiler": "aot_eager"})
+    else:
+        runner = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        x, y = (t.chunk(world_size)[rank] for t in global_batch("mlp", step, 0, 4 * world_size))
+        opt.zero_grad()
+        loss_of("mlp", runner, x, y).backward()
+        if step != 2:
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def rank_main(rank: int, world_size: int) -> dict:
     import dpar
     from dpar.compiler.registry import recording
@@ -82,6 +104,8 @@ def rank_main(rank: int, world_size: int) -> dict:
         dist_broadcast_path(directory)
         results["resumed"] = resumed_run(rank, world_size, directory[0], save_after=2)
     results["uninterrupted"] = resumed_run(rank, world_size, "", save_after=None)
+    results["skipped_zero1"] = skipped_step_run(rank, world_size, zero1=True)
+    results["skipped_ddp"] = skipped_step_run(rank, world_size, zero1=False)
     return results
 
 
@@ -122,6 +146,12 @@ def test_a_run_resumed_from_a_checkpoint_continues_exactly(trained) -> None:
     _, per_rank = trained
     for result in per_rank:
         assert max_abs_diff(result["resumed"], result["uninterrupted"]) == 0.0
+
+
+def test_zero_grad_without_a_step_clears_the_whole_gradients(trained) -> None:
+    _, per_rank = trained
+    for result in per_rank:
+        assert max_abs_diff(result["skipped_zero1"], result["skipped_ddp"]) <= TOLERANCE["sgd"]
 
 
 def test_the_graphs_hold_ddps_collectives(trained) -> None:

@@ -20,7 +20,7 @@ ADAMW_TOLERANCE = 1e-4
 
 # Two ranks: every 1-D strategy. Mixtral's routed experts are not split by tensor parallel.
 TWO_RANKS = {
-    "llama": ("ddp", "zero2", "fsdp", "tp", "auto"),
+    "llama": ("ddp", "zero1", "zero2", "fsdp", "tp", "auto"),
     "bert": ("ddp", "zero2", "fsdp", "tp", "auto"),
     "t5": ("ddp", "zero2", "fsdp", "tp"),
     "gpt2": ("ddp", "fsdp", "tp", "auto"),

@@ -104,9 +104,9 @@ class Pipeline:
             (period_of(i.tensor()) for i in inputs if i.kind is InputKind.PARAMETER), None
         ) if plan.strategy is Strategy.LOCAL_SGD else None
         # The forward a strategy runs instead on some calls: local SGD's, every H steps.
-        self.other_forward: tuple[str, Pass] | None = {
-            Strategy.LOCAL_SGD: ("average", ("average_parameters", self._average_parameters)),
-        }.get(plan.strategy)
+        self.other_forward: tuple[str, Pass] | None = (
+            ("average", ("average_parameters", self._average_parameters)) if plan.strategy is Strategy.LOCAL_SGD else None
+        )
         self.buffer_groups: dict[str, list[int]] = {}  # group -> positions of its buffers among the flat inputs
 
     # The stages, in the order a graph meets them.

@@ -55,7 +55,28 @@ def inside_no_sync(parameters: Iterable[torch.Tensor]) -> bool:
     return any(p in _inside_no_sync for p in parameters)
 
 
-class BackwardDispatch:
+class _Variants:
+    """A graph compiled in variants, each built on first use; the call a subclass's ``__call__`` picks runs."""
+
+    def __init__(self, build: Callable[[Any], Callable[..., Any]]) -> None:
+        # An instance attribute: AOTAutograd reads it through a functools.wraps copy of __dict__.
+        self._boxed_call = True
+        self._build = build
+        self._variants: dict[Any, Callable[..., Any]] = {}
+        self.calls: dict[Any, int] = {}
+
+    def prepare(self, variant: Any) -> Callable[..., Any]:
+        """Build ``variant`` now (the first call of each variant builds it otherwise)."""
+        if variant not in self._variants:
+            self._variants[variant] = self._build(variant)
+        return self._variants[variant]
+
+    def _run(self, variant: Any, args: list[Any]) -> Any:
+        self.calls[variant] = self.calls.get(variant, 0) + 1
+        return self.prepare(variant)(args)
+
+
+class BackwardDispatch(_Variants):
     """The backward callable AOTAutograd runs: picks and lazily builds the variant this call needs.
 
     ``accumulated_order`` lists, by forward-input index, the parameters whose
@@ -68,23 +89,10 @@ class BackwardDispatch:
         accumulated_order: Sequence[int],
         build: Callable[[Variant], Callable[..., Any]],
     ) -> None:
-        # An instance attribute: AOTAutograd reads it through a functools.wraps copy of __dict__.
-        self._boxed_call = True
+        super().__init__(build)
         self._parameters = parameters
         self._accumulated_order = list(accumulated_order)
-        self._build = build
-        self._variants: dict[Variant, Callable[..., Any]] = {}
-        self.calls: dict[Variant, int] = {v: 0 for v in Variant}
-
-    def prepare(self, variant: Variant) -> Callable[..., Any]:
-        """Build ``variant`` now (the first call of each variant builds it otherwise)."""
-        if variant not in self._variants:
-            self._variants[variant] = self._build(variant)
-        return self._variants[variant]
-
-    def _run(self, variant: Variant, args: list[Any]) -> Any:
-        self.calls[variant] += 1
-        return self.prepare(variant)(args)
+        self.calls = {v: 0 for v in Variant}
 
     def __call__(self, args: list[Any]) -> Any:
         params = {i: ref() for i, ref in self._parameters.items()}
@@ -113,23 +121,16 @@ class BackwardDispatch:
         return self._run(Variant.SYNC_ACCUMULATED, [*args, *accumulated])
 
 
-class ForwardDispatch:
+class ForwardDispatch(_Variants):
     """The forward callable AOTAutograd runs where a strategy has two forwards: ``choose()`` says,
-    each call, whether this one runs the other variant and which extra inputs that takes; each
-    variant is built on first use (local SGD's averaging forward)."""
+    each call, whether this one runs the other variant and which extra inputs that takes (local
+    SGD's averaging forward)."""
 
     def __init__(self, choose: Callable[[], tuple[bool, list[torch.Tensor]]], build: Callable[[bool], Callable[..., Any]]) -> None:
-        self._boxed_call = True  # an instance attribute: AOTAutograd reads it through a copy of __dict__
-        self._choose, self._build = choose, build
-        self._variants: dict[bool, Callable[..., Any]] = {}
+        super().__init__(build)
+        self._choose = choose
         self.calls = {False: 0, True: 0}
-
-    def prepare(self, other: bool) -> Callable[..., Any]:
-        if other not in self._variants:
-            self._variants[other] = self._build(other)
-        return self._variants[other]
 
     def __call__(self, args: list[Any]) -> Any:
         other, extra = self._choose()
-        self.calls[other] += 1
-        return self.prepare(other)([*args, *extra])
+        return self._run(other, [*args, *extra])

@@ -10,7 +10,8 @@ from dpar.placement import parallelize
 from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
-    BatchMismatchError, CollectiveMismatchError, DivergedRanksError, DparError, OptionsError, ProcessGroupError,
+    BatchMismatchError, CheckpointError, CollectiveMismatchError, DivergedRanksError, DparError, OptionsError,
+    ProcessGroupError,
 )
 from dpar.runtime.gradient_sync import no_sync
 from dpar.runtime.local_sgd import OuterSGD
@@ -20,6 +21,7 @@ _configure_logs()  # DPAR_LOGS applies from the first compile on
 
 __all__ = [
     "BatchMismatchError",
+    "CheckpointError",
     "CollectiveMismatchError",
     "DivergedRanksError",
     "DparError",

@@ -34,3 +34,7 @@ class DivergedRanksError(CollectiveMismatchError):
 
 class BatchMismatchError(DparError):
     """Ranks that the user said are fed the same rows were fed different ones."""
+
+
+class CheckpointError(DparError, ValueError):
+    """A checkpoint cannot be used as asked: unpublished, damaged, another model's, or another layout's."""

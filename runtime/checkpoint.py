@@ -19,6 +19,7 @@ and the optimizer through ``optimizer.state_dict()`` keyed by parameter name, as
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from typing import Any
 
@@ -28,7 +29,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from dpar.runtime.errors import OptionsError
+from dpar.runtime.checkpoint_files import publish, published, read_manifest, reached, staging_directory
+from dpar.runtime.errors import CheckpointError, OptionsError
 from dpar.runtime import zero1
 from dpar.runtime.local_sgd import Period, period_of
 from dpar.runtime.tensor_parallel import gather_blocks, tensor_parallel_spec_of
@@ -37,27 +39,62 @@ CheckpointDir = str | os.PathLike[str]  # a directory: DCP writes one file per r
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: CheckpointDir) -> None:
-    """Write every rank's shards of ``model`` (and ``optimizer``) to the DCP directory ``path``.
+    """Write every rank's shards of ``model`` (and ``optimizer``) as the checkpoint at ``path``.
 
-    Call it on every rank: DCP agrees on who writes what with a collective plan.
-    Under local SGD and zero1 each rank's state is its own (see ``_per_rank``).
+    Call it on every rank: DCP agrees on who writes what with a collective plan. The checkpoint
+    replaces the one at ``path`` only once it is complete (see [Note: publishing a checkpoint] in
+    ``checkpoint_files.py``). Under local SGD and zero1 each rank's state is its own (see ``_per_rank``).
     """
-    module = _unwrap(model)
-    state: dict[str, Any] = {"model": module.state_dict()}
-    if optimizer is not None:
-        state["optimizer"] = _optimizer_state_by_name(module, optimizer)
-    dcp.save(_per_rank(module, state), checkpoint_id=path)
+    _wait_for_pending_save()
+    state, fingerprint = _prepared(model, optimizer)
+    staging = staging_directory(os.fspath(path), None)
+    reached("staged")
+    dcp.save(state, checkpoint_id=staging)
+    reached("written")
+    publish(staging, os.fspath(path), fingerprint, None)
+
+
+def async_save(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, path: CheckpointDir
+) -> concurrent.futures.Future[None]:
+    """``save``, returning once the state is copied: a background thread writes and publishes it.
+
+    Training may go on and change the parameters right away. The future completes when the
+    checkpoint is published at ``path``; the next ``save``, ``async_save`` or ``load`` waits for it
+    first (and raises its error, if it failed). The writes and their collectives go through a
+    process group of their own, so they never interleave with the training's.
+    """
+    global _pending
+    _wait_for_pending_save()
+    state, fingerprint = _prepared(model, optimizer)
+    group = _checkpoint_group()
+    staging = staging_directory(os.fspath(path), group)
+    reached("staged")
+    upload = dcp.async_save(state, checkpoint_id=staging, process_group=group)
+
+    def finish() -> None:
+        upload.result()
+        reached("written")
+        publish(staging, os.fspath(path), fingerprint, group)
+
+    _pending = _background().submit(finish)
+    return _pending
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: CheckpointDir) -> None:
     """Read the checkpoint at ``path`` into ``model`` (and ``optimizer``) in place, on every rank.
 
     Works at any world size: DCP reshards the saved global tensors onto this run's shards,
-    or into a plain model's full tensors without a process group (a local-SGD checkpoint
-    resumes at the world size that saved it). Call it after ``dpar.parallelize`` and after
-    the optimizer is built.
+    or into a plain model's full tensors without a process group (a local-SGD or zero1
+    checkpoint resumes at the world size, and under the strategy, that saved it). Call it after
+    ``dpar.parallelize`` and after the optimizer is built. Nothing is loaded unless every file
+    matches the checkpoint's manifest and the manifest matches this model (``CheckpointError``).
     """
+    _wait_for_pending_save()
     module = _unwrap(model)
+    path = published(os.fspath(path))
+    manifest = read_manifest(path)
+    _check_same_model(manifest["fingerprint"], _fingerprint(module, optimizer), path)
     prefix = _replica_prefix(module, path)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
@@ -71,6 +108,126 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Checkp
         optimizer.load_state_dict(_optimizer_state_by_position(module, optimizer, state["optimizer"]))
     if "local_sgd" in wrapped:
         _period(module).load_state_dict(wrapped["local_sgd"])
+
+
+def _prepared(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What DCP writes, and the fingerprint the manifest records."""
+    module = _unwrap(model)
+    fingerprint = _fingerprint(module, optimizer)
+    state: dict[str, Any] = {"model": module.state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = _optimizer_state_by_name(module, optimizer)
+    return _per_rank(module, state), fingerprint
+
+
+# [Note: async save]
+# ``dcp.async_save`` copies the state to CPU memory (its default stager) before it returns and writes
+# it in a thread. That thread's collectives (DCP's plan and metadata exchange, then ours: hashing and
+# publishing) must not interleave with the training's on the default group, which would mix up the
+# two sequences: they use a gloo group of their own, created once on every rank.
+_pending: concurrent.futures.Future[None] | None = None
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_groups: dict[int, dist.ProcessGroup] = {}
+
+
+def _wait_for_pending_save() -> None:
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
+        return
+    try:
+        pending.result()
+    except Exception as exc:
+        raise CheckpointError(
+            f"the previous dpar.checkpoint.async_save failed ({type(exc).__name__}: {exc}); the checkpoint "
+            "published before it is intact. Fix the cause and save again"
+        ) from exc
+
+
+def _background() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpar-checkpoint")
+    return _executor
+
+
+def _checkpoint_group() -> dist.ProcessGroup | None:
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if id(world) not in _groups:
+        _groups[id(world)] = dist.new_group(backend="gloo")
+    return _groups[id(world)]
+
+
+def _fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What a checkpoint must agree on with the model that loads it: every tensor's name, global shape
+    and dtype, and where ranks hold state of their own, the strategy and world size."""
+    split = [name for name, p in module.named_parameters() if (s := tensor_parallel_spec_of(p)) is not None and s.dim is not None]
+    if split:
+        raise CheckpointError(
+            f"parameters split by tensor parallelism ({split[0]}, ...) cannot be checkpointed yet: each rank holds "
+            "a block under the parameter's name, which DCP would write once. Export the whole model with "
+            "dpar.checkpoint.full_state_dict(model) on every rank and torch.save it on rank 0"
+        )
+    from dpar.compiler.plan import plan_of_parameters  # the plan parallelize attached (runtime never imports compiler at import time)
+
+    plan = plan_of_parameters(dict(module.named_parameters()))
+    return {
+        "tensors": {
+            name: [list(t.shape), str(t.dtype).removeprefix("torch.")]
+            for name, t in module.state_dict().items() if isinstance(t, torch.Tensor)
+        },
+        "strategy": plan.strategy.value if plan is not None else "ddp" if dist.is_initialized() else "one process",
+        "per_rank": _rank_local(module),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+    }
+
+
+def _check_same_model(saved: dict[str, Any], mine: dict[str, Any], path: str) -> None:
+    """Raise ``CheckpointError`` naming what differs, unless DCP can load ``saved`` into this model."""
+    theirs, ours = saved["tensors"], mine["tensors"]
+    differ = [
+        f"{name} is {_described(theirs[name])} in the checkpoint, {_described(ours[name])} here"
+        for name in ours if name in theirs and theirs[name] != ours[name]
+    ]
+    problems = [
+        f"{what}: {_listed(names)}" for what, names in (
+            ("not in this model", [name for name in theirs if name not in ours]),
+            ("not in the checkpoint", [name for name in ours if name not in theirs]),
+            ("shapes or dtypes differ", differ),
+        ) if names
+    ]
+    if problems:
+        raise CheckpointError(
+            f"the checkpoint at {path!r} was saved from another model; {'; '.join(problems)}. Build the model with "
+            "the configuration that saved it (dpar.checkpoint.full_state_dict and load_state_dict(strict=False) "
+            "load part of one on purpose)"
+        )
+    if (saved["per_rank"] or mine["per_rank"]) and (saved["strategy"], saved["world_size"]) != (mine["strategy"], mine["world_size"]):
+        where = f"saved under {saved['strategy']} on {saved['world_size']} rank(s); this run is {mine['strategy']} on {mine['world_size']}"
+        if saved["per_rank"]:
+            fix = (f"it holds each rank's own state (local SGD's replicas, zero1's optimizer ranges), so it resumes "
+                   f"only under {saved['strategy']} on {saved['world_size']} rank(s)")
+        else:
+            fix = (f"{mine['strategy']} keeps a state per rank, which it does not hold: load it under ddp, zero2, fsdp "
+                   f"or hsdp (at any world size), or resume this run from a checkpoint {mine['strategy']} saved")
+        raise CheckpointError(f"the checkpoint at {path!r} was {where}: {fix}")
+    if mine["optimizer"] is not None and saved["optimizer"] not in (None, mine["optimizer"]):
+        raise CheckpointError(
+            f"the checkpoint at {path!r} holds {saved['optimizer']} state, and this optimizer is a "
+            f"{mine['optimizer']}: build a {saved['optimizer']}, or load the model alone with optimizer=None"
+        )
+
+
+def _listed(items: list[str], shown: int = 4) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
+def _described(entry: list[Any]) -> str:
+    shape, dtype = entry
+    return f"{dtype}{shape}"
 
 
 def _period(module: nn.Module) -> Period | None:
@@ -122,6 +279,9 @@ def full_state_dict(model: nn.Module) -> dict[str, Any] | None:
     model's state dict.
     """
     module = _unwrap(model)
+    pipelined = getattr(module, "_dpar_pipeline", None)
+    if pipelined is not None:  # dpar.pipeline: each parameter lives on the rank of its stage
+        return pipelined.full_state_dict()
     keep = not dist.is_initialized() or dist.get_rank() == 0
     full_of: dict[int, torch.Tensor] = {}  # id(parameter or buffer) -> its full CPU copy
     full: dict[str, Any] = {}
@@ -232,4 +392,4 @@ def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         param.grad = grad
 
 
-__all__ = ["full_state_dict", "load", "save"]
+__all__ = ["async_save", "full_state_dict", "load", "save"]

@@ -38,3 +38,7 @@ class BatchMismatchError(DparError):
 
 class CheckpointError(DparError, ValueError):
     """A checkpoint cannot be used as asked: unpublished, damaged, another model's, or another layout's."""
+
+
+class ScheduleError(DparError):
+    """A pipeline schedule would hang or compute the wrong thing: an action that can never run."""

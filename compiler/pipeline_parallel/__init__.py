@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stages cut from the captured graph, schedules as data."""

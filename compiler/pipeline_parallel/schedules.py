@@ -1,0 +1,329 @@
+"""Pipeline schedules as data: each rank's ordered list of actions, printable and checkable.
+
+A schedule is built once, before anything runs, so a wrong order is a ``ScheduleError`` naming
+the rank and action at build time instead of a hang inside ``recv`` at step time.
+
+[Note: how the orders are built, and why they cannot deadlock]
+The executor's rule: a send never blocks; a receive blocks until the peer has issued the matching
+send. Every rank here issues a receive immediately before the compute that reads it and a send
+immediately after the compute that made it, so a rank can only wait at a receive, and then for
+the compute on a neighbour that its send follows. No deadlock is then possible if the "compute A
+must finish before compute B" relation (data dependencies plus each rank's program order) has no
+cycle; the orders below are chosen so it has none, and ``check_deadlock_free`` verifies it by
+replaying.
+
+- GPipe: every forward, then every backward (micro-batches in order). Forwards only wait on
+  forwards of lower stages, backwards on forwards and on backwards of higher stages.
+- 1F1B: rank ``r`` runs ``w = min(p - 1 - r, m)`` warm-up forwards, then alternates
+  F(i + w), B(i), then the remaining backwards. Its B(i) waits for rank ``r + 1``'s B(i), which
+  that rank issues right after its own F(i + w - 1); that forward needs only rank ``r``'s
+  F(i + w - 1), issued before B(i): every wait points at an action the peer reaches without
+  waiting back. A rank holds at most ``w + 1 = p - r`` micro-batches' activations.
+- Interleaved 1F1B (looping placement: stage ``s`` on rank ``s % p``, ``v`` stages per rank):
+  forwards go in rounds of ``p`` micro-batches; within a round, chunk 0 for those ``p``
+  micro-batches, then chunk 1, and so on; backwards in the same rounds with the chunks reversed.
+  Rank ``r`` warms up with ``(v - 1) * p + 2 * (p - 1 - r)`` forwards: the last rank needs
+  ``(v - 1) * p`` of them to reach micro-batch 0 on its last chunk, and each rank further up
+  can run two more (one forward and one backward hop) before the first gradient comes back.
+  Rounds of ``p`` are why ``m`` must be a multiple of ``p``: a micro-batch that leaves rank
+  ``p - 1``'s chunk ``c`` must find rank 0 about to run chunk ``c + 1`` on it.
+- ZB-H1: the backward is split into I (input gradient, on the critical path) and W (weight
+  gradient, needed by nobody downstream). The order is 1F1B's with B replaced by I, and rank
+  ``r`` runs W(i - r) after I(i): deferred W's shorten the chain of I's the last gradient climbs
+  (the last rank runs its I(m-1) ``p - 1`` W-durations earlier), and they then fill what would
+  otherwise be the cool-down bubble. Every rank then holds ``p`` micro-batches until their W (1F1B's peak,
+  that of rank 0, on every rank). W waits only on its own rank's I, so no new cross-rank wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import warnings
+from collections.abc import Callable, Iterator
+
+from dpar.runtime.errors import OptionsError, ScheduleError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+
+
+class Op(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+    SEND_ACTIVATION = "SA"
+    RECV_ACTIVATION = "RA"
+    SEND_GRADIENT = "SG"
+    RECV_GRADIENT = "RG"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    op: Op
+    stage: int
+    micro_batch: int
+
+    def __str__(self) -> str:
+        return f"{self.op.value}{self.stage}.{self.micro_batch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule:
+    """Which rank runs what, in what order; ``actions[rank]`` is that rank's whole program."""
+
+    name: str
+    num_ranks: int
+    num_stages: int
+    micro_batches: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    def stage_rank(self, stage: int) -> int:
+        return stage % self.num_ranks
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(range(rank, self.num_stages, self.num_ranks))
+
+    def __str__(self) -> str:
+        head = (f"{self.name}: {self.num_ranks} ranks, {self.num_stages} stages, "
+                f"{self.micro_batches} micro-batches")
+        return "\n".join([head, *(f"rank {r}: " + " ".join(map(str, a)) for r, a in enumerate(self.actions))])
+
+
+def _compute_order(name: str, p: int, m: int, v: int, rank: int) -> Iterator[tuple[Op, int, int]]:
+    """(op, chunk, micro-batch) of one rank's compute actions; see the Note above."""
+    F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    if name == "gpipe":
+        yield from ((F, 0, i) for i in range(m))
+        yield from ((B, 0, i) for i in range(m))
+        return
+    if name == "interleaved_1f1b":
+        def nth(k: int, backward: bool) -> tuple[int, int]:
+            within = k % (p * v)
+            chunk = within // p
+            return (v - 1 - chunk if backward else chunk), k // (p * v) * p + within % p
+        warmup = min((v - 1) * p + 2 * (p - 1 - rank), m * v)
+        forwards = [(F, *nth(k, False)) for k in range(m * v)]
+        backwards = [(B, *nth(k, True)) for k in range(m * v)]
+    else:
+        warmup = min(p - 1 - rank, m)
+        forwards = [(F, 0, i) for i in range(m)]
+        backwards = [(B if name == "1f1b" else I, 0, i) for i in range(m)]
+    delay = rank if name == "zb_h1" else None
+    yield from forwards[:warmup]
+    for k, backward in enumerate(backwards):
+        if warmup + k < len(forwards):
+            yield forwards[warmup + k]
+        yield backward
+        if delay is not None and k >= delay:
+            yield W, 0, k - delay
+    if delay is not None:
+        yield from ((W, 0, i) for i in range(max(0, m - delay), m))
+
+
+def _with_communication(p: int, stages: int, rank: int, order: Iterator[tuple[Op, int, int]]) -> tuple[Action, ...]:
+    """Each compute action with its receive just before and its send just after."""
+    actions: list[Action] = []
+    for op, chunk, i in order:
+        s = rank + chunk * p
+        crosses_down = s > 0 and (s - 1) % p != rank  # the predecessor stage is on another rank
+        crosses_up = s < stages - 1 and (s + 1) % p != rank
+        if op is Op.FORWARD:
+            actions += [Action(Op.RECV_ACTIVATION, s, i)] if crosses_down else []
+            actions.append(Action(op, s, i))
+            actions += [Action(Op.SEND_ACTIVATION, s, i)] if crosses_up else []
+        elif op is Op.BACKWARD_WEIGHT:
+            actions.append(Action(op, s, i))
+        else:
+            actions += [Action(Op.RECV_GRADIENT, s, i)] if crosses_up else []
+            actions.append(Action(op, s, i))
+            actions += [Action(Op.SEND_GRADIENT, s, i)] if crosses_down else []
+    return tuple(actions)
+
+
+def build_schedule(name: str, *, num_ranks: int, micro_batches: int, virtual_stages: int = 1) -> PipelineSchedule:
+    """The named schedule for ``num_ranks`` ranks and ``micro_batches`` micro-batches, checked."""
+    if name not in SCHEDULES:
+        close = difflib.get_close_matches(str(name).lower(), SCHEDULES, n=1, cutoff=0.3)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise OptionsError(f"unknown pipeline schedule {name!r}{hint}; choose one of {list(SCHEDULES)}")
+    p, m, v = num_ranks, micro_batches, virtual_stages
+    for label, value in (("num_ranks", p), ("micro_batches", m), ("virtual_stages", v)):
+        if not isinstance(value, int) or value < 1:
+            raise OptionsError(f"{label} must be an integer >= 1, got {value!r}")
+    if name == "interleaved_1f1b":
+        if v < 2:
+            raise OptionsError(f"interleaved_1f1b needs virtual_stages >= 2, got {v}; "
+                               "pass virtual_stages=2 (or more), or use schedule='1f1b' for one stage per rank")
+        if m % p:
+            up = m + p - m % p
+            fix = f"micro_batches={up}" + (f" or {m - m % p}" if m > p else "")
+            raise OptionsError(f"interleaved_1f1b runs micro-batches in rounds of num_ranks={p}, so micro_batches "
+                               f"must be a multiple of {p}, got {m}; use {fix}, or schedule='1f1b'")
+    elif v != 1:
+        raise OptionsError(f"virtual_stages={v} applies only to schedule='interleaved_1f1b'; "
+                           f"drop it or use that schedule")
+    stages = p * v
+    schedule = PipelineSchedule(name, p, stages, m, tuple(
+        _with_communication(p, stages, r, _compute_order(name, p, m, v, r)) for r in range(p)))
+    check_deadlock_free(schedule)
+    return schedule
+
+
+# A receive's matching send: RA(s, i) is fed by SA(s - 1, i), RG(s, i) by SG(s + 1, i).
+_MATCH = {Op.RECV_ACTIVATION: (Op.SEND_ACTIVATION, -1), Op.RECV_GRADIENT: (Op.SEND_GRADIENT, +1)}
+_BACKWARDS = (Op.BACKWARD, Op.BACKWARD_INPUT)
+
+
+def _needs(schedule: PipelineSchedule, rank: int, a: Action) -> list[tuple[str, ...]]:
+    """What ``a`` needs done earlier on its own rank, each need a tuple of acceptable actions."""
+    s, i, last = a.stage, a.micro_batch, schedule.num_stages - 1
+    local_down = s > 0 and schedule.stage_rank(s - 1) == rank
+    local_up = s < last and schedule.stage_rank(s + 1) == rank
+    if a.op is Op.FORWARD:
+        if s == 0:
+            return []
+        return [(f"F{s - 1}.{i}",)] if local_down else [(f"RA{s}.{i}",)]
+    if a.op in _BACKWARDS:
+        grad = [] if s == last else [(f"B{s + 1}.{i}", f"I{s + 1}.{i}")] if local_up else [(f"RG{s}.{i}",)]
+        return [(f"F{s}.{i}",), *grad]
+    if a.op is Op.BACKWARD_WEIGHT:
+        return [(f"I{s}.{i}",)]
+    if a.op is Op.SEND_ACTIVATION:
+        return [(f"F{s}.{i}",)]
+    if a.op is Op.SEND_GRADIENT:
+        return [(f"B{s}.{i}", f"I{s}.{i}")]
+    return []
+
+
+def _check_contents(schedule: PipelineSchedule) -> None:
+    """Every action on the rank holding its stage, every send/recv across a real boundary, and
+    per (stage, micro-batch) exactly one F and one B, or one I and one W."""
+    counts: dict[tuple[int, int], list[str]] = {}
+    for rank, program in enumerate(schedule.actions):
+        for n, a in enumerate(program):
+            where = f"rank {rank}, action {n} ({a})"
+            if not (0 <= a.stage < schedule.num_stages and 0 <= a.micro_batch < schedule.micro_batches):
+                raise ScheduleError(f"{where}: stage or micro-batch out of range ({schedule.num_stages} stages, "
+                                    f"{schedule.micro_batches} micro-batches); fix the schedule's builder")
+            if schedule.stage_rank(a.stage) != rank:
+                raise ScheduleError(f"{where}: stage {a.stage} lives on rank {schedule.stage_rank(a.stage)}; "
+                                    f"move the action to that rank's program")
+            if a.op.is_compute:
+                counts.setdefault((a.stage, a.micro_batch), []).append(a.op.value)
+                continue
+            step = -1 if a.op in (Op.RECV_ACTIVATION, Op.SEND_GRADIENT) else +1
+            peer = a.stage + step
+            if not 0 <= peer < schedule.num_stages or schedule.stage_rank(peer) == rank:
+                raise ScheduleError(f"{where}: no stage on another rank sits across that boundary; drop the action")
+    for s in range(schedule.num_stages):
+        for i in range(schedule.micro_batches):
+            got = sorted(counts.get((s, i), []))
+            if got not in (["B", "F"], ["F", "I", "W"]):
+                raise ScheduleError(
+                    f"rank {schedule.stage_rank(s)}: stage {s}, micro-batch {i} has compute actions {got or 'none'}; "
+                    f"it needs exactly one F and one B (or one F, one I and one W)")
+
+
+def replay(schedule: PipelineSchedule, duration: Callable[[Action], float] | None = None,
+           latency: float = 0.0) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """Run every rank's program under the executor's rules; (start, end) of each action.
+
+    Compute actions last ``duration(action)`` (0 without one); a send costs nothing and its
+    message lands ``latency`` later; a receive ends when its message has landed. Raises
+    ``ScheduleError`` at the first action that can never proceed."""
+    _check_contents(schedule)
+    p = schedule.num_ranks
+    pc, clock = [0] * p, [0.0] * p
+    done: list[set[str]] = [set() for _ in range(p)]
+    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    landed: dict[Action, float] = {}  # sends not yet received -> when their message lands
+    issued: set[Action] = set()
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            while pc[r] < len(schedule.actions[r]):
+                a = schedule.actions[r][pc[r]]
+                for options in _needs(schedule, r, a):
+                    if not done[r] & set(options):
+                        raise ScheduleError(
+                            f"rank {r}, action {pc[r]} ({a}) needs {' or '.join(options)} earlier on the same rank, "
+                            f"and the program does not run it before; reorder rank {r}'s actions")
+                start = clock[r]
+                if a.op in _MATCH:
+                    op, step = _MATCH[a.op]
+                    send = Action(op, a.stage + step, a.micro_batch)
+                    if send not in landed:
+                        break
+                    clock[r] = max(clock[r], landed.pop(send))
+                elif not a.op.is_compute:
+                    if a in issued:
+                        raise ScheduleError(f"rank {r}, action {pc[r]} ({a}) sends a second time; drop the duplicate")
+                    issued.add(a)
+                    landed[a] = clock[r] + latency
+                else:
+                    clock[r] += duration(a) if duration else 0.0
+                times[r].append((start, clock[r]))
+                done[r].add(str(a))
+                pc[r] += 1
+                progressed = True
+    stuck = [r for r in range(p) if pc[r] < len(schedule.actions[r])]
+    if stuck:
+        lines = []
+        for r in stuck:
+            a = schedule.actions[r][pc[r]]
+            op, step = _MATCH[a.op]
+            send = Action(op, a.stage + step, a.micro_batch)
+            peer = schedule.stage_rank(send.stage)
+            why = "which has already been received" if send in issued else (
+                f"which rank {peer} never issues" if send not in schedule.actions[peer] else
+                f"which rank {peer} issues only after it is blocked itself")
+            lines.append(f"rank {r}, action {pc[r]} ({a}) waits forever for {send} from rank {peer}, {why}")
+        lines.sort(key=lambda line: "blocked itself" in line)  # the root causes first
+        raise ScheduleError(f"schedule {schedule.name!r} deadlocks: " + "; ".join(lines)
+                            + ". Every receive needs its peer to reach the matching send without waiting on it; "
+                              "reorder the programs")
+    return tuple(tuple(t) for t in times)
+
+
+def check_deadlock_free(schedule: PipelineSchedule) -> None:
+    """Raise ``ScheduleError`` naming the rank and action that could never proceed, if any."""
+    replay(schedule)
+
+
+def bubble_formula(name: str, num_ranks: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle share of the step on every rank with equal-cost actions (F = B, or F = I = W).
+
+    Exact for the orders built here (``simulate`` checks them): GPipe and 1F1B
+    (p-1)/(m+p-1); interleaved (p-1)/(v m+p-1) with F, B the cost of one chunk; ZB-H1, see
+    [Note: the ZB-H1 bubble] in simulate.py."""
+    p, m, v = num_ranks, micro_batches, virtual_stages
+    if name == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zb_h1":
+        span = max(3 * m + p - 1, 2 * m + 2 * p - 1)
+        return (span - 3 * m) / span
+    return (p - 1) / (m + p - 1)
+
+
+class PipelineBubbleWarning(UserWarning):
+    """Too few micro-batches for the stages: ranks idle a large share of each step."""
+
+
+def warn_if_bubble_large(name: str, num_ranks: int, micro_batches: int, virtual_stages: int = 1) -> None:
+    """Warn (``PipelineBubbleWarning``) when micro_batches < 4 x stages, naming the bubble and the fix."""
+    p, m, v = num_ranks, micro_batches, virtual_stages
+    if p == 1 or m >= 4 * p:  # one rank has no bubble
+        return
+    now, fixed = bubble_formula(name, p, m, v), bubble_formula(name, p, 4 * p, v)
+    stages = f"{p} stages" if v == 1 else f"{p} ranks x {v} virtual stages"
+    warnings.warn(PipelineBubbleWarning(
+        f"pipeline schedule {name!r} with {stages} and {m} micro-batches leaves every rank idle "
+        f"{now:.1%} of the step (bubble); use micro_batches >= {4 * p} (4 x {p}) to bring it to "
+        f"{fixed:.1%}, e.g. a larger batch or smaller micro-batches"), stacklevel=2)

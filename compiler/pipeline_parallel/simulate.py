@@ -1,0 +1,145 @@
+"""A schedule's timeline from per-action costs: when each rank is busy, idle, and how much it holds.
+
+The executor measures the same figures from real timestamps; this is what they are checked
+against, and what ``dpar inspect`` draws for any stage and micro-batch count without running.
+
+[Note: the bubble convention]
+The step span is from 0 to the end of the last action on any rank. A rank's bubble is the time
+inside that span it is not computing (waiting at a receive, or done early), over the span. With
+equal work per rank this is the same on every rank, and for GPipe and 1F1B it is
+(p-1)/(m+p-1): the idle share of the step, not Megatron's bubble/ideal ratio (p-1)/m. Interleaved
+1F1B with F and B the cost of one of a rank's ``v`` chunks gives (p-1)/(v m+p-1), Megatron's
+(p-1)/(v m) in the same convention.
+
+[Note: the ZB-H1 bubble]
+Take F = I = W = 1 (so 1F1B's B = 2). Rank ``r`` starts its first forward at ``r`` and, with its
+``p - r`` forwards before the first I back to back, finishes them at ``p``. The first I reaches
+the last rank at ``p`` and climbs one rank per I (1, against 1F1B's B = 2), so rank ``r``'s first
+I starts at ``2p - 1 - r``: ``r + (p - 1 - r) = p - 1`` idle so far on every rank. After that
+nothing waits: deferring ``r`` W's lets rank ``r + 1``'s I's run two apart (F, I) while rank ``r``
+catches up, and in the cool-down the deferred W's fill the gaps. The span is ``3m + p - 1`` and
+the bubble (p-1)/(3m+p-1): (p-1) idle units per rank against 1F1B's 3(p-1), the paper's one third.
+This needs m >= p (the paper's setting). With fewer, rank ``r < p - m`` runs out of forwards
+before the first I returns and the last rank alternates F and I as forwards arrive, so its
+I(m-1) ends at ``p + 2m - 1`` and rank 0's W(m-1) at ``2m + 2p - 1``: in general the span is
+``max(3m + p - 1, 2m + 2p - 1)`` (equal at m = p).
+
+Memory: counted from F until W, ZB-H1 holds ``p`` micro-batches on every rank (1F1B's peak, that
+of rank 0, everywhere; the paper counts less for a micro-batch between I and W). Holding only
+1F1B's ``p - r`` is not enough for this bubble: the last rank, holding one, must run F, I, W
+of each micro-batch in turn, so its I(m-1) starts no earlier than ``3m + p - 3`` and rank 0's
+W(m-1) ends no earlier than ``3m + 2p - 2``: two thirds of 1F1B's bubble, not one third.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dpar.compiler.pipeline_parallel.schedules import Action, Op, PipelineSchedule, replay
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Seconds (or any unit) per compute action, and a send's latency until its receive can end."""
+
+    forward: float = 1.0
+    backward: float = 2.0  # the usual ~2x forward: two matrix products per forward one
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    latency: float = 0.0
+
+    def __call__(self, action: Action) -> float:
+        return {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward_input,
+                Op.BACKWARD_WEIGHT: self.backward_weight}[action.op]
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedAction:
+    """One action's interval on its rank; ``stream``/``name``/``graph`` are what trace files show."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def stream(self) -> str:
+        return "compute" if self.action.op.is_compute else "comm"
+
+    @property
+    def name(self) -> str:
+        return str(self.action)
+
+    @property
+    def graph(self) -> str:
+        return f"stage {self.action.stage}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedTimeline:
+    schedule: PipelineSchedule
+    events: tuple[TimedAction, ...]
+    span: float
+    busy: tuple[float, ...]  # compute time per rank
+    peak_in_flight: tuple[int, ...]  # per stage: most micro-batches between F and their B or W
+
+    @property
+    def ranks_shown(self) -> int:
+        return self.schedule.num_ranks
+
+    @property
+    def bubble(self) -> tuple[float, ...]:
+        """Idle share of the step span per rank; see [Note: the bubble convention]."""
+        return tuple((self.span - b) / self.span if self.span else 0.0 for b in self.busy)
+
+    def peak_in_flight_of_rank(self, rank: int) -> int:
+        """Micro-batch activations a rank holds at once, over all its stages."""
+        return _peak(a for a in self.schedule.actions[rank])
+
+    def save(self, path: str | Path) -> Path:
+        """Chrome/Perfetto trace JSON: a process per rank, compute and send/recv threads."""
+        from dpar.inspect.trace import trace_events  # the same format as `dpar inspect`'s timelines
+
+        doc: dict[str, Any] = {
+            "traceEvents": trace_events(self),  # type: ignore[arg-type]
+            "displayTimeUnit": "ms",
+            "otherData": {"schedule": str(self.schedule).splitlines()[0], "span_s": self.span,
+                          "bubble": list(self.bubble), "peak_in_flight": list(self.peak_in_flight)},
+        }
+        path = Path(path)
+        path.write_text(json.dumps(doc))
+        return path
+
+
+def _peak(actions: Any) -> int:
+    held = peak = 0
+    for a in actions:
+        if a.op is Op.FORWARD:
+            held += 1
+            peak = max(peak, held)
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+            held -= 1
+    return peak
+
+
+def simulate(schedule: PipelineSchedule, costs: Costs | Callable[[Action], float] = Costs(),
+             *, latency: float | None = None) -> SimulatedTimeline:
+    """Replay ``schedule`` with ``costs`` per compute action (a ``Costs`` or any function of the
+    action, e.g. per-stage costs from the split); ``latency`` overrides ``Costs.latency``."""
+    if latency is None:
+        latency = costs.latency if isinstance(costs, Costs) else 0.0
+    times = replay(schedule, costs, latency)
+    events = tuple(TimedAction(r, a, *t) for r, program in enumerate(schedule.actions)
+                   for a, t in zip(program, times[r]))
+    busy = [0.0] * schedule.num_ranks
+    for e in events:
+        if e.action.op.is_compute:
+            busy[e.rank] += e.end - e.start
+    span = max((e.end for e in events), default=0.0)
+    peaks = tuple(_peak(a for a in schedule.actions[schedule.stage_rank(s)] if a.stage == s)
+                  for s in range(schedule.num_stages))
+    return SimulatedTimeline(schedule, events, span, tuple(busy), peaks)

@@ -11,7 +11,7 @@ from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, DivergedRanksError, DparError, OptionsError,
-    ProcessGroupError, ScheduleError,
+    ProcessGroupError, RankLostError, ScheduleError,
 )
 from dpar.runtime.gradient_sync import no_sync
 from dpar.runtime.local_sgd import OuterSGD
@@ -29,6 +29,7 @@ __all__ = [
     "OuterSGD",
     "Plan",
     "ProcessGroupError",
+    "RankLostError",
     "ScheduleError",
     "checkpoint",
     "dpar_backend",

@@ -45,6 +45,7 @@ from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout
 from dpar.compiler.tensor_parallel import TensorParallel
 from dpar.runtime.agreement import agree
 from dpar.runtime.gradient_sync import BackwardDispatch, ForwardDispatch, Variant
+from dpar.runtime.liveness import Watched
 from dpar.runtime.local_sgd import choose_variant, period_of
 from dpar.runtime.world import World, group_size
 
@@ -74,8 +75,10 @@ def lower_checked(
     lower: Lower,
     world: World,
     options: Options,
+    role: GraphRole,
 ) -> Callable[..., Any]:
-    """Record the post-pass graph, agree on its collectives across ranks, then compile it."""
+    """Record the post-pass graph, agree on its collectives across ranks, then compile it, watched for a
+    rank that vanishes (runtime/liveness.py)."""
     refresh_fake_values(gm, example_inputs)
     found = collectives(gm)
     record(label, gm, found)
@@ -84,7 +87,8 @@ def lower_checked(
         sizes = {c.group: group_size(c.group) for c in found}
         lines = [c.fingerprint(f"over {sizes[c.group]} ranks") for c in found]
         agree(world, label, lines, options.check_timeout_s)
-    return lower(gm, example_inputs)
+    compiled = lower(gm, example_inputs)
+    return compiled if world.backend == "fake" else Watched(compiled, role.value)
 
 
 class Pipeline:
@@ -201,7 +205,7 @@ class Pipeline:
                 return self._forward_variants(gm, example_inputs, lower)
             passes = self.forward_passes() if role is GraphRole.FORWARD else self.inference_passes()
         gm = run_passes(gm, passes, role.value)
-        return lower_checked(gm, example_inputs, f"{role.value} graph", lower, self.world, self.options)
+        return lower_checked(gm, example_inputs, f"{role.value} graph", lower, self.world, self.options, role)
 
     def _plan_buffers(self, flat_values: Sequence[Any]) -> None:
         """Every rank reads rank 0's buffers, as under ddp; a tensor-parallel block only over its data axis."""
@@ -237,7 +241,7 @@ class Pipeline:
             inputs = list(example_inputs)
             if other and outer:  # DiLoCo's anchors and momenta, as the dispatch appends them
                 inputs += [fake_like(example_inputs[i.index]) for i in trained] * 2
-            return lower_checked(graph, inputs, label, lower, self.world, self.options)
+            return lower_checked(graph, inputs, label, lower, self.world, self.options, GraphRole.FORWARD)
 
         assert self.period is not None, "parallelize attached a period to a local-SGD model's parameters"
         parameters = [i.tensor for i in self.inputs if i.kind is InputKind.PARAMETER]
@@ -258,7 +262,7 @@ class Pipeline:
             inputs = list(example_inputs)
             if variant is Variant.SYNC_ACCUMULATED:
                 inputs += [fake_like(outputs[i].meta["val"]) for i in order]
-            return lower_checked(graph, inputs, label, lower, self.world, self.options)
+            return lower_checked(graph, inputs, label, lower, self.world, self.options, GraphRole.BACKWARD)
 
         dispatch = BackwardDispatch(self.gradients.parameters(), order, build)
         dispatch.prepare(Variant.SYNC)

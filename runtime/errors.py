@@ -42,3 +42,7 @@ class CheckpointError(DparError, ValueError):
 
 class ScheduleError(DparError):
     """A pipeline schedule would hang or compute the wrong thing: an action that can never run."""
+
+
+class RankLostError(DparError):
+    """A rank of the job vanished (killed, crashed, its host lost) in the middle of training."""

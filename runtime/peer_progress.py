@@ -21,7 +21,9 @@ Each rank runs one daemon thread, started at its first check, that looks for a
 question in the store once a second on its own connection and answers with its
 counts and where its main thread is: one store lookup a second per rank,
 whatever the step time, and nothing added to a training step. A rank asks only
-after waiting at a check for a second.
+after waiting at a check for a second. The same thread publishes this rank's
+heartbeat (one store write a second) and watches for a silent rank: see
+[Note: a rank that vanishes] in ``liveness.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from dpar.runtime import liveness
 from dpar.runtime.world import collectives_issued, default_store, wait_for_keys
 
 _QUERY_COUNT = "dpar/progress/queries"
@@ -98,10 +101,17 @@ def _stop_answering() -> None:
 
 
 def _answer_queries(store: dist.Store, rank: int, checks: Callable[[], int]) -> None:
-    query = 1
+    query = beats = 1
+    try:
+        liveness.beat(store, rank, beats)
+    except Exception:
+        return
     # Ends with the process group: after destroy_process_group the store server may be gone.
     while not _stop.wait(POLL_INTERVAL_S) and dist.is_initialized():
         try:
+            beats += 1
+            liveness.beat(store, rank, beats)
+            liveness.watch(store)
             while store.check([f"{_QUERY}/{query}"]):
                 if rank in json.loads(store.get(f"{_QUERY}/{query}"))["ranks"]:
                     report = PeerReport(rank, collectives_issued(), checks(), _main_thread_location())
@@ -109,6 +119,7 @@ def _answer_queries(store: dist.Store, rank: int, checks: Callable[[], int]) -> 
                 query += 1
         except Exception:
             return  # the store is gone; an asking rank treats the silence as unknown
+    liveness.mark_left(store, rank, "its program finished (or destroyed its process group)")
 
 
 def _main_thread_location(depth: int = 3) -> str:

@@ -1,0 +1,212 @@
+"""A rank that vanishes: heartbeats, the step each rank is at, and the error the survivors raise.
+
+[Note: a rank that vanishes]
+A rank killed in the middle of a step (SIGKILL, OOM killer, a lost host) leaves the others inside,
+or about to enter, a collective with it. What a survivor sees depends on how it died:
+
+* The process died and its kernel closed its sockets (SIGKILL, a crash): gloo fails the survivor's
+  pending or next collective at once (10-20 ms measured), with a transport message that names an
+  address, not a rank. dpar catches the failure where its compiled graphs are called
+  (``Watched``) and finds the vanished rank from heartbeats: every rank's daemon thread (the one of
+  peer_progress.py) bumps a counter in the rendezvous store once a second, whatever its main thread
+  is doing, and a rank that leaves on purpose overwrites it with why. A counter that does not move
+  for ``LOST_AFTER_S`` (three beats: a loaded machine can delay one beat, not three) belongs to a
+  rank that is gone. The survivor then raises ``RankLostError`` naming that rank, its last known
+  step and this rank's step. Bound: the failed collective's error plus ``LOST_AFTER_S``, about 3 s.
+  A survivor computing when the rank died meets the failure at its next collective, at most one
+  step later.
+* The process stopped without closing its sockets (a host that lost power or network, a frozen
+  process): gloo waits for the process group's timeout (30 min by default), and no Python code can
+  interrupt a thread blocked in the transport (``ProcessGroupGloo.abort`` does not release it,
+  checked on torch 2.13). The same daemon thread watches: once this rank's graphs have made no
+  progress for ``WATCH_AFTER_S``, it reads the others' heartbeats each second; a rank whose counter
+  stays still for ``SILENT_AFTER_S`` is declared lost, and the thread prints the ``RankLostError``
+  message and ends this process with exit code 1, as NCCL's own watchdog does with
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. Bound: ``WATCH_AFTER_S + SILENT_AFTER_S`` plus one beat,
+  about 14 s; ``SILENT_AFTER_S`` is longer than ``LOST_AFTER_S`` because ending a process is final,
+  and a live rank whose threads are starved (swapping, a C call holding the GIL) must not be taken
+  for dead.
+* A survivor blocked on a live rank that is itself blocked on the vanished one is released when
+  that rank leaves by either path (its sockets close), so every survivor is out within the bounds
+  above; each also watches the vanished rank's heartbeat itself.
+
+Steps are counted here, not by the optimizer, which dpar does not see: a step begins with the
+first forward graph call after a backward (or a no_grad inference graph), so under gradient accumulation each
+micro-batch counts as one. The heartbeat carries the step and phase, so the survivor can say where
+the vanished rank was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from functorch.compile import make_boxed_func
+
+from dpar.runtime.errors import RankLostError
+from dpar.runtime.world import default_store
+
+_HEARTBEAT = "dpar/heartbeat"
+LOST_AFTER_S = 3.0
+"""After a collective failed: a rank whose heartbeat does not move for this long is gone (three beats)."""
+WATCH_AFTER_S = 3.0
+"""This rank's graphs made no progress for this long: the daemon thread starts reading the others' heartbeats."""
+SILENT_AFTER_S = 10.0
+"""While watching: a rank whose heartbeat stays still this long is declared lost, and this process ends."""
+
+
+@dataclasses.dataclass
+class _Progress:
+    """Where this rank's main thread is, as far as dpar's compiled graphs tell."""
+
+    step: int = 0
+    phase: str = "start"  # the role of the graph called last: forward, backward, inference
+    changed_at: float = dataclasses.field(default_factory=time.monotonic)
+
+    def where(self) -> str:
+        if self.step == 0:
+            return "before the first step"
+        if self.phase == "inference":
+            return f"in an inference graph (no_grad) after step {self.step}"
+        return f"in the {self.phase} of step {self.step}"
+
+
+_progress = _Progress()
+_watched: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat count, when this rank saw it change)
+_left: list[str] = []  # why this rank left, once it has: the first reason stays
+
+
+def _enter(phase: str) -> None:
+    if phase == "forward" and _progress.phase != "forward":
+        _progress.step += 1
+    _progress.phase, _progress.changed_at = phase, time.monotonic()
+
+
+class Watched:
+    """A compiled graph (boxed calling convention) that counts steps and turns a failed collective
+    into ``RankLostError`` when a rank has vanished. See [Note: a rank that vanishes]."""
+
+    def __init__(self, compiled: Callable[..., Any], phase: str) -> None:
+        self._boxed_call = True
+        self._compiled = compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
+        self._phase = phase
+
+    def __call__(self, args: list[Any]) -> Any:
+        _enter(self._phase)
+        try:
+            return self._compiled(args)
+        except RuntimeError as exc:  # gloo's and NCCL's failures (DistBackendError is one)
+            error = _diagnose(exc)
+            if error is None:
+                raise
+            raise error from exc
+        finally:
+            _progress.changed_at = time.monotonic()
+
+
+# Heartbeats: written and watched by peer_progress.py's daemon thread on its own store connection.
+
+
+def beat(store: dist.Store, rank: int, count: int) -> None:
+    store.set(f"{_HEARTBEAT}/{rank}", json.dumps({"beat": count, "step": _progress.step, "phase": _progress.phase}))
+
+
+def mark_left(store: dist.Store, rank: int, why: str) -> None:
+    """This rank leaves on purpose (a finished program, a raised error): others must not wait for its heartbeat."""
+    if _left:
+        return
+    _left.append(why)
+    try:
+        store.set(f"{_HEARTBEAT}/{rank}", json.dumps({"left": why}))
+    except Exception:
+        pass  # the store is gone with its host; the others find out from it
+
+
+def _heartbeats(store: dist.Store, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """The ranks' last heartbeats (a rank that never beat is absent): one round trip once all have beaten."""
+    keys = [f"{_HEARTBEAT}/{r}" for r in ranks]
+    if store.check(keys):
+        return {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys))}
+    return {r: json.loads(store.get(k)) for r, k in zip(ranks, keys) if store.check([k])}
+
+
+def _others() -> list[int]:
+    return [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+
+
+def watch(store: dist.Store) -> None:
+    """Run by the daemon thread once a second: end this process if it is stuck while a rank is silent."""
+    now = time.monotonic()
+    if _progress.step == 0 or now - _progress.changed_at < WATCH_AFTER_S:
+        _watched.clear()
+        return
+    for rank, heartbeat in _heartbeats(store, _others()).items():
+        if "left" in heartbeat:
+            _watched.pop(rank, None)
+        elif rank not in _watched or _watched[rank][0] != heartbeat["beat"]:
+            _watched[rank] = (heartbeat["beat"], now)
+    silent = sorted(r for r, (_, since) in _watched.items() if now - since >= SILENT_AFTER_S)
+    if not silent:
+        return
+    message = (
+        f"rank {dist.get_rank()} lost rank(s) {silent} {_progress.where()}: they have sent no heartbeat for "
+        f"{SILENT_AFTER_S:.0f} s while this rank has made no progress for {now - _progress.changed_at:.0f} s "
+        "(their host is gone or the process is frozen). A collective blocked in the transport cannot be "
+        f"interrupted, so dpar ends this process. {_RESTART}"
+    )
+    mark_left(store, dist.get_rank(), f"lost rank(s) {silent}")
+    print(f"dpar.RankLostError: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+_QUOTED = 120  # characters of the transport's message quoted (gloo's first line names an address, then advice)
+_RESTART = (
+    "Training cannot go on with a rank missing: restart the job and resume from the last checkpoint "
+    "(torchrun --max-restarts N ..., with dpar.checkpoint.load at start-up when a checkpoint exists; "
+    "see the README's 'Failure behaviour')."
+)
+
+
+def _diagnose(exc: RuntimeError) -> RankLostError | None:
+    """The error to raise for ``exc`` if a rank has vanished; None if every rank is alive."""
+    me = dist.get_rank() if dist.is_initialized() else None
+    if me is None:
+        return None
+    failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:_QUOTED]}"
+    try:
+        store = default_store()
+        first = _heartbeats(store, _others())
+        deadline = time.monotonic() + LOST_AFTER_S
+        while True:
+            now = _heartbeats(store, _others())
+            left = {r: h["left"] for r, h in now.items() if "left" in h}
+            alive = {r for r, h in now.items() if "beat" in h and h["beat"] != first.get(r, {}).get("beat")}
+            lost = [r for r in _others() if r not in left and r not in alive]
+            if not lost or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+    except Exception:  # the store no longer answers: its host is gone
+        host = "the torchrun agent of rank 0's node" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
+        return RankLostError(
+            f"rank {me} lost the rendezvous store {_progress.where()} ({failure}): its host, {host}, is gone. {_RESTART}"
+        )
+    if not lost:
+        return None
+    last = "; ".join(
+        f"rank {r} last beat {_Progress(step=first[r]['step'], phase=first[r]['phase']).where()}"
+        if r in first and "beat" in first[r] else f"rank {r} never sent a heartbeat"
+        for r in lost
+    )
+    others = "".join(f"; rank {r} left: {why}" for r, why in sorted(left.items()))
+    mark_left(store, me, f"lost rank(s) {lost} {_progress.where()}")
+    return RankLostError(
+        f"rank {me} lost rank(s) {lost} {_progress.where()}: a collective failed ({failure}) and "
+        f"rank(s) {lost} sent no heartbeat for {LOST_AFTER_S:.0f} s ({last}{others}): the process was "
+        f"killed or crashed. {_RESTART}"
+    )

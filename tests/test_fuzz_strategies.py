@@ -1,0 +1,225 @@
+"""Fuzzing every strategy against torch DDP on small random models (``fuzz_models.ModelSpec``).
+
+hypothesis draws the models in this process (a fixed seed per world size, so CI sees the same
+cases every run); all of one world size's cases and strategies then run in ONE ``run_ranks``
+launch, because starting gloo ranks costs seconds and a compile with ``aot_eager`` well under
+one. Inside the ranks each (model, strategy) trains ``STEPS`` steps on per-rank slices and is
+compared with torch DDP fed the same slices: every parameter (rank 0's gathered view, and every
+rank's own where parameters are whole) and, where the strategy promises DDP's buffers, every
+rank's buffers. A strategy that refuses a model with a named dpar error for a reason listed in
+``REFUSALS`` passes; any other error is a failure.
+
+``DPAR_FUZZ_EXAMPLES=200 pytest tests/test_fuzz_strategies.py`` draws 200 models per world size
+instead of CI's few (``DPAR_FUZZ_SEED`` picks other ones). A failing case prints as
+``FuzzCase(...)``: minimise it, paste it into ``REGRESSIONS`` and fix the bug (or mark it xfail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+from distributed import run_ranks
+from fuzz_models import ModelSpec, build, global_batch, loss_of, model_specs
+
+STEPS = 4
+ROWS_PER_RANK = 3
+TOLERANCE = {"sgd": 1e-5, "adamw": 1e-4}  # ../shared/design/NOTES.md
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "local_sgd")
+WHOLE_PARAMETERS = {"ddp", "zero1", "local_sgd"}  # every rank holds every parameter whole
+DDP_BUFFERS = {"ddp", "zero1", "zero2", "fsdp", "hsdp", "tp"}  # README: each rank's buffers are DDP's
+# (strategy, error class, part of its message): a model this strategy cannot run, named as such.
+REFUSALS = [("tp", "OptionsError", "leaves some ranks no part of dimension")]
+CI_EXAMPLES = {1: 3, 2: 4, 3: 3, 4: 3}  # models per world size in CI
+
+
+@dataclasses.dataclass(frozen=True)
+class FuzzCase:
+    spec: ModelSpec
+    optimizer: str  # "sgd" (momentum 0.9) or "adamw"; local_sgd always trains with plain SGD
+
+
+# Failing cases the fuzzer found, minimised: (world size, case, strategies, what was wrong).
+REGRESSIONS = [
+    pytest.param(
+        1,
+        FuzzCase(spec=ModelSpec(inputs=1, widths=(), outputs=1, bias=False, activation='gelu'), optimizer='sgd'),
+        ("tp",),
+        id="tp-at-world-size-1",  # dpar::tensor_parallel_grad returned its own input (a full-size block): RuntimeError
+    ),
+]
+
+
+def strategies_for(world_size: int) -> tuple[str, ...]:
+    return tuple(s for s in STRATEGIES if s != "hsdp" or world_size == 4)  # hsdp: a 2x2 mesh
+
+
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "plain_sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def rank_rows(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return t.chunk(world_size)[rank]
+
+
+def torch_ddp(spec: ModelSpec, optimizer: str, rank: int, world_size: int) -> nn.Module:
+    model = build(spec)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=spec.unused)
+    opt = make_optimizer(optimizer, model)
+    for step in range(STEPS):
+        x, y = (rank_rows(t, rank, world_size) for t in global_batch(spec, step, ROWS_PER_RANK * world_size))
+        opt.zero_grad()
+        loss_of(spec, ddp, x, y).backward()
+        opt.step()
+    return model
+
+
+def dpar_trained(spec: ModelSpec, optimizer: str, strategy: str, rank: int, world_size: int) -> nn.Module:
+    import dpar
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    model = build(spec)
+    batch = lambda step: [rank_rows(t, rank, world_size) for t in global_batch(spec, step, ROWS_PER_RANK * world_size)]
+    kwargs: dict = {}
+    if strategy == "hsdp":
+        kwargs["mesh"] = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    if strategy == "tp":
+        kwargs["example_inputs"] = (batch(0)[0],)
+    if strategy == "local_sgd":
+        kwargs["sync_every"] = 1
+    dpar.parallelize(model, strategy=strategy, **kwargs)
+    compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager", "check_timeout_s": 30})
+    opt = make_optimizer(optimizer, model)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss_of(spec, compiled, x, y).backward()
+        opt.step()
+    if strategy == "local_sgd":  # the forward after a step averages that step's replicas
+        compiled(batch(STEPS)[0])
+    return model
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((float((a[k].detach().double() - b[k].detach().double()).abs().max()) for k in a if a[k].numel()), default=0.0)
+
+
+def compare(case: FuzzCase, strategy: str, rank: int, world_size: int, reference: nn.Module) -> dict:
+    """This rank's differences from torch DDP: {"parameters": ..., "buffers": ...} (absent: not compared)."""
+    import dpar
+
+    model = dpar_trained(case.spec, "plain_sgd" if strategy == "local_sgd" else case.optimizer, strategy, rank, world_size)
+    buffers = {k for k, _ in reference.named_buffers()}
+    full = dpar.checkpoint.full_state_dict(model)  # every rank takes part; rank 0 gets it
+    diffs: dict[str, float] = {}
+    want = reference.state_dict()
+    if full is not None:
+        kept = {k for k in want if strategy in DDP_BUFFERS or k not in buffers}
+        diffs["parameters"] = max_abs_diff({k: full[k] for k in kept}, {k: want[k] for k in kept})
+    if strategy in WHOLE_PARAMETERS:
+        own = dict(model.named_parameters(remove_duplicate=False))
+        diffs["parameters"] = max(diffs.get("parameters", 0.0), max_abs_diff(own, {k: want[k] for k in own}))
+    if strategy in DDP_BUFFERS:
+        diffs["buffers"] = max_abs_diff(dict(model.named_buffers()), {k: want[k] for k in buffers})
+    return diffs
+
+
+def rank_main(rank: int, world_size: int, runs: list[tuple[FuzzCase, tuple[str, ...]]]) -> list[dict]:
+    """Each case under each of its strategies: {"moved": how far torch DDP moved the parameters,
+    "strategies": {strategy: diffs, or "ErrorClass: message and traceback"}}."""
+    results = []
+    for index, (case, strategies) in enumerate(runs):
+        start = build(case.spec).state_dict()
+        references = {case.optimizer: torch_ddp(case.spec, case.optimizer, rank, world_size),
+                      "plain_sgd": torch_ddp(case.spec, "plain_sgd", rank, world_size)}
+        moved = min(max_abs_diff(start, r.state_dict()) for r in references.values())
+        outcome: dict = {}
+        for strategy in strategies:
+            reference = references["plain_sgd" if strategy == "local_sgd" else case.optimizer]
+            try:
+                outcome[strategy] = compare(case, strategy, rank, world_size, reference)
+            except Exception as exc:  # recorded: a named refusal passes, anything else fails the test
+                outcome[strategy] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-3)}"
+        results.append({"moved": moved, "strategies": outcome})
+        print(f"rank {rank}: case {index + 1}/{len(runs)} done", flush=True)
+    return results
+
+
+def is_refusal(strategy: str, error: str) -> bool:
+    return any(strategy == s and error.startswith(f"{name}: ") and part in error for s, name, part in REFUSALS)
+
+
+def problems(case: FuzzCase, world_size: int, per_rank: list[dict]) -> list[str]:
+    """What is wrong with one case's results on every rank (empty: it matches torch DDP)."""
+    found = []
+    if per_rank[0]["moved"] <= 10 * TOLERANCE[case.optimizer]:  # then no difference could fail it
+        found.append(f"torch DDP moved the parameters by only {per_rank[0]['moved']:.3g}: the case tells nothing")
+    for rank, result in enumerate(per_rank):
+        for strategy, outcome in result["strategies"].items():
+            if isinstance(outcome, str):
+                if not is_refusal(strategy, outcome):
+                    found.append(f"{strategy} on rank {rank} of {world_size} raised {outcome}")
+                continue
+            limit = TOLERANCE["sgd"] if strategy == "local_sgd" else TOLERANCE[case.optimizer]
+            for what, diff in outcome.items():
+                if not diff <= limit:
+                    found.append(f"{strategy} on rank {rank} of {world_size}: {what} differ from torch DDP by {diff:.3g}")
+    return found
+
+
+def fuzz_cases() -> st.SearchStrategy[FuzzCase]:
+    return st.builds(FuzzCase, model_specs(), st.sampled_from(["sgd", "adamw"]))
+
+
+def drawn_cases(world_size: int) -> list[FuzzCase]:
+    """The cases for ``world_size``: hypothesis's draws under a fixed seed (no database, no shrinking)."""
+    examples = int(os.environ.get("DPAR_FUZZ_EXAMPLES", CI_EXAMPLES[world_size]))
+    drawn: list[FuzzCase] = []
+
+    @seed(int(os.environ.get("DPAR_FUZZ_SEED", 0)) * 10 + world_size)
+    @settings(max_examples=examples, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(fuzz_cases())
+    def collect(case: FuzzCase) -> None:
+        if case not in drawn:
+            drawn.append(case)
+
+    collect()
+    return drawn
+
+
+def check(runs: list[tuple[FuzzCase, tuple[str, ...]]], world_size: int) -> None:
+    """Every run in one launch of ``world_size`` ranks; fails listing each case that went wrong."""
+    per_rank = run_ranks(rank_main, world_size, runs, timeout_s=120 + 20 * world_size * len(runs))
+    failures = []
+    for index, (case, _) in enumerate(runs):
+        found = problems(case, world_size, [r[index] for r in per_rank])
+        if found:
+            failures.append(f"{case!r} at world size {world_size}:\n  " + "\n  ".join(found))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda n: f"{n}ranks")
+def test_every_strategy_trains_random_models_as_torch_ddp(world_size: int) -> None:
+    cases = drawn_cases(world_size)
+    print(f"{len(cases)} models x {len(strategies_for(world_size))} strategies at world size {world_size}")
+    check([(case, strategies_for(world_size)) for case in cases], world_size)
+
+
+@pytest.mark.parametrize("world_size, case, strategies", REGRESSIONS)
+def test_a_case_the_fuzzer_found_trains_as_torch_ddp(world_size: int, case: FuzzCase, strategies: tuple[str, ...]) -> None:
+    check([(case, strategies)], world_size)

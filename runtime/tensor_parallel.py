@@ -93,7 +93,9 @@ def _(block: torch.Tensor, dim: int, tp_size: int, group_name: str, size: int) -
 def tensor_parallel_grad(grad: torch.Tensor, dim: int, tp_size: int, group_name: str) -> torch.Tensor:
     """This rank's block of a full gradient every rank of the group computed alike."""
     rank = dist.get_rank(_resolve_process_group(group_name))
-    return grad.narrow(dim, *local_block(grad.shape[dim], tp_size, rank)).contiguous()
+    # A copy, not .contiguous(): at one rank the block is the whole gradient, and a custom op may not
+    # return its own input (run uncompiled, as it is without a process group, that raised).
+    return grad.narrow(dim, *local_block(grad.shape[dim], tp_size, rank)).clone(memory_format=torch.contiguous_format)
 
 
 @tensor_parallel_grad.register_fake

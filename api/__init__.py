@@ -6,12 +6,13 @@
 from dpar.compiler.backend import dpar_backend, register
 from dpar.inspect.explain import explain
 from dpar.compiler.logs import configure as _configure_logs
+from dpar.pipelining import pipeline
 from dpar.placement import parallelize
 from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
-    BatchMismatchError, CheckpointError, CollectiveMismatchError, DivergedRanksError, DparError, OptionsError,
-    ProcessGroupError, RankLostError, ScheduleError,
+    BatchMismatchError, CheckpointError, CollectiveMismatchError, DivergedRanksError, DparError, NonFiniteGradientError,
+    OptionsError, ProcessGroupError, RankLostError, ScheduleError,
 )
 from dpar.runtime.gradient_sync import no_sync
 from dpar.runtime.local_sgd import OuterSGD
@@ -25,6 +26,7 @@ __all__ = [
     "CollectiveMismatchError",
     "DivergedRanksError",
     "DparError",
+    "NonFiniteGradientError",
     "OptionsError",
     "OuterSGD",
     "Plan",
@@ -36,5 +38,6 @@ __all__ = [
     "explain",
     "no_sync",
     "parallelize",
+    "pipeline",
     "plan",
 ]

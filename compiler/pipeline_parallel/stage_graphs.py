@@ -1,0 +1,179 @@
+"""A stage's forward, backward, input-gradient and weight-gradient graphs, cut from one joint graph.
+
+[Note: splitting a stage's backward into I and W]
+Each stage graph is traced once more with its backward (``make_fx`` over ``autograd.grad``), which
+gives one joint graph from (parameters, inputs, output gradients) to (outputs, input gradients,
+parameter gradients). dpar cuts that joint graph itself, by data dependence alone:
+
+- *forward*: what the outputs need; it also returns the *saved* values, the forward values the
+  backward reads (the default partitioner's choice: nothing is recomputed).
+- *backward input* (I): what the input gradients need, from the saved values and the output
+  gradients. It also returns the *stash*: its own values that the weight gradients read too
+  (for ``y = x @ W``, the gradient of ``y`` feeds both ``dx`` and ``dW``).
+- *backward weight* (W): the rest, the parameter gradients, from the saved values and the stash.
+- *backward* (B): I and W as one graph, for schedules that do not split them.
+
+So I is exactly the critical path between stages and W is work no other rank waits for: a
+zero-bubble schedule moves W into what would otherwise be bubbles. I and W together compute
+each node once, the same nodes as B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+
+from dpar.compiler.pipeline_parallel.split import Stage
+
+
+@dataclasses.dataclass(frozen=True)
+class StageGraphs:
+    """Graphs of one stage. Calling conventions:
+
+    forward(*state, *batch_inputs, *carried_in) -> (*outputs, *saved)
+    backward(*state, *saved, *output_grads) -> (*input_grads, *parameter_grads)
+    backward_input(*state, *saved, *output_grads) -> (*input_grads, *stash)
+    backward_weight(*state, *saved, *output_grads, *stash) -> (*parameter_grads,)
+
+    ``state`` is the stage's parameters (``parameter_names``) then its buffers (``buffer_names``).
+
+    ``input_grads`` are for the carried-in values that take a gradient (``grad_inputs``), output
+    gradients for the outputs that take one (``grad_outputs``); a gradient that does not depend on
+    anything comes back as ``None``.
+    """
+
+    stage: Stage
+    parameter_names: tuple[str, ...]
+    buffer_names: tuple[str, ...]
+    grad_inputs: tuple[int, ...]  # positions among carried_in
+    grad_outputs: tuple[int, ...]  # positions among outputs
+    num_outputs: int
+    num_saved: int
+    num_stash: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    backward_input: fx.GraphModule
+    backward_weight: fx.GraphModule
+
+
+def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node not in stop:
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def extract_graph(joint: fx.GraphModule, inputs: Sequence[fx.Node], outputs: Sequence[fx.Node | None]) -> fx.GraphModule:
+    """The part of ``joint`` that computes ``outputs`` from ``inputs``, as its own graph module."""
+    stop = set(inputs)
+    needed = _ancestors([o for o in outputs if o is not None], stop)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in joint.graph.nodes:
+        if node in needed and node not in env:
+            if node.op == "placeholder":
+                raise AssertionError(f"{node.name} is needed but is not an input of the extracted graph")
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(tuple(env[o] if o is not None else None for o in outputs))
+    gm = fx.GraphModule(joint, graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def trace_stage(stage: Stage, state: dict[str, torch.Tensor], last: bool, batch: Sequence[torch.Tensor]) -> StageGraphs:
+    """Trace ``stage``'s joint graph and cut it per [Note: splitting a stage's backward into I and W].
+
+    ``state``: the model's parameters and buffers by name (tied ones under each name)."""
+    graph_names = [name for name, _ in stage.graph.named_parameters(remove_duplicate=False)]
+    buffer_graph_names = [name for name, _ in stage.graph.named_buffers(remove_duplicate=False)]
+    names = tuple(name.removeprefix("model.") for name in graph_names)
+    buffer_names = tuple(name.removeprefix("model.") for name in buffer_graph_names)
+    params = [state[n] for n in names]
+    buffers = [state[n] for n in buffer_names]
+    grad_inputs = tuple(i for i, spec in enumerate(stage.carried_in) if spec.requires_grad)
+    specs_out = stage.carried_out if not last else ()
+    grad_outputs = (0,) if last else tuple(i for i, spec in enumerate(specs_out) if spec.requires_grad)
+    num_outputs = 1 if last else len(specs_out)
+
+    def joint(param_values, buffer_values, batch_inputs, carried, output_grads):
+        with torch.enable_grad():
+            values = dict(zip(graph_names, param_values)) | dict(zip(buffer_graph_names, buffer_values))
+            out = functional_call(stage.graph, values, (*batch_inputs, *carried))
+            outs = (out,) if last else tuple(out)
+            differentiable = [carried[i] for i in grad_inputs] + list(param_values)
+            tracked = [(outs[i], g) for i, g in zip(grad_outputs, output_grads) if outs[i].requires_grad]
+            grads = torch.autograd.grad(
+                [o for o, _ in tracked], differentiable, [g for _, g in tracked], allow_unused=True
+            ) if tracked else (None,) * len(differentiable)
+        return outs, grads
+
+    carried = [
+        torch.zeros(spec.shape, dtype=spec.dtype, requires_grad=spec.requires_grad) for spec in stage.carried_in
+    ]
+    output_grads = (
+        [torch.ones(())] if last else [torch.zeros(specs_out[i].shape, dtype=specs_out[i].dtype) for i in grad_outputs]
+    )
+    batch_inputs = [batch[i] for i in stage.batch_inputs]
+    traced = make_fx(joint, tracing_mode="fake")(params, buffers, batch_inputs, carried, output_grads)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    n_p, n_b, n_c = len(params) + len(buffers), len(batch_inputs), len(carried)
+    p_nodes = placeholders[:n_p]  # the state: parameters, then buffers
+    x_nodes = placeholders[n_p:n_p + n_b + n_c]
+    t_nodes = placeholders[n_p + n_b + n_c:]
+    out_node = next(n for n in traced.graph.nodes if n.op == "output")
+    flat = list(out_node.args[0])  # make_fx flattens (outputs, grads)
+    outs, grads = flat[:num_outputs], flat[num_outputs:]
+    input_grads = grads[: len(grad_inputs)]
+    param_grads = grads[len(grad_inputs):]
+
+    inputs = set(placeholders)
+    forward_region = _ancestors(outs, inputs) - inputs
+    present = [g for g in grads if g is not None]
+    grad_region = _ancestors(present, inputs) - inputs - forward_region
+    input_region = _ancestors([g for g in input_grads if g is not None], inputs) - inputs - forward_region
+    weight_region = grad_region - input_region
+
+    def read_by(node: fx.Node, region: set[fx.Node], results: list) -> bool:
+        return any(u in region for u in node.users) or any(node is r for r in results)
+
+    # Saved: forward values (the batch and carried inputs included) that the backward reads.
+    saved = [
+        n for n in traced.graph.nodes
+        if (n in forward_region or n in x_nodes) and read_by(n, grad_region, present)
+    ]
+    stash = [n for n in traced.graph.nodes if n in input_region and read_by(n, weight_region, param_grads)]
+
+    forward = extract_graph(traced, p_nodes + x_nodes, outs + saved)
+    backward = extract_graph(traced, p_nodes + saved + t_nodes, input_grads + param_grads)
+    backward_input = extract_graph(traced, p_nodes + saved + t_nodes, input_grads + stash)
+    backward_weight = extract_graph(traced, p_nodes + saved + t_nodes + stash, param_grads)
+    return StageGraphs(
+        stage=stage,
+        parameter_names=names,
+        buffer_names=buffer_names,
+        grad_inputs=grad_inputs,
+        grad_outputs=grad_outputs,
+        num_outputs=num_outputs,
+        num_saved=len(saved),
+        num_stash=len(stash),
+        forward=forward,
+        backward=backward,
+        backward_input=backward_input,
+        backward_weight=backward_weight,
+    )

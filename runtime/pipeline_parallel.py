@@ -1,0 +1,212 @@
+"""Running a pipeline schedule: each rank walks its list of actions over its stages' graphs.
+
+[Note: the pipeline's data contract]
+Every rank is fed its own slice of the global batch, as under DDP. A pipeline group of ``p``
+ranks trains on the ``p`` slices of its members as one batch: the step all-gathers them over
+the group (every rank gets the whole batch; a stage reads the inputs it needs, the first stage
+the tokens, the last the targets), cuts that batch into ``m`` equal micro-batches, and weights
+each micro-batch's loss by ``1/m``. With a mean loss that is the mean over the group's rows, so
+the gradients are those of one process on those rows; over a ``("dp", "pp")`` mesh, the
+gradients are then averaged over ``dp``, which is torch DDP's average of equal slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dpar.compiler.pipeline_parallel.schedules import Action, Op, PipelineSchedule
+from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs
+
+_TAG_FIELDS = (2, 256, 4096, 64)  # direction, stage, micro-batch, tensor index: a unique p2p tag
+
+
+def _tag(gradient: bool, stage: int, micro_batch: int, index: int) -> int:
+    return ((int(gradient) * _TAG_FIELDS[1] + stage) * _TAG_FIELDS[2] + micro_batch) * _TAG_FIELDS[3] + index
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineGroups:
+    """The ranks a pipeline step talks to; ``None`` groups mean one process."""
+
+    pp: dist.ProcessGroup | None
+    pp_ranks: tuple[int, ...]  # global ranks, by pipeline position
+    pp_rank: int
+    dp: dist.ProcessGroup | None
+    dp_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionTime:
+    action: Action
+    start: float
+    end: float
+
+
+class PipelineExecutor:
+    """One step of the schedule on this rank: forward and backward of the whole batch."""
+
+    def __init__(
+        self, schedule: PipelineSchedule, graphs: dict[int, StageGraphs], state: dict[str, torch.Tensor],
+        groups: PipelineGroups, shared: dict[str, torch.Size],
+    ) -> None:
+        self.schedule = schedule
+        self.graphs = graphs
+        self.state = state  # parameters and buffers by name
+        self.parameters = {name: p for name, p in state.items() if isinstance(p, nn.Parameter)}
+        self.groups = groups
+        self.shared = shared  # parameters read on several stages, with their full shapes
+        self.last_stage = schedule.num_stages - 1
+        self.timeline: list[ActionTime] = []
+
+    def _params(self, stage: int) -> list[torch.Tensor]:
+        g = self.graphs[stage]
+        return [self.state[n] for n in (*g.parameter_names, *g.buffer_names)]
+
+    def _peer(self, stage: int) -> int:
+        return self.groups.pp_ranks[self.schedule.stage_rank(stage)]
+
+    def run(self, micro_batches: list[list[torch.Tensor]]) -> torch.Tensor:
+        """``micro_batches[k]``: the k-th micro-batch of every user input. Returns this group's mean loss."""
+        m = self.schedule.micro_batches
+        received: dict[tuple[int, int], list[torch.Tensor]] = {}
+        outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        saved: dict[tuple[int, int], list] = {}
+        output_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        stash: dict[tuple[int, int], list] = {}
+        pending: list[tuple[dist.Work, list[torch.Tensor]]] = []
+        param_grads: dict[int, torch.Tensor] = {}
+        loss = torch.zeros(())
+        scale = torch.full((), 1.0 / m)
+        self.timeline = []
+
+        def accumulate(stage: int, grads: Sequence[torch.Tensor | None]) -> None:
+            for name, grad in zip(self.graphs[stage].parameter_names, grads):
+                if grad is not None:
+                    key = id(self.parameters[name])
+                    param_grads[key] = param_grads[key] + grad if key in param_grads else grad
+
+        def grads_in(key: tuple[int, int]) -> list[torch.Tensor]:
+            if key[0] == self.last_stage:
+                return [scale]
+            if key in output_grads:
+                return output_grads.pop(key)
+            return input_grads.pop((key[0] + 1, key[1]))  # the next stage runs on this rank too
+
+        def inputs_of(key: tuple[int, int]) -> list[torch.Tensor]:
+            if key[0] == 0:
+                return []
+            if key in received:
+                return received.pop(key)
+            return outputs.pop((key[0] - 1, key[1]))  # the previous stage runs on this rank too
+
+        for action in self.schedule.actions[self.groups.pp_rank]:
+            start = time.perf_counter()
+            s, k = action.stage, action.micro_batch
+            key = (s, k)
+            g = self.graphs.get(s)
+            if action.op is Op.FORWARD:
+                batch = [micro_batches[k][i] for i in g.stage.batch_inputs]
+                with torch.no_grad():
+                    result = g.forward(*self._params(s), *batch, *inputs_of(key))
+                outputs[key] = list(result[: g.num_outputs])
+                saved[key] = list(result[g.num_outputs:])
+                if s == self.last_stage:
+                    loss += outputs.pop(key)[0].detach()
+            elif action.op is Op.BACKWARD:
+                result = g.backward(*self._params(s), *saved.pop(key), *grads_in(key))
+                input_grads[key] = list(result[: len(g.grad_inputs)])
+                accumulate(s, result[len(g.grad_inputs):])
+            elif action.op is Op.BACKWARD_INPUT:
+                og = grads_in(key)
+                result = g.backward_input(*self._params(s), *saved[key], *og)
+                input_grads[key] = list(result[: len(g.grad_inputs)])
+                stash[key] = [og, list(result[len(g.grad_inputs):])]
+            elif action.op is Op.BACKWARD_WEIGHT:
+                og, kept = stash.pop(key)
+                accumulate(s, g.backward_weight(*self._params(s), *saved.pop(key), *og, *kept))
+            elif action.op is Op.SEND_ACTIVATION:
+                values = outputs.pop(key)
+                pending += [self._send(v, s + 1, False, s, k, i) for i, v in enumerate(values)]
+            elif action.op is Op.RECV_ACTIVATION:
+                specs = g.stage.carried_in
+                received[key] = self._recv([(sp.shape, sp.dtype) for sp in specs], s - 1, False, s - 1, k)
+            elif action.op is Op.SEND_GRADIENT:
+                specs = g.stage.carried_in
+                grads = input_grads.pop(key)
+                values = [
+                    grad if grad is not None else torch.zeros(specs[i].shape, dtype=specs[i].dtype)
+                    for i, grad in zip(g.grad_inputs, grads)
+                ]
+                pending += [self._send(v, s - 1, True, s - 1, k, i) for i, v in enumerate(values)]
+            elif action.op is Op.RECV_GRADIENT:
+                specs = g.stage.carried_out
+                output_grads[key] = self._recv([(specs[i].shape, specs[i].dtype) for i in g.grad_outputs], s + 1, True, s, k)
+            self.timeline.append(ActionTime(action, start, time.perf_counter()))
+        for work, _ in pending:
+            work.wait()
+        self._write_grads(param_grads)
+        return self._mean_loss(loss / m)
+
+    def _send(self, value: torch.Tensor, stage: int, gradient: bool, boundary: int, k: int, i: int):
+        value = value.contiguous()
+        return dist.isend(value, dst=self._peer(stage), group=self.groups.pp, tag=_tag(gradient, boundary, k, i)), [value]
+
+    def _recv(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], stage: int, gradient: bool, boundary: int, k: int) -> list[torch.Tensor]:
+        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+        works = [
+            dist.irecv(b, src=self._peer(stage), group=self.groups.pp, tag=_tag(gradient, boundary, k, i))
+            for i, b in enumerate(buffers)
+        ]
+        for w in works:  # a receive blocks: the schedule's contract
+            w.wait()
+        return buffers
+
+    def _write_grads(self, param_grads: dict[int, torch.Tensor]) -> None:
+        by_id = {id(p): p for p in self.parameters.values()}
+        if self.shared and self.groups.pp is not None:
+            # A parameter read by stages on several ranks: each rank summed its own stages'
+            # contributions; sum those over the pipeline group (zeros where a rank holds none).
+            for name, shape in self.shared.items():
+                p = self.parameters[name]
+                total = param_grads.get(id(p), torch.zeros(shape, dtype=p.dtype))
+                dist.all_reduce(total, group=self.groups.pp)
+                if id(p) in param_grads:
+                    param_grads[id(p)] = total
+        if self.groups.dp is not None and self.groups.dp_size > 1:
+            ordered = list(dict.fromkeys(id(v) for v in self.parameters.values() if id(v) in param_grads))
+            flat = torch.cat([param_grads[key].reshape(-1) for key in ordered])
+            dist.all_reduce(flat, group=self.groups.dp)
+            flat /= self.groups.dp_size
+            offset = 0
+            for key in ordered:
+                n = param_grads[key].numel()
+                param_grads[key] = flat[offset:offset + n].view_as(param_grads[key])
+                offset += n
+        for key, grad in param_grads.items():
+            p = by_id[key]
+            p.grad = grad.detach().clone() if p.grad is None else p.grad + grad
+
+    def _mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.groups.pp is not None:
+            mine = loss if self.schedule.stage_rank(self.last_stage) == self.groups.pp_rank else torch.zeros(())
+            dist.all_reduce(mine, group=self.groups.pp)
+            loss = mine
+        if self.groups.dp is not None and self.groups.dp_size > 1:
+            dist.all_reduce(loss, group=self.groups.dp)
+            loss = loss / self.groups.dp_size
+        return loss
+
+    def measured_bubble(self) -> float:
+        """Idle share of this rank's last step: 1 - time in F/B/I/W over the step's span."""
+        if not self.timeline:
+            return 0.0
+        span = self.timeline[-1].end - self.timeline[0].start
+        busy = sum(t.end - t.start for t in self.timeline if t.action.op.is_compute)
+        return 1.0 - busy / span

@@ -11,12 +11,14 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from dpar.compiler.capture import InputKind, classify_inputs
-from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
+from dpar.compiler.capture import GraphInput, InputKind, classify_inputs
+from dpar.compiler.lowering import GraphHook, GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.pipeline import Pipeline
 from dpar.compiler.plan import ParallelPlan, Strategy, plan_of_parameters, replicated
+from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.runtime.errors import OptionsError
+from dpar.runtime.finite_gradients import FiniteGradients
 from dpar.runtime.local_sgd import period_of
 from dpar.runtime.replicate import synchronize_replicas
 from dpar.runtime.same_rows import checking_same_rows
@@ -48,7 +50,10 @@ def dpar_backend(
         )
     world = current_world()
     if world is None:
-        return compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=_single_device_hook)
+        hook = _single_device_hook
+        if parsed.check_finite:
+            hook = _checking_finite(hook, classify_inputs(gm, example_inputs), agree=False)
+        return compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook)
     if not torch.is_grad_enabled():
         # A no_grad forward (evaluation) reads local buffers, as DDP's does unless it directly follows a
         # training forward: its graph then has no collectives and may run on some ranks only.
@@ -65,12 +70,33 @@ def dpar_backend(
     synchronize_replicas(whole, world, parsed.check_timeout_s, broadcast=not _resumed_local_sgd(plan, state))
     pipeline = Pipeline(plan, inputs, world, parsed)
     gm = pipeline.prepare(gm)
+    hook: GraphHook = pipeline
+    if parsed.check_finite:  # ddp's and zero1's reduced gradients are the same on every rank
+        hook = _checking_finite(hook, inputs, agree=plan.strategy not in (Strategy.DDP, Strategy.ZERO1))
     # See [Note: uneven shards, one pad] in runtime/sharding.py.
     with uneven_shards_padded_once() if plan.strategy.shards_parameters else contextlib.nullcontext():
-        compiled = compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=pipeline, joint_pass=pipeline.joint())
+        compiled = compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook, joint_pass=pipeline.joint())
     if plan.same_batch_in_tp_group and world.backend != "fake":
         return checking_same_rows(compiled, [i.index for i in inputs if i.kind is InputKind.DATA], pipeline.tensor.mesh.group_name)
     return compiled
+
+
+def _checking_finite(hook: GraphHook, inputs: Sequence[GraphInput], agree: bool) -> GraphHook:
+    """``hook``, each backward it compiles wrapped by ``FiniteGradients`` (options={"check_finite": True}).
+
+    A DTensor input flattens into several forward inputs and gradient outputs: where each parameter's
+    gradient is among the backward's outputs is read off the forward's flat inputs, compiled first.
+    """
+    gradients: dict[int, tuple[str, Any]] = {}
+
+    def checked(gm: fx.GraphModule, example_inputs: Sequence[Any], role: GraphRole, lower: Lower) -> Callable[..., Any]:
+        compiled = hook(gm, example_inputs, role, lower)
+        if role is GraphRole.FORWARD:
+            layout = flat_layout(inputs, example_inputs)
+            gradients.update({layout[i.index][1]: (i.name, i.tensor) for i in inputs if i.kind is InputKind.PARAMETER})
+        return FiniteGradients(compiled, gradients, agree) if role is GraphRole.BACKWARD else compiled
+
+    return checked
 
 
 def _resumed_local_sgd(plan: ParallelPlan, state: list[tuple[str, str, torch.Tensor]]) -> bool:

@@ -26,6 +26,9 @@ class Options:
     """Move each wait as late as the graph allows (False keeps it next to its collective)."""
     check_timeout_s: float = 120.0
     """How long a rank waits for the others at a cross-rank consistency check."""
+    check_finite: bool = False
+    """Raise ``NonFiniteGradientError`` naming each parameter whose gradient holds nan or inf
+    (see [Note: where the finite check runs, and why it is opt-in] in runtime/finite_gradients.py)."""
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -53,7 +56,7 @@ class Options:
             raise OptionsError(
                 f"compiler must be one of {list(INNER_COMPILERS)}, got {self.compiler!r}"
             )
-        for flag in ("broadcast_buffers", "sink_waits"):
+        for flag in ("broadcast_buffers", "sink_waits", "check_finite"):
             if not isinstance(getattr(self, flag), bool):
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         timeout = self.check_timeout_s

@@ -46,3 +46,7 @@ class ScheduleError(DparError):
 
 class RankLostError(DparError):
     """A rank of the job vanished (killed, crashed, its host lost) in the middle of training."""
+
+
+class NonFiniteGradientError(DparError, FloatingPointError):
+    """A backward produced nan or inf gradients (raised under options={"check_finite": True})."""

@@ -44,6 +44,10 @@ def _inspect(args: argparse.Namespace) -> int:
     from dpar.inspect.explain import explain
     from dpar.inspect.render_text import print_report
 
+    if args.strategy == "pipeline":
+        return _inspect_pipeline(args)
+    if args.world_size is None:
+        raise SystemExit(f"dpar inspect: --strategy {args.strategy} needs --world-size N")
     model, example_inputs = load_target(args.target)()
     options = {"sink_waits": not args.no_sink_waits}
     if args.bucket_cap_mb is not None:
@@ -67,6 +71,35 @@ def _inspect(args: argparse.Namespace) -> int:
         from dpar.inspect.render_html import write_html
 
         console.print(f"html: {write_html(report, Path(args.html))}")
+    return 0
+
+
+def _inspect_pipeline(args: argparse.Namespace) -> int:
+    """``--strategy pipeline``: the stage split, the schedule and its simulated timeline."""
+    from rich.console import Console
+
+    from dpar.inspect.pipeline import explain_pipeline, print_pipeline_report
+    from dpar.runtime.errors import OptionsError
+
+    unused = [flag for flag, given in (("--html", args.html), ("--dot", args.dot), ("--png", args.png),
+                                       ("--code", args.code), ("--bucket-cap-mb", args.bucket_cap_mb)) if given]
+    if unused or args.stages is None:
+        raise SystemExit(f"dpar inspect --strategy pipeline: needs --stages S (and takes --micro-batches, --schedule, "
+                         f"--loss, --trace){'; drop ' + ', '.join(unused) if unused else ''}")
+    model, example_inputs = load_target(args.target)()
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    try:
+        report = explain_pipeline(
+            model, example_inputs, stages=args.stages, micro_batches=args.micro_batches or args.stages,
+            schedule=args.schedule, world_size=args.world_size, virtual_stages=args.virtual_stages,
+            loss_fn=load_target(args.loss) if args.loss else None, device=args.device, optimizer=args.optimizer,
+        )
+    except OptionsError as error:
+        console.print(f"dpar inspect: {error}", markup=False, highlight=False)
+        return 2
+    print_pipeline_report(report, console)
+    if args.trace:
+        console.print(f"trace: {report.save(args.trace)} (open in ui.perfetto.dev)")
     return 0
 
 
@@ -105,6 +138,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
+    from dpar.compiler.pipeline_parallel.schedules import SCHEDULES
     from dpar.inspect.costs import PRESETS
     from dpar.inspect.memory import OPTIMIZER_STATES
     from dpar.inspect.strategies import STRATEGIES
@@ -113,8 +147,8 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="simulate N ranks in this process and report what dpar does")
     p.add_argument("target", help="FILE.py[:fn] or package.module:fn; fn() returns (model, example_inputs)")
-    p.add_argument("--world-size", "-n", type=int, required=True)
-    p.add_argument("--strategy", default="ddp", choices=sorted(STRATEGIES))
+    p.add_argument("--world-size", "-n", type=int, default=None, help="required, except for --strategy pipeline")
+    p.add_argument("--strategy", default="ddp", choices=sorted([*STRATEGIES, "pipeline"]))
     p.add_argument("--device", default="h100", choices=sorted(PRESETS), help="cost-model preset")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     p.add_argument("--bucket-cap-mb", type=float, default=None)
@@ -124,6 +158,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dot", metavar="DIR", help="write Graphviz DOT (and SVG for small graphs) per graph")
     p.add_argument("--trace", metavar="FILE", help="write the simulated timeline as Perfetto JSON")
     p.add_argument("--png", metavar="FILE", help="write the simulated timeline as a PNG plot")
+    g = p.add_argument_group("--strategy pipeline (world size: the pipeline's ranks unless -n says more)")
+    g.add_argument("--stages", type=int, help="pipeline stages")
+    g.add_argument("--micro-batches", type=int, help="micro-batches per step (default: the stages)")
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    g.add_argument("--virtual-stages", type=int, default=None, help="stages per rank (interleaved_1f1b, default 2)")
+    g.add_argument("--loss", metavar="FILE.py:fn", help="loss_fn(output, target), the target being the last input; "
+                   "default: cross-entropy of the output as logits against targets shaped like the first input")
     p.set_defaults(run=_inspect)
     p = sub.add_parser("plan", help="choose data / tensor parallel placements per parameter (the planner's ILP)")
     p.add_argument("target", help="FILE.py[:fn] or package.module:fn; fn() returns (model, example_inputs), "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -24,7 +24,11 @@ from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.compiler.registry import CompiledGraph, PassStage, record, recording
+from dpar.runtime.errors import OptionsError
 from dpar.runtime.world import group_size
+
+if TYPE_CHECKING:
+    from dpar.inspect.pipeline import PipelineReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +114,8 @@ def explain(
     device: str | DeviceSpec = "h100",
     optimizer: str = "adamw",
     ranks_shown: int = 4,
-) -> Report:
+    **pipeline: Any,
+) -> Report | PipelineReport:
     """Compile a copy of ``model`` for ``world_size`` ranks, in this process, and report on it.
 
     ``example_inputs`` is a tuple of positional arguments, a dict of keyword
@@ -119,8 +124,18 @@ def explain(
     preset of ``dpar.inspect.costs.PRESETS`` or is a ``DeviceSpec``.
     The model and any process group state are left as they were: a sharding
     ``strategy`` (zero2, fsdp) runs ``dpar.parallelize`` on the copy, inside the
-    simulated world.
+    simulated world. ``strategy="pipeline"`` takes ``explain_pipeline``'s keywords
+    (``stages``, ``micro_batches``, ``schedule``, ``loss_fn``, ...) and returns its
+    ``PipelineReport``: the stage split, the schedule and its simulated timeline.
     """
+    if strategy == "pipeline":
+        from dpar.inspect.pipeline import explain_pipeline
+
+        if options:
+            raise OptionsError(f"explain: options {sorted(options)} are the compiler's; strategy='pipeline' takes none")
+        return explain_pipeline(model, example_inputs, world_size=world_size, device=device, optimizer=optimizer, **pipeline)
+    if pipeline:
+        raise OptionsError(f"explain: {sorted(pipeline)} apply only to strategy='pipeline'; drop them or use that strategy")
     chosen = strategy_named(strategy)
     spec = device_spec(device)
     compile_options = {**(options or {}), "compiler": "aot_eager"}

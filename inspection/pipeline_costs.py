@@ -1,0 +1,154 @@
+"""What one pipeline stage costs per micro-batch: forward time, activations held, bytes sent.
+
+Shared by ``dpar.inspect.pipeline`` (the report) and ``dpar.planner.pipeline`` (the choice of pp),
+so the two price a stage the same way.
+
+[Note: the pipeline cost model]
+A stage's graph (``split.split_stages``) is traced with its backward (``trace_stage``, on fake
+tensors: nothing runs) and priced on one micro-batch:
+
+- forward: the roofline of every node of the stage's forward graph (``costs.node_cost``, as every
+  other ``dpar inspect`` timeline); the backward costs twice the forward, and for the zero-bubble
+  schedules its input-gradient (I) and weight-gradient (W) halves one forward each;
+- activations held per micro-batch, from its forward until its backward: the distinct storages of
+  what the forward saves for the backward (the received activations included, the parameters and
+  the batch not), by ``memory``'s liveness over the traced forward graph;
+- a send: the carried-out values' bytes, priced α + bytes·β (one point-to-point hop); the gradient
+  going back is as large. The simulator takes one latency for every hop: the largest stage's.
+
+State per rank is the model's own dtype: each parameter its bytes, a gradient as large, and
+``OPTIMIZER_STATES[optimizer]`` tensors more (fp32 AdamW: 16 bytes per parameter, ZeRO's 16Ψ).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dpar.compiler.pipeline_parallel.schedules import Action, Op
+from dpar.compiler.pipeline_parallel.split import Stage, StageSplit, capture, split_stages
+from dpar.compiler.pipeline_parallel.stage_graphs import trace_stage
+from dpar.inspect.costs import DeviceSpec, node_cost
+from dpar.inspect.memory import OPTIMIZER_STATES, Live, _liveness, _storages
+from dpar.runtime.errors import OptionsError
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+BACKWARD_FACTORS = {Op.FORWARD: 1.0, Op.BACKWARD: 2.0, Op.BACKWARD_INPUT: 1.0, Op.BACKWARD_WEIGHT: 1.0}
+"""Each compute action's cost in forwards of its stage (see [Note: the pipeline cost model])."""
+
+
+def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The default loss: cross-entropy of logits over their last dimension against integer targets."""
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+def with_loss(example_inputs: Sequence[torch.Tensor], loss_fn: LossFn | None) -> tuple[tuple[torch.Tensor, ...], LossFn]:
+    """``(*model_inputs, target)`` and the loss, as ``dpar.pipeline`` takes them.
+
+    With ``loss_fn`` the last input is the target. Without one, every input goes to the model, its
+    output is taken as logits and the target is shaped like the first input (the token ids: a
+    language model's next-token targets have their shape; the costs depend on shapes only).
+    """
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not inputs or not all(isinstance(x, torch.Tensor) for x in inputs):
+        raise OptionsError("pipeline inspection: example_inputs must be a tuple of tensors (positional inputs, "
+                           "the batch in dim 0); keyword inputs are not supported by dpar.pipeline")
+    if loss_fn is not None:
+        if len(inputs) < 2:
+            raise OptionsError("pipeline inspection: with loss_fn, example_inputs are (*model_inputs, target); "
+                               "add the target as the last input, or drop loss_fn for next-token cross-entropy")
+        return inputs, loss_fn
+    return (*inputs, inputs[0]), token_cross_entropy
+
+
+def micro_batch_of(inputs: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
+    """Every input at ``rows`` rows (repeated or cut in dim 0): only the shape is traced."""
+    have = {x.shape[0] if x.dim() else None for x in inputs}
+    if len(have) != 1 or None in have:
+        raise OptionsError(f"pipeline inspection: every input needs the batch in dim 0 with the same number of rows; "
+                           f"got shapes {[tuple(x.shape) for x in inputs]}")
+    n = have.pop()
+    return tuple(x.repeat(math.ceil(rows / n), *([1] * (x.dim() - 1)))[:rows] for x in inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    """One stage on one micro-batch (see [Note: the pipeline cost model])."""
+
+    index: int
+    blocks: tuple[str, ...]
+    parameters: tuple[str, ...]
+    parameter_numel: int
+    parameter_bytes: int
+    flops: float  # forward, the split's count
+    forward_s: float
+    activation_bytes: int  # saved from F until its B (or W)
+    send_bytes: int  # carried out to the next stage (0 on the last)
+    send_s: float
+
+    def action_s(self, op: Op) -> float:
+        return BACKWARD_FACTORS[op] * self.forward_s
+
+    def state_bytes(self, optimizer: str) -> int:
+        """Parameters, their gradients and the optimizer's state, in the parameters' dtypes."""
+        return self.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer])
+
+
+def _held_bytes(stage_graphs) -> int:
+    """Bytes of the distinct storages the forward saves, received activations included."""
+    forward = stage_graphs.forward
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    first_carried = len(stage_graphs.parameter_names) + len(stage_graphs.buffer_names) + len(stage_graphs.stage.batch_inputs)
+    carried = {n.name for n in placeholders[first_carried:]}
+    liveness = _liveness(forward, {}, carried, set(), exclude_outputs=False)
+    saved = forward.graph.output_node().args[0][stage_graphs.num_outputs:]
+    keys = {key for node in saved for key, _ in _storages(node)}
+    return sum(liveness.counted.get(key, Live()).total for key in keys)
+
+
+def _stage_cost(stage: Stage, last: bool, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec) -> StageCost:
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    state = parameters | dict(model.named_buffers(remove_duplicate=False))
+    graphs = trace_stage(stage, state, last, micro_batch)
+    forward_s = sum(node_cost(n, spec).seconds for n in graphs.forward.graph.nodes if n.op == "call_function")
+    held = list({id(parameters[n]): parameters[n] for n in stage.parameters}.values())  # a tied weight once
+    send = sum(math.prod(v.shape) * v.dtype.itemsize for v in stage.carried_out)
+    return StageCost(
+        index=stage.index, blocks=stage.blocks, parameters=stage.parameters,
+        parameter_numel=sum(p.numel() for p in held), parameter_bytes=sum(p.numel() * p.element_size() for p in held),
+        flops=stage.flops, forward_s=forward_s, activation_bytes=_held_bytes(graphs),
+        send_bytes=send, send_s=spec.alpha + send * spec.beta if send else 0.0,
+    )
+
+
+def price_stages(
+    model: nn.Module, loss_fn: LossFn, micro_batch: Sequence[torch.Tensor], stages: int, spec: DeviceSpec,
+    split_points: Sequence[str] | None = None,
+) -> tuple[StageSplit, tuple[StageCost, ...]]:
+    """Capture model + loss at ``micro_batch``, cut ``stages`` stages, price each."""
+    split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points)
+    return split, cut_and_price(split, model, micro_batch, spec)
+
+
+def cut_and_price(split: StageSplit, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec) -> tuple[StageCost, ...]:
+    empty = [s.index for s in split.stages if not s.blocks]
+    if empty:
+        raise OptionsError(f"pipeline inspection: stages {empty} would hold no block; use fewer stages")
+    last = len(split.stages) - 1
+    return tuple(_stage_cost(s, s.index == last, model, micro_batch, spec) for s in split.stages)
+
+
+def action_cost(costs: Sequence[StageCost]) -> Callable[[Action], float]:
+    """Seconds of each compute action of a schedule over these stages, for ``simulate``."""
+    return lambda action: costs[action.stage].action_s(action.op)
+
+
+def hop_latency(costs: Sequence[StageCost]) -> float:
+    """The simulator's one latency per send: the largest stage boundary's."""
+    return max((c.send_s for c in costs), default=0.0)

@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 examples/gpt.py --steps 30   # two ranks (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 2 examples/gpt.py --strategy tp --sequence-parallel   # layers split over 2 ranks
+    torchrun --nproc-per-node 2 --max-restarts 3 examples/gpt.py --resume ckpt --checkpoint-every 10
+                                                             # restarted after a failure, it resumes exactly
     python examples/gpt.py --steps 5                         # one device: dpar warns and runs locally
 
 Apart from creating the process group, the training loop is plain single-device
@@ -14,6 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -169,6 +174,84 @@ def format_communication(per_step: dict[str, dict[str, int]]) -> str:
     return ", ".join(f"{kind} {c['count']}x {c['bytes'] / 1e6:.1f} MB" for kind, c in per_step.items())
 
 
+# [Note: resuming exactly]
+# A run restarted from a checkpoint continues bit for bit as if it had never stopped (on CPU; on GPUs
+# as far as the kernels are deterministic) when it restores, beside the parameters and the optimizer
+# that dpar.checkpoint holds, what else decides the next steps: the step number, each rank's data
+# generator (the order of its batches) and torch's RNG (dropout). Those go into one small file per
+# rank, written before the checkpoint is saved, so a published checkpoint always has its files. Each
+# checkpoint is a directory of its own, step-NNNNNN; a save killed halfway leaves only a
+# step-NNNNNN.partial-* directory that is never read (dpar.checkpoint.save publishes by a rename).
+_STEP_DIRECTORY = re.compile(r"step-(\d+)")
+
+
+def _checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:06d}"
+
+
+def _rank_state_path(directory: Path, step: int, rank: int) -> Path:
+    return directory / f"step-{step:06d}.rank{rank}.pt"
+
+
+def save_checkpoint(
+    directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator, rank: int
+) -> None:
+    """The checkpoint after ``step`` steps; the older ones go once it is published on every rank."""
+    rank_state = {"step": step, "data": generator.get_state(), "torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rank_state["cuda_rng"] = torch.cuda.get_rng_state()
+    file = _rank_state_path(directory, step, rank)
+    torch.save(rank_state, f"{file}.tmp")
+    os.replace(f"{file}.tmp", file)
+    dpar.checkpoint.save(model, optimizer, _checkpoint_path(directory, step))  # returns once published
+    if rank == 0:  # every rank has published this one: the older ones (and any save killed halfway) can go
+        for path in directory.glob("step-*"):
+            if int(path.name[len("step-") :].split(".")[0]) >= step:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
+def latest_step(directory: Path) -> int | None:
+    """The last step whose checkpoint was published, or None."""
+    steps = [
+        int(match.group(1))
+        for path in (directory.iterdir() if directory.is_dir() else ())
+        if path.is_dir() and (match := _STEP_DIRECTORY.fullmatch(path.name))
+    ]
+    return max(steps, default=None)
+
+
+def resume(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator, rank: int
+) -> int:
+    """Load the last checkpoint in ``directory`` (if any) and return the number of steps it holds."""
+    step = latest_step(directory)
+    if step is None:
+        return 0
+    dpar.checkpoint.load(model, optimizer, _checkpoint_path(directory, step))
+    rank_state = torch.load(_rank_state_path(directory, step, rank))
+    generator.set_state(rank_state["data"])
+    torch.set_rng_state(rank_state["torch_rng"])
+    if "cuda_rng" in rank_state:
+        torch.cuda.set_rng_state(rank_state["cuda_rng"])
+    return rank_state["step"]
+
+
+def fail_once(directory: Path, step: int, rank: int) -> None:
+    """Kill this process (SIGKILL: no cleanup, as the OOM killer or a lost host) the first time only: a
+    marker in the checkpoint directory keeps a restarted run, which replays the steps since the last
+    checkpoint, from killing itself again."""
+    marker = directory / f"failed-at-step-{step}"
+    if marker.exists():
+        return
+    marker.write_text(f"rank {rank} killed itself in the middle of step {step}\n")
+    print(f"rank {rank}: --fail-at-step {step}: SIGKILL", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50)
@@ -206,7 +289,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="checkpoint directory: resume from its last checkpoint if it has one (the same command line "
+        "serves the first start and every restart, as torchrun --max-restarts runs it)",
+    )
+    parser.add_argument("--checkpoint-every", type=int, metavar="K", help="save a checkpoint into --resume DIR every K steps")
+    parser.add_argument(
+        "--fail-at-step",
+        type=int,
+        metavar="K",
+        help="fault injection: the last rank SIGKILLs itself in the middle of step K, once per --resume DIR",
+    )
     args = parser.parse_args()
+    if (args.checkpoint_every is not None or args.fail_at_step is not None) and args.resume is None:
+        parser.error("--checkpoint-every and --fail-at-step need a checkpoint directory: add --resume DIR")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        parser.error("--checkpoint-every must be at least 1")
     if args.sequence_parallel and args.strategy != "tp":
         parser.error("--sequence-parallel splits activations between tensor-parallel layers: add --strategy tp")
     if args.bucket_cap_mb is not None and args.strategy == "tp":
@@ -251,30 +352,40 @@ def main() -> None:
         options["bucket_cap_mb"] = args.bucket_cap_mb  # ddp sizes its buckets when compiling
     model = torch.compile(model, backend="dpar", options=options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = 0
+    if args.resume is not None:
+        args.resume.mkdir(parents=True, exist_ok=True)
+        start = resume(args.resume, model, optimizer, generator, rank)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(f"world size {world_size}, device {device}, {params / 1e6:.2f}M parameters, {config}")
+        if start:
+            print(f"resumed from {_checkpoint_path(args.resume, start)}")
 
     tokens_per_step = args.batch_size * config.block_size * world_size
-    logged_step, logged_at = 0, 0.0  # steps done at the last log, and when
+    logged_step, logged_at = start, 0.0  # steps done at the last log, and when
     loss_sum = torch.zeros((), device=device)  # since the last log; summed on the device, no sync per step
     with dpar.compiler.registry.recording() as graphs:  # what dpar compiles, for comm/step
-        for step in range(args.steps):
+        for step in range(start, args.steps):
             x, y = (t.to(device) for t in get_batch(data, args.batch_size, config.block_size, generator))
             loss = model(x, y)
+            if step + 1 == args.fail_at_step and rank == world_size - 1:
+                fail_once(args.resume, step + 1, rank)  # after the forward: the others are in the backward
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach()
-            if step != 0 and (step + 1) % args.log_every and step != args.steps - 1:
+            if args.checkpoint_every is not None and (step + 1) % args.checkpoint_every == 0:
+                save_checkpoint(args.resume, step + 1, model, optimizer, generator, rank)
+            if step != start and (step + 1) % args.log_every and step != args.steps - 1:
                 continue
             if distributed:  # every rank's batches, not only rank 0's (a sum: gloo has no AVG)
                 dist.all_reduce(loss_sum)
             steps = step + 1 - logged_step
             mean_loss = loss_sum.item() / (world_size * steps)
             now = time.perf_counter()  # after .item(), which waits for the device
-            # Step 0 compiles and always logs alone: tokens/s counts from step 1.
-            throughput = f"{tokens_per_step * steps / (now - logged_at):,.0f}" if logged_step else "-"
+            # The first step compiles and always logs alone: tokens/s counts from the next.
+            throughput = f"{tokens_per_step * steps / (now - logged_at):,.0f}" if logged_at else "-"
             if rank == 0:
                 comm = format_communication(dpar.compiler.registry.communication_per_step(graphs))
                 print(f"step {step + 1:4d}  loss {mean_loss:.4f}  tokens/s {throughput}  comm/step {comm}")

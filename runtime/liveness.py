@@ -194,7 +194,8 @@ def _diagnose(exc: RuntimeError) -> RankLostError | None:
     except Exception:  # the store no longer answers: its host is gone
         host = "the torchrun agent of rank 0's node" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
         return RankLostError(
-            f"rank {me} lost the rendezvous store {_progress.where()} ({failure}): its host, {host}, is gone. {_RESTART}"
+            f"rank {me} lost the rendezvous store {_progress.where()} ({failure}): its host, {host}, is gone "
+            f"(killed, crashed, or it left after an error of its own: see its log). {_RESTART}"
         )
     if not lost:
         return None

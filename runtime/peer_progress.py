@@ -119,7 +119,7 @@ def _answer_queries(store: dist.Store, rank: int, checks: Callable[[], int]) -> 
                 query += 1
         except Exception:
             return  # the store is gone; an asking rank treats the silence as unknown
-    liveness.mark_left(store, rank, "its program finished (or destroyed its process group)")
+    liveness.mark_left(store, rank, "its program ended or raised (see its log)")
 
 
 def _main_thread_location(depth: int = 3) -> str:

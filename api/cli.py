@@ -114,6 +114,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.per_rank:  # as strategy="auto" takes them: one rank's slice, every rank fed different rows
         example_inputs = global_batch(example_inputs, math.prod(args.mesh_shape))
     console = Console(width=None if sys.stdout.isatty() else 160)
+    if args.pipeline:
+        return _plan_pipeline(args, model, example_inputs, console)
     try:
         result = plan(
             model, example_inputs, mesh_shape=args.mesh_shape, memory_budget_gb=args.memory_budget_gb,
@@ -126,6 +128,24 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(result.to_json())
         console.print(f"json: {args.json}")
+    return 0
+
+
+def _plan_pipeline(args: argparse.Namespace, model: Any, example_inputs: Any, console: Any) -> int:
+    """``dpar plan --pipeline``: the pipeline degree for the mesh's ranks under the budget."""
+    from dpar.planner.pipeline import plan_pipeline
+    from dpar.runtime.errors import OptionsError
+
+    try:
+        result = plan_pipeline(
+            model, example_inputs, world_size=math.prod(args.mesh_shape), memory_budget_gb=args.memory_budget_gb,
+            micro_batch_rows=args.micro_batch_rows, schedule=args.schedule,
+            loss_fn=load_target(args.loss) if args.loss else None, device=args.device,
+        )
+    except OptionsError as error:
+        console.print(f"dpar plan: {error}", markup=False, highlight=False)
+        return 2
+    console.print(str(result), markup=False, highlight=False)
     return 0
 
 
@@ -176,6 +196,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh-dim-names", type=lambda t: tuple(t.split(",")), default=None,
                    help="fix each dimension's role instead of letting the solver choose: dp,tp")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON (Plan.from_json reads it)")
+    g = p.add_argument_group("--pipeline: choose pp (and dp = world / pp) instead of placements")
+    g.add_argument("--pipeline", action="store_true", help="price every pipeline degree dividing the mesh's ranks")
+    g.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zb_h1"))
+    g.add_argument("--micro-batch-rows", type=int, default=None, help="default: global rows / ranks")
+    g.add_argument("--loss", metavar="FILE.py:fn", help="loss_fn(output, target), the target the last input; "
+                   "default: next-token cross-entropy against targets shaped like the first input")
+    g.add_argument("--device", default="h100", choices=sorted(PRESETS), help="cost-model preset (--pipeline only)")
     p.set_defaults(run=_plan)
     return top
 

@@ -1,0 +1,126 @@
+"""``dpar.explain(strategy="pipeline")`` and ``dpar inspect --strategy pipeline``: one process, no process group.
+
+Numbers are worked by hand on ``pipeline_models.Stack`` (one Linear(16, 16) per stage, micro-batches
+of 2 rows x 8 x 16 fp32): a forward is 2 x 2 x 8 x 16 x 16 = 8,192 FLOPs = 8.192 us at 1 GFLOP/s,
+a boundary carries 2 x 8 x 16 x 4 = 1,024 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pipeline_models import FLOPS_ONLY, mse, stack
+
+import dpar
+from dpar.cli import main
+from dpar.inspect.costs import DeviceSpec
+from dpar.inspect.pipeline import PipelineReport, explain_pipeline
+
+MODELS = Path(__file__).resolve().parent / "pipeline_models.py"
+F = 8.192e-6  # one stage's forward on one micro-batch
+
+
+def report(schedule: str = "1f1b", device=FLOPS_ONLY, **kwargs) -> PipelineReport:
+    model, inputs = stack(rows=4)  # 4 ranks x 4 rows = 16 rows = 8 micro-batches of 2
+    return explain_pipeline(model, inputs, stages=4, micro_batches=8, schedule=schedule, loss_fn=mse, device=device,
+                            **kwargs)
+
+
+def test_stage_split_bytes_per_boundary_are_rows_x_seq_x_width_x_4_and_forward_time_is_the_roofline():
+    r = report()
+    assert r.micro_batch_rows == 2
+    assert [c.blocks for c in r.stages] == [(f"blocks.{i}",) for i in range(4)]
+    assert [c.parameter_bytes for c in r.stages] == [16 * 16 * 4] * 4
+    assert [c.send_bytes for c in r.stages] == [2 * 8 * 16 * 4] * 3 + [0]
+    assert [c.flops for c in r.stages] == [8192.0] * 3 + [8192.0 + 2 * 256 + 1]  # the loss: sub, pow, mean
+    assert [c.forward_s for c in r.stages] == pytest.approx([F] * 4, rel=1e-12)  # elementwise: free here
+    # Saved for the backward: each stage's received input (the weight gradient reads it), not
+    # stage 0's batch; the last stage also the loss's difference (output - target).
+    assert [c.activation_bytes for c in r.stages] == [0, 1024, 1024, 2048]
+
+
+@pytest.mark.parametrize("schedule, span_in_forwards, bubble, in_flight", [
+    ("gpipe", 33, 3 / 11, (8, 8, 8, 8)),  # (m + p - 1) x (F + 2F), bubble (p - 1) / (m + p - 1)
+    ("1f1b", 33, 3 / 11, (4, 3, 2, 1)),  # same span, rank r holds p - r micro-batches
+    ("zb_h1", 27, 3 / 27, (4, 4, 4, 4)),  # 3m + p - 1 with I = W = F, holding p everywhere
+])
+def test_simulated_bubble_per_rank_equals_the_formula_with_equal_stages(schedule, span_in_forwards, bubble, in_flight):
+    r = report(schedule)
+    assert r.timeline.span == pytest.approx(span_in_forwards * F, rel=1e-12)
+    assert r.bubble_formula == pytest.approx(bubble)
+    assert r.timeline.bubble == pytest.approx((bubble,) * 4)
+    assert r.timeline.peak_in_flight == in_flight
+    assert [r.held_activation_bytes(s) for s in range(4)] == [n * a for n, a in zip(in_flight, (0, 1024, 1024, 2048))]
+    # AdamW: parameter, gradient and two moments of 1,024 bytes each, plus the activations held.
+    assert [r.rank_memory(k) for k in range(4)] == [4096 + n * a for n, a in zip(in_flight, (0, 1024, 1024, 2048))]
+
+
+def test_sends_and_the_data_parallel_all_reduce_are_priced_by_alpha_beta():
+    link = DeviceSpec("link", 1e9, 1e9, float("inf"), alpha=1e-6, link_bandwidth=1e9)
+    r = report(device=link, world_size=8)  # 2 pipelines of 4 ranks
+    assert r.data_parallel == 2
+    assert [c.send_s for c in r.stages] == pytest.approx([1e-6 + 1024e-9] * 3 + [0.0])
+    # ring all-reduce of one stage's 1,024 gradient bytes over 2: 2(N-1) alpha + 2(N-1)/N B beta
+    assert r.dp_all_reduce_s == pytest.approx((2e-6 + 1024e-9,) * 4)
+    assert r.step_time == pytest.approx(r.timeline.span + 2e-6 + 1024e-9)
+    assert r.timeline.span > 33 * F  # the sends now sit on the critical path
+    assert r.timeline.bubble[0] > 3 / 11
+
+
+def test_explain_with_strategy_pipeline_returns_the_pipeline_report_and_keywords_are_checked():
+    model, inputs = stack(rows=4)
+    r = dpar.explain(model, inputs, world_size=4, strategy="pipeline", stages=4, micro_batches=8, loss_fn=mse,
+                     device=FLOPS_ONLY)
+    assert isinstance(r, PipelineReport) and r.ranks == 4 and r.schedule.micro_batches == 8
+    with pytest.raises(dpar.OptionsError, match="apply only to strategy='pipeline'"):
+        dpar.explain(model, inputs, world_size=4, strategy="ddp", stages=4)
+    with pytest.raises(dpar.OptionsError, match="does not divide the pipeline's batch of 16 rows"):
+        explain_pipeline(model, inputs, stages=4, micro_batches=5, loss_fn=mse)
+    with pytest.raises(dpar.OptionsError, match="not a multiple of the pipeline's 4 ranks"):
+        explain_pipeline(model, inputs, stages=4, micro_batches=8, loss_fn=mse, world_size=6)
+
+
+def test_interleaved_schedule_puts_two_stages_on_each_rank():
+    model, inputs = stack(rows=4)
+    r = explain_pipeline(model, inputs, stages=4, micro_batches=4, schedule="interleaved_1f1b", loss_fn=mse,
+                         device=FLOPS_ONLY)
+    assert r.ranks == 2 and r.schedule.stages_of(0) == (0, 2)
+    assert r.micro_batch_rows == 2  # 2 ranks x 4 rows in 4 micro-batches
+    assert r.bubble_formula == pytest.approx(1 / 9)  # (p - 1) / (v m + p - 1)
+    assert r.timeline.bubble == pytest.approx((1 / 9,) * 2)
+
+
+def test_cli_prints_split_schedule_and_bubble_and_writes_a_perfetto_trace(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    code = main(["inspect", f"{MODELS}:stack", "--strategy", "pipeline", "--stages", "4", "--micro-batches", "8",
+                 "--schedule", "zb_h1", "--loss", f"{MODELS}:mse", "--trace", str(trace)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "zb_h1 on 4 ranks, 8 micro-batches of 2 rows" in out
+    assert "1,024 B in" in out  # a boundary's bytes per micro-batch
+    assert "bubble formula 11.1%" in out
+    assert "... 20 more ..." in out  # rank 0's 40 actions, abbreviated
+    doc = json.loads(trace.read_text())
+    assert doc["otherData"]["peak_in_flight"] == [4, 4, 4, 4]
+    ranks = {e["pid"] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert ranks == {0, 1, 2, 3}
+    computes = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
+    assert len(computes) == 4 * 8 * 3  # F, I and W of 8 micro-batches on every rank
+
+
+def test_cli_without_a_loss_prices_next_token_cross_entropy_on_the_example_gpt(capsys):
+    code = main(["inspect", str(MODELS.parent.parent / "examples" / "gpt.py"), "--strategy", "pipeline",
+                 "--stages", "2", "--micro-batches", "4"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "GPT, 1f1b on 2 ranks, 4 micro-batches of 4 rows" in out  # 2 ranks x 8 rows / 4
+    assert "131,072 B in" in out  # 4 rows x 64 tokens x 128 wide x 4 bytes
+
+
+def test_cli_refuses_flags_of_the_data_parallel_report_and_a_missing_world_size():
+    with pytest.raises(SystemExit, match="drop --html"):
+        main(["inspect", f"{MODELS}:stack", "--strategy", "pipeline", "--stages", "2", "--html", "x.html"])
+    with pytest.raises(SystemExit, match="needs --world-size"):
+        main(["inspect", f"{MODELS}:stack"])

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dpar.compiler.pipeline_parallel.schedules import build_schedule, warn_if_bubble_large
+from dpar.compiler.pipeline_parallel.schedules import build_schedule, check_name, warn_if_bubble_large
 from dpar.compiler.pipeline_parallel.split import StageSplit, capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs, trace_stage
 from dpar.runtime.errors import OptionsError
@@ -126,6 +126,7 @@ def pipeline(
     """
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise OptionsError("pipeline: this model is already cut into stages; call dpar.pipeline once per model.")
+    check_name(schedule)
     groups = _groups(mesh)
     p = len(groups.pp_ranks)
     if not isinstance(stages, int) or stages < 1 or stages % p:
@@ -134,6 +135,11 @@ def pipeline(
             f"stages={p} (one per rank), or a multiple of {p} with schedule='interleaved_1f1b'."
         )
     virtual = stages // p
+    if schedule == "interleaved_1f1b" and virtual < 2:
+        raise OptionsError(
+            f"pipeline: interleaved_1f1b runs at least 2 stages on each rank: stages={2 * p} (or {3 * p}, {4 * p}, ...) "
+            f"on {p} ranks, not stages={stages}; or use schedule='1f1b' for one stage per rank."
+        )
     if virtual > 1 and schedule != "interleaved_1f1b":
         raise OptionsError(
             f"pipeline: stages={stages} on {p} ranks puts {virtual} stages on each rank, which only "

@@ -63,6 +63,8 @@ class PipelineExecutor:
         self.shared = shared  # parameters read on several stages, with their full shapes
         self.last_stage = schedule.num_stages - 1
         self.timeline: list[ActionTime] = []
+        self.peak_held: dict[int, int] = {}  # stage -> most micro-batches whose saved activations were held at once
+        self.peak_saved_bytes: dict[int, int] = {}
 
     def _params(self, stage: int) -> list[torch.Tensor]:
         g = self.graphs[stage]
@@ -71,6 +73,9 @@ class PipelineExecutor:
     def _peer(self, stage: int) -> int:
         return self.groups.pp_ranks[self.schedule.stage_rank(stage)]
 
+    # No autograd: the stage graphs already are the backward. Recorded, they would cost time, and each
+    # gradient's grad_fn would keep its micro-batch's backward intermediates alive until the step ends.
+    @torch.no_grad()
     def run(self, micro_batches: list[list[torch.Tensor]]) -> torch.Tensor:
         """``micro_batches[k]``: the k-th micro-batch of every user input. Returns this group's mean loss."""
         m = self.schedule.micro_batches
@@ -85,6 +90,8 @@ class PipelineExecutor:
         loss = torch.zeros(())
         scale = torch.full((), 1.0 / m)
         self.timeline = []
+        self.peak_held = dict.fromkeys(self.graphs, 0)
+        self.peak_saved_bytes = dict.fromkeys(self.graphs, 0)
 
         def accumulate(stage: int, grads: Sequence[torch.Tensor | None]) -> None:
             for name, grad in zip(self.graphs[stage].parameter_names, grads):
@@ -113,10 +120,10 @@ class PipelineExecutor:
             g = self.graphs.get(s)
             if action.op is Op.FORWARD:
                 batch = [micro_batches[k][i] for i in g.stage.batch_inputs]
-                with torch.no_grad():
-                    result = g.forward(*self._params(s), *batch, *inputs_of(key))
+                result = g.forward(*self._params(s), *batch, *inputs_of(key))
                 outputs[key] = list(result[: g.num_outputs])
                 saved[key] = list(result[g.num_outputs:])
+                self._count_held(s, saved)
                 if s == self.last_stage:
                     loss += outputs.pop(key)[0].detach()
             elif action.op is Op.BACKWARD:
@@ -202,6 +209,16 @@ class PipelineExecutor:
             dist.all_reduce(loss, group=self.groups.dp)
             loss = loss / self.groups.dp_size
         return loss
+
+    def _count_held(self, stage: int, saved: dict[tuple[int, int], list]) -> None:
+        held = [v for (s, _), v in saved.items() if s == stage]
+        state = {t.untyped_storage().data_ptr() for t in self.state.values()}
+        size = sum(  # activations only: a saved view of a weight (its transpose) costs nothing
+            t.numel() * t.element_size() for v in held for t in torch.utils._pytree.tree_leaves(v)
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in state
+        )
+        self.peak_held[stage] = max(self.peak_held[stage], len(held))
+        self.peak_saved_bytes[stage] = max(self.peak_saved_bytes[stage], size)
 
     def measured_bubble(self) -> float:
         """Idle share of this rank's last step: 1 - time in F/B/I/W over the step's span."""

@@ -84,8 +84,10 @@ def one_process(name: str, layers: int, optim: str, world_size: int) -> tuple[di
 
 
 def pipelined(rank: int, world_size: int, name: str, layers: int, optim: str, schedule: str, stages: int,
-              micro_batches: int, mesh_shape: tuple[int, int] | None = None) -> tuple[dict | None, list[float], list[float]]:
-    """Each rank fed its own slice; returns (full state on rank 0, losses, measured bubble per step)."""
+              micro_batches: int, mesh_shape: tuple[int, int] | None = None
+              ) -> tuple[dict | None, list[float], list[float], dict[int, int]]:
+    """Each rank fed its own slice; returns (full state on rank 0, losses, measured bubble per step,
+    the most micro-batches each of this rank's stages held at once)."""
     model = build(name, layers)
     mesh = None
     if mesh_shape is not None:
@@ -103,4 +105,4 @@ def pipelined(rank: int, world_size: int, name: str, layers: int, optim: str, sc
         bubbles.append(step.measured_bubble())
         opt.step()
         opt.zero_grad()
-    return dpar.checkpoint.full_state_dict(model), losses, bubbles
+    return dpar.checkpoint.full_state_dict(model), losses, bubbles, step.executor.peak_held

@@ -146,12 +146,16 @@ def _with_communication(p: int, stages: int, rank: int, order: Iterator[tuple[Op
     return tuple(actions)
 
 
-def build_schedule(name: str, *, num_ranks: int, micro_batches: int, virtual_stages: int = 1) -> PipelineSchedule:
-    """The named schedule for ``num_ranks`` ranks and ``micro_batches`` micro-batches, checked."""
+def check_name(name: str) -> None:
     if name not in SCHEDULES:
         close = difflib.get_close_matches(str(name).lower(), SCHEDULES, n=1, cutoff=0.3)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise OptionsError(f"unknown pipeline schedule {name!r}{hint}; choose one of {list(SCHEDULES)}")
+
+
+def build_schedule(name: str, *, num_ranks: int, micro_batches: int, virtual_stages: int = 1) -> PipelineSchedule:
+    """The named schedule for ``num_ranks`` ranks and ``micro_batches`` micro-batches, checked."""
+    check_name(name)
     p, m, v = num_ranks, micro_batches, virtual_stages
     for label, value in (("num_ranks", p), ("micro_batches", m), ("virtual_stages", v)):
         if not isinstance(value, int) or value < 1:

@@ -92,14 +92,14 @@ class _ModelAndLoss(nn.Module):
 def capture(model: nn.Module, loss_fn, micro_batch: Sequence[torch.Tensor]) -> fx.GraphModule:
     """The model and its loss as one ATen graph whose ``get_attr`` nodes are the model's own parameters."""
     exported = torch.export.export(_ModelAndLoss(model, loss_fn), tuple(micro_batch), strict=False)
-    mutated = sorted(exported.graph_signature.buffers_to_mutate.values())
+    gm = exported.module()
+    mutated = sorted(_mutated_buffers(gm))
     if mutated:
         raise OptionsError(
             f"pipeline: the forward updates buffers ({', '.join(n.removeprefix('model.') for n in mutated)}), "
             "e.g. BatchNorm's running statistics; a stage cannot yet carry those updates between micro-batches. "
             "Use a normalisation without running statistics (LayerNorm, RMSNorm, GroupNorm), or parallelize(strategy='ddp')."
         )
-    gm = exported.module()
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and not node.users:  # export's input guard: shapes are fixed here
             gm.graph.erase_node(node)
@@ -112,6 +112,22 @@ def capture(model: nn.Module, loss_fn, micro_batch: Sequence[torch.Tensor]) -> f
             f"it returned {None if value is None else tuple(value.shape)}. Reduce it to a scalar in loss_fn."
         )
     return gm
+
+
+def _mutated_buffers(gm: fx.GraphModule) -> set[str]:
+    """Buffers the training graph writes in place (it is not functionalized): schema writes, and the
+    running statistics of a training-mode batch norm, whose composite op does not declare them."""
+    written = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
+                written.add(value)
+        if node.target.overloadpacket is torch.ops.aten.batch_norm and len(node.args) > 5 and node.args[5]:
+            written.update(a for a in node.args[3:5] if isinstance(a, fx.Node))
+    return {n.target for n in written if n.op == "get_attr"}
 
 
 def _loss_node(gm: fx.GraphModule) -> fx.Node:

@@ -1,0 +1,163 @@
+"""dpar.pipeline against one process on the global batch, on gloo ranks, every schedule; bad input.
+
+Each rank is fed its own slice; the pipeline group trains on all of them, so after 5 steps the
+parameters must equal one process on the whole batch (tolerances from NOTES.md). Several
+schedules share one launch of the ranks, each from a freshly seeded model.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dpar
+from distributed import run_ranks
+from pipeline_training import ROWS_PER_RANK, batch, build, one_process, pipelined, token_loss
+from training import max_abs_diff
+
+TOLERANCE = {"sgd": 1e-5, "adamw": 1e-4}
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+
+
+def _every_schedule(rank: int, world_size: int, name: str, layers: int, optim: str, micro_batches: int,
+                    schedules: tuple[str, ...]) -> dict[str, tuple]:
+    warnings.simplefilter("ignore", dpar.compiler.pipeline_parallel.schedules.PipelineBubbleWarning)
+    results = {}
+    for schedule in schedules:
+        stages = 2 * world_size if schedule == "interleaved_1f1b" else world_size
+        state, losses, _, peak = pipelined(rank, world_size, name, layers, optim, schedule, stages, micro_batches)
+        results[schedule] = (state, losses, peak)
+    return results
+
+
+@pytest.mark.parametrize(
+    "name, layers, optim, world_size, micro_batches",
+    [
+        ("llama", 4, "adamw", 2, 4),  # a Llama-style model this project did not write (RoPE, GQA, RMSNorm)
+        ("gpt2", 4, "sgd", 2, 4),  # tied embedding and head on the first and last stage
+        ("llama", 8, "adamw", 4, 8),
+    ],
+    ids=["llama-2-stages", "gpt2-tied-2-stages", "llama-4-stages"],
+)
+def test_every_schedule_matches_one_process(name, layers, optim, world_size, micro_batches):
+    reference, reference_losses = one_process(name, layers, optim, world_size)
+    results = run_ranks(_every_schedule, world_size, name, layers, optim, micro_batches, SCHEDULES, timeout_s=300)
+    for schedule in SCHEDULES:
+        state, losses, _ = results[0][schedule]
+        assert max_abs_diff(reference, state) < TOLERANCE[optim], schedule
+        for rank_result in results:  # every rank returns the same mean loss, the global batch's
+            assert rank_result[schedule][1] == pytest.approx(reference_losses, rel=1e-5), schedule
+
+
+def test_activations_held_per_stage():
+    """1F1B holds at most p - r micro-batches on rank r; GPipe all m; ZB-H1 p on every rank (until W)."""
+    world_size, m = 4, 8
+    results = run_ranks(_every_schedule, world_size, "llama", 4, "sgd", m, ("gpipe", "1f1b", "zb_h1"), timeout_s=300)
+    for rank, result in enumerate(results):
+        assert result["gpipe"][2] == {rank: m}
+        assert result["1f1b"][2] == {rank: world_size - rank}
+        assert result["zb_h1"][2] == {rank: world_size}
+
+
+def _dp_pp(rank: int, world_size: int) -> tuple:
+    return pipelined(rank, world_size, "llama", 4, "adamw", "1f1b", 2, 4, mesh_shape=(2, 2))[:2]
+
+
+def test_dp_by_pp_mesh_matches_one_process():
+    """(dp=2, pp=2): two pipelines, each on its members' slices, gradients averaged over dp."""
+    reference, reference_losses = one_process("llama", 4, "adamw", 4)
+    results = run_ranks(_dp_pp, 4, timeout_s=300)
+    assert max_abs_diff(reference, results[0][0]) < TOLERANCE["adamw"]
+    for _, losses in results:
+        assert losses == pytest.approx(reference_losses, rel=1e-5)
+
+
+def test_one_process_without_a_process_group():
+    reference, _ = one_process("llama", 2, "sgd", 1)
+    with pytest.warns(UserWarning):
+        state, _, _, _ = pipelined(0, 1, "llama", 2, "sgd", "1f1b", 1, 2)
+    assert max_abs_diff(reference, state) < TOLERANCE["sgd"]
+
+
+class _BatchNormStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _slice() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(0, ROWS_PER_RANK)
+    return x, y
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(micro_batches=3, stages=4, schedule="1f1b"), r"micro_batches=3 does not divide the pipeline group's batch of 16 rows .* use one of \[1, 2, 4, 8, 16\]"),
+        (dict(), r"stages=8 but the model has only 2 blocks .* use at most 2 stages"),
+        (dict(stages=4), r"interleaved_1f1b runs at least 2 stages on each rank: stages=8 \(or 12, 16, ...\) on 4 ranks"),
+        (dict(stages=3), r"stages=3 cannot be spread over the 4 ranks"),
+        (dict(schedule="1fb1"), r"unknown pipeline schedule '1fb1' \(did you mean '1f1b'\?\)"),
+        (dict(stages=8, schedule="1f1b"), r"puts 2 stages on each rank, which only schedule='interleaved_1f1b' runs"),
+        (dict(micro_batches=6), r"interleaved_1f1b runs micro-batches in rounds of num_ranks=4"),
+    ],
+    ids=["micro-batches-do-not-divide", "more-stages-than-blocks", "one-stage-a-rank-interleaved", "stages-not-a-multiple", "unknown-schedule",
+         "two-stages-a-rank-without-interleaving", "interleaved-rounds"],
+)
+def test_bad_arguments_name_the_fix(world_of_four, kwargs, message):
+    arguments = dict(example_inputs=_slice(), stages=8, micro_batches=4, schedule="interleaved_1f1b") | kwargs
+    with pytest.raises(dpar.OptionsError, match=message):
+        dpar.pipeline(build("llama", 2), token_loss, **arguments)
+
+
+def test_a_split_point_that_leaves_a_stage_empty(world_of_two):
+    model = build("llama", 4)
+    with pytest.raises(dpar.OptionsError, match=r"leave a stage without blocks"):
+        dpar.pipeline(model, token_loss, example_inputs=_slice(), stages=2, micro_batches=4,
+                      split_points=["layers.0"])
+    with pytest.raises(dpar.OptionsError, match=r"'blocks.9' is not one of the blocks"):
+        dpar.pipeline(build("llama", 4), token_loss, example_inputs=_slice(), stages=2, micro_batches=4,
+                      split_points=["blocks.9"])
+
+
+def test_user_split_points_place_the_blocks(world_of_two):
+    step = dpar.pipeline(build("llama", 4), token_loss, example_inputs=_slice(), stages=2, micro_batches=4,
+                         split_points=["layers.3"])
+    assert [s.blocks[0].rsplit(".", 1)[1] for s in step.split.stages] == ["0", "3"]
+    assert [len(s.blocks) for s in step.split.stages] == [3, 1]
+
+
+def test_buffers_updated_in_forward_are_refused(world_of_two):
+    x = torch.randn(4, 8)
+    with pytest.raises(dpar.OptionsError, match=r"updates buffers .*running_mean.* Use a normalisation without running"):
+        dpar.pipeline(_BatchNormStack(), nn.functional.mse_loss, example_inputs=(x, x), stages=2, micro_batches=2)
+
+
+def test_a_batch_of_another_shape_is_refused(world_of_two):
+    step = dpar.pipeline(build("llama", 2), token_loss, example_inputs=_slice(), stages=2, micro_batches=8)
+    x, y = batch(0, ROWS_PER_RANK + 1)
+    with pytest.raises(dpar.OptionsError, match=r"built for inputs of shapes .*drop_last=True"):
+        step(x, y)
+
+
+def test_few_micro_batches_warn_with_the_bubble(world_of_two):
+    with pytest.warns(dpar.compiler.pipeline_parallel.schedules.PipelineBubbleWarning, match=r"20.0%"):
+        dpar.pipeline(build("llama", 2), token_loss, example_inputs=_slice(), stages=2, micro_batches=4)
+
+
+def test_each_rank_releases_the_other_stages_parameters(world_of_two):
+    model = build("llama", 2)
+    total = sum(p.numel() for p in model.parameters())
+    step = dpar.pipeline(model, token_loss, example_inputs=_slice(), stages=2, micro_batches=8)
+    held = sum(p.numel() for p in model.parameters())
+    stage0 = {n for n in step.split.stages[0].parameters}
+    expected = sum(p.numel() for n, p in build("llama", 2).named_parameters() if n in stage0)
+    assert held == expected < total

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dpar.compiler.pipeline_parallel.data_parallel import sync_variant
 from dpar.compiler.pipeline_parallel.schedules import build_schedule, check_name, warn_if_bubble_large
 from dpar.compiler.pipeline_parallel.split import StageSplit, capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs, trace_stage
@@ -116,13 +117,15 @@ def pipeline(
     schedule: str = "1f1b",
     mesh: DeviceMesh | None = None,
     split_points: Sequence[str] | None = None,
+    bucket_cap_mb: int = 25,
 ) -> PipelineStep:
     """Cut ``model`` into ``stages`` pipeline stages and return the step that trains it.
 
     ``example_inputs`` is one rank's slice, ``(*model_inputs, target)``; ``loss_fn(model(*model_inputs),
     target)`` must be the micro-batch's mean loss. ``mesh``: None runs the pipeline over the whole
     world; a ``("dp", "pp")`` mesh runs one pipeline per ``dp`` index and averages gradients over
-    ``dp``. See ``[Note: the pipeline's data contract]`` in ``runtime/pipeline_parallel.py``.
+    ``dp`` (ddp's bucketed all-reduce, ``bucket_cap_mb`` per bucket, in each stage's last backward
+    graph). See ``[Note: the pipeline's data contract]`` in ``runtime/pipeline_parallel.py``.
     """
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise OptionsError("pipeline: this model is already cut into stages; call dpar.pipeline once per model.")
@@ -177,7 +180,14 @@ def pipeline(
         if id(param) not in held:  # another rank's stage: release it
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     shared = {name: full_shapes[name] for name in split.shared_parameters}
-    executor = PipelineExecutor(plan, graphs, state, groups, shared)
+    sync = {}
+    if groups.dp is not None and groups.dp_size > 1:  # [Note: data parallel across pipelines]
+        last = "backward_weight" if schedule == "zb_h1" else "backward"
+        sync = {
+            s: sync_variant(g, last, group_name=groups.dp.group_name, dp_size=groups.dp_size, cap_bytes=bucket_cap_mb << 20)
+            for s, g in graphs.items()
+        }
+    executor = PipelineExecutor(plan, graphs, state, groups, shared, sync)
     step = PipelineStep(model, split, graphs, executor, groups, tuple(tuple(x.shape) for x in example_inputs), full_shapes)
     object.__setattr__(model, _ATTRIBUTE, step)
     return step

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dpar.compiler.pipeline_parallel.data_parallel import SyncVariant
 from dpar.compiler.pipeline_parallel.schedules import Action, Op, PipelineSchedule
 from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs
 
@@ -53,7 +54,7 @@ class PipelineExecutor:
 
     def __init__(
         self, schedule: PipelineSchedule, graphs: dict[int, StageGraphs], state: dict[str, torch.Tensor],
-        groups: PipelineGroups, shared: dict[str, torch.Size],
+        groups: PipelineGroups, shared: dict[str, torch.Size], sync: dict[int, SyncVariant] | None = None,
     ) -> None:
         self.schedule = schedule
         self.graphs = graphs
@@ -61,6 +62,12 @@ class PipelineExecutor:
         self.parameters = {name: p for name, p in state.items() if isinstance(p, nn.Parameter)}
         self.groups = groups
         self.shared = shared  # parameters read on several stages, with their full shapes
+        # [Note: data parallel across pipelines]: each stage's last B or W runs its sync variant.
+        self.sync = sync or {}
+        own = schedule.actions[groups.pp_rank]
+        self.last_backward = {
+            s: [a for a in own if a.stage == s and a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT)][-1] for s in self.sync
+        }
         self.last_stage = schedule.num_stages - 1
         self.timeline: list[ActionTime] = []
         self.peak_held: dict[int, int] = {}  # stage -> most micro-batches whose saved activations were held at once
@@ -86,7 +93,7 @@ class PipelineExecutor:
         input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         stash: dict[tuple[int, int], list] = {}
         pending: list[tuple[dist.Work, list[torch.Tensor]]] = []
-        param_grads: dict[int, torch.Tensor] = {}
+        stage_grads: dict[int, dict[int, torch.Tensor]] = {s: {} for s in self.graphs}  # stage -> position -> grad
         loss = torch.zeros(())
         scale = torch.full((), 1.0 / m)
         self.timeline = []
@@ -94,10 +101,23 @@ class PipelineExecutor:
         self.peak_saved_bytes = dict.fromkeys(self.graphs, 0)
 
         def accumulate(stage: int, grads: Sequence[torch.Tensor | None]) -> None:
-            for name, grad in zip(self.graphs[stage].parameter_names, grads):
+            mine = stage_grads[stage]
+            for position, grad in enumerate(grads):
                 if grad is not None:
-                    key = id(self.parameters[name])
-                    param_grads[key] = param_grads[key] + grad if key in param_grads else grad
+                    mine[position] = mine[position] + grad if position in mine else grad
+
+        def backward(action: Action, graph_name: str, *args) -> Sequence:
+            """Run the stage's graph, or its sync variant when this is the stage's last backward work."""
+            variant = self.sync.get(action.stage)
+            if variant is None or self.last_backward[action.stage] != action:
+                return getattr(self.graphs[action.stage], graph_name)(*args)
+            mine = stage_grads[action.stage]
+            accumulated = [mine.pop(i, None) for i in variant.accumulated]
+            accumulated = [
+                a if a is not None else torch.zeros_like(self.state[self.graphs[action.stage].parameter_names[i]])
+                for a, i in zip(accumulated, variant.accumulated)
+            ]
+            return variant.graph(*args, *accumulated)  # its gradients are the averaged totals
 
         def grads_in(key: tuple[int, int]) -> list[torch.Tensor]:
             if key[0] == self.last_stage:
@@ -127,7 +147,7 @@ class PipelineExecutor:
                 if s == self.last_stage:
                     loss += outputs.pop(key)[0].detach()
             elif action.op is Op.BACKWARD:
-                result = g.backward(*self._params(s), *saved.pop(key), *grads_in(key))
+                result = backward(action, "backward", *self._params(s), *saved.pop(key), *grads_in(key))
                 input_grads[key] = list(result[: len(g.grad_inputs)])
                 accumulate(s, result[len(g.grad_inputs):])
             elif action.op is Op.BACKWARD_INPUT:
@@ -137,7 +157,7 @@ class PipelineExecutor:
                 stash[key] = [og, list(result[len(g.grad_inputs):])]
             elif action.op is Op.BACKWARD_WEIGHT:
                 og, kept = stash.pop(key)
-                accumulate(s, g.backward_weight(*self._params(s), *saved.pop(key), *og, *kept))
+                accumulate(s, backward(action, "backward_weight", *self._params(s), *saved.pop(key), *og, *kept))
             elif action.op is Op.SEND_ACTIVATION:
                 values = outputs.pop(key)
                 pending += [self._send(v, s + 1, False, s, k, i) for i, v in enumerate(values)]
@@ -158,7 +178,7 @@ class PipelineExecutor:
             self.timeline.append(ActionTime(action, start, time.perf_counter()))
         for work, _ in pending:
             work.wait()
-        self._write_grads(param_grads)
+        self._write_grads(stage_grads)
         return self._mean_loss(loss / m)
 
     def _send(self, value: torch.Tensor, stage: int, gradient: bool, boundary: int, k: int, i: int):
@@ -175,8 +195,14 @@ class PipelineExecutor:
             w.wait()
         return buffers
 
-    def _write_grads(self, param_grads: dict[int, torch.Tensor]) -> None:
-        by_id = {id(p): p for p in self.parameters.values()}
+    def _write_grads(self, stage_grads: dict[int, dict[int, torch.Tensor]]) -> None:
+        param_grads: dict[int, torch.Tensor] = {}  # id(parameter) -> this rank's total over its stages
+        by_id: dict[int, nn.Parameter] = {}
+        for stage, grads in stage_grads.items():
+            for position, grad in grads.items():
+                p = self.parameters[self.graphs[stage].parameter_names[position]]
+                by_id[id(p)] = p
+                param_grads[id(p)] = param_grads[id(p)] + grad if id(p) in param_grads else grad
         if self.shared and self.groups.pp is not None:
             # A parameter read by stages on several ranks: each rank summed its own stages'
             # contributions; sum those over the pipeline group (zeros where a rank holds none).
@@ -186,16 +212,6 @@ class PipelineExecutor:
                 dist.all_reduce(total, group=self.groups.pp)
                 if id(p) in param_grads:
                     param_grads[id(p)] = total
-        if self.groups.dp is not None and self.groups.dp_size > 1:
-            ordered = list(dict.fromkeys(id(v) for v in self.parameters.values() if id(v) in param_grads))
-            flat = torch.cat([param_grads[key].reshape(-1) for key in ordered])
-            dist.all_reduce(flat, group=self.groups.dp)
-            flat /= self.groups.dp_size
-            offset = 0
-            for key in ordered:
-                n = param_grads[key].numel()
-                param_grads[key] = flat[offset:offset + n].view_as(param_grads[key])
-                offset += n
         for key, grad in param_grads.items():
             p = by_id[key]
             p.grad = grad.detach().clone() if p.grad is None else p.grad + grad

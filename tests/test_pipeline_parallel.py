@@ -62,17 +62,39 @@ def test_activations_held_per_stage():
         assert result["zb_h1"][2] == {rank: world_size}
 
 
-def _dp_pp(rank: int, world_size: int) -> tuple:
-    return pipelined(rank, world_size, "llama", 4, "adamw", "1f1b", 2, 4, mesh_shape=(2, 2))[:2]
+def _dp_pp(rank: int, world_size: int) -> dict[str, tuple]:
+    return {
+        schedule: pipelined(rank, world_size, "llama", 4, "adamw", schedule, 2, 4, mesh_shape=(2, 2))[:2]
+        for schedule in ("1f1b", "zb_h1")  # the dp all-reduce in the last B, and in the last W
+    }
 
 
 def test_dp_by_pp_mesh_matches_one_process():
     """(dp=2, pp=2): two pipelines, each on its members' slices, gradients averaged over dp."""
     reference, reference_losses = one_process("llama", 4, "adamw", 4)
     results = run_ranks(_dp_pp, 4, timeout_s=300)
-    assert max_abs_diff(reference, results[0][0]) < TOLERANCE["adamw"]
-    for _, losses in results:
-        assert losses == pytest.approx(reference_losses, rel=1e-5)
+    for schedule in ("1f1b", "zb_h1"):
+        assert max_abs_diff(reference, results[0][schedule][0]) < TOLERANCE["adamw"], schedule
+        for result in results:
+            assert result[schedule][1] == pytest.approx(reference_losses, rel=1e-5), schedule
+
+
+def test_dp_all_reduce_is_in_the_last_backward_graph(world_of_four):
+    """ddp's pass over dp: buckets of the stage's parameters, all-reduced in the sync variant only."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    model = build("llama", 4)
+    step = dpar.pipeline(model, token_loss, example_inputs=_slice(), stages=2, micro_batches=8, mesh=mesh,
+                         schedule="zb_h1", bucket_cap_mb=1)
+    (stage,) = step.graphs
+    variant = step.executor.sync[stage]
+    reduces = [n for n in variant.graph.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+    numel = sum(n.args[0].meta["val"].numel() for n in reduces)
+    assert numel == sum(p.numel() for p in model.parameters() if p.numel() > 0)  # this stage's parameters, once
+    assert len(variant.accumulated) == len(step.graphs[stage].parameter_names)
+    plain = step.graphs[stage].backward_weight
+    assert not [n for n in plain.graph.nodes if "all_reduce" in str(n.target)]
 
 
 def test_one_process_without_a_process_group():

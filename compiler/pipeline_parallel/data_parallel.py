@@ -1,0 +1,81 @@
+"""ddp over the ``dp`` axis of a ``("dp", "pp")`` mesh: the all-reduce goes into a stage's last backward graph.
+
+[Note: data parallel across pipelines]
+Each pipeline (one per ``dp`` index) accumulates its stages' parameter gradients over the
+micro-batches. The gradients must then be averaged over ``dp``, once per step, as DDP does. dpar
+builds a *sync* variant of the graph that runs a stage's last backward work of the step (its last
+``B``, or its last ``W`` under a zero-bubble schedule): the variant takes the gradients accumulated
+over the earlier micro-batches as extra inputs, adds its own, and all-reduces the totals in
+buckets, each issued as soon as its last gradient is computed. It is ddp's own pass
+(``all_reduce_gradients_pass`` with ``accumulate=True``, the variant ``no_sync`` accumulation
+uses) followed by ``sink_waits``, so the bucketing, the averaging and the overlap inside the graph
+are the ones ddp's tests pin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from dpar.compiler.graph_utils import copy_graph_module, fake_like, refresh_fake_values
+from dpar.compiler.passes.all_reduce import accumulated_gradient_order, all_reduce_gradients_pass
+from dpar.compiler.passes.buckets import Gradient, plan_buckets
+from dpar.compiler.passes.sink_waits import sink_waits_pass
+from dpar.compiler.pipeline import run_passes
+from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncVariant:
+    """A backward graph that also all-reduces the stage's accumulated gradients over ``dp``.
+
+    Called as the plain graph plus one accumulated gradient per entry of ``accumulated``
+    (positions among the stage's parameters); its parameter gradients are the averaged totals.
+    """
+
+    graph: fx.GraphModule
+    accumulated: tuple[int, ...]
+
+
+def _gradients(gm: fx.GraphModule, graphs: StageGraphs, first: int) -> list[Gradient]:
+    outputs = gm.graph.output_node().args[0]
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    gradients = []
+    for k, name in enumerate(graphs.parameter_names):
+        node = outputs[first + k]
+        if isinstance(node, fx.Node):
+            value = node.meta["val"]
+            gradients.append(Gradient(first + k, name, tuple(value.shape), value.dtype, position[node]))
+    return gradients
+
+
+def sync_variant(graphs: StageGraphs, which: str, *, group_name: str, dp_size: int, cap_bytes: int) -> SyncVariant:
+    """``which``: ``"backward"`` or ``"backward_weight"``, the graph that ends the stage's step."""
+    gm = copy_graph_module(getattr(graphs, which))
+    first = len(graphs.grad_inputs) if which == "backward" else 0  # B returns input gradients first
+    buckets = plan_buckets(_gradients(gm, graphs, first), cap_bytes)
+    gm = run_passes(
+        gm,
+        [
+            ("all_reduce_gradients", lambda g: all_reduce_gradients_pass(
+                g, buckets, group_name=group_name, world_size=dp_size, accumulate=True)),
+            ("sink_waits", sink_waits_pass),
+        ],
+        f"pipeline stage {graphs.stage.index} {which} (sync over dp)",
+    )
+    order = accumulated_gradient_order(buckets)
+    like = {g.output_index: outputs_val for g, outputs_val in _gradient_values(graphs, which, first)}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, index in zip(placeholders[len(placeholders) - len(order):], order):
+        node.meta["val"] = fake_like(like[index])  # the accumulated gradient: shaped as the gradient
+    refresh_fake_values(gm, [n.meta["val"] for n in placeholders])  # the tables and Inductor read them
+    return SyncVariant(gm, tuple(index - first for index in order))
+
+
+def _gradient_values(graphs: StageGraphs, which: str, first: int):
+    outputs = getattr(graphs, which).graph.output_node().args[0]
+    for k in range(len(graphs.parameter_names)):
+        node = outputs[first + k]
+        if isinstance(node, fx.Node):
+            yield Gradient(first + k, "", (), node.meta["val"].dtype, 0), node.meta["val"]

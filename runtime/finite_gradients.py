@@ -3,22 +3,22 @@
 [Note: where the finite check runs, and why it is opt-in]
 The check wraps each compiled backward and reads the gradients it returns, after their reduction
 (all-reduce, reduce-scatter), before autograd stores them in ``.grad``: raising there leaves ``.grad``
-as it was before the backward, and no optimizer steps on nan. One ``_foreach_norm(ord=inf)`` per
-backward gives, per gradient, nan if any element is nan and inf if any is inf. Where ranks return
+as it was before the backward, and no optimizer steps on nan. One sum per gradient screens them (a
+nan or inf element makes the sum non-finite); only a gradient whose sum is not finite is searched for
+nan and inf. Where ranks return
 different gradients (shards, tensor-parallel blocks, local SGD's replicas) one rank may see a nan the
 others do not: the flags are all-reduced (max) over the world, so every rank raises the same error
 instead of some stepping on while others stop (which would hang). ddp's and zero1's all-reduced
 gradients are the same on every rank, and need no agreement. Under ``no_sync`` nothing is checked:
 the synchronising backward checks the accumulated total.
 
-It costs a pass over the gradients and a host sync per backward (which on a GPU stops the CPU from
+It costs a read of the gradients and a host sync per backward (which on a GPU stops the CPU from
 queueing the next step ahead), and an all-reduce of 2 floats per parameter where ranks differ, so it
 is off by default, like torch's anomaly detection.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,10 +60,14 @@ class FiniteGradients:
         ]
         if not checked:
             return
-        # An empty shard (uneven rows at many ranks) has no inf-norm; it holds no nan either.
-        norms = torch._foreach_norm([g if g.numel() else g.new_zeros(1) for _, g in checked], ord=math.inf)
-        norms = torch.stack(norms).float()
-        flags = torch.stack([norms.isnan(), norms.isinf()]).float()
+        # Screen: a nan or inf element makes its gradient's sum nan or inf (the cheapest reduction on
+        # CPU: an inf-norm or isfinite().all() is 10-25x slower). Confirm the few suspects exactly: a
+        # sum of finite values can also overflow.
+        sums = torch.stack([g.sum(dtype=torch.float32) for _, g in checked])
+        flags = torch.zeros(2, len(checked), device=sums.device)
+        for j in (~sums.isfinite()).nonzero().flatten().tolist():
+            gradient = checked[j][1]
+            flags[0, j], flags[1, j] = float(gradient.isnan().any()), float(gradient.isinf().any())
         if self._agree:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if not bool(flags.any()):

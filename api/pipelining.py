@@ -6,10 +6,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dpar.compiler.pipeline_parallel.data_parallel import sync_variant
+from dpar.compiler.pipeline_parallel.data_parallel import SyncVariant, sync_variant
+from dpar.compiler.pipeline_parallel.sharded import gather_variant, layout_of, reduce_scatter_variant
 from dpar.compiler.pipeline_parallel.schedules import build_schedule, check_name, warn_if_bubble_large
 from dpar.compiler.pipeline_parallel.split import StageSplit, capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs, trace_stage
@@ -36,7 +38,7 @@ def _groups(mesh: DeviceMesh | None) -> PipelineGroups:
     dp = mesh.get_group("dp") if "dp" in names else None
     return PipelineGroups(
         pp, tuple(dist.get_process_group_ranks(pp)), mesh.get_local_rank("pp"), dp,
-        mesh.size(names.index("dp")) if dp is not None else 1,
+        mesh.size(names.index("dp")) if dp is not None else 1, mesh.get_local_rank("dp") if dp is not None else 0,
     )
 
 
@@ -99,12 +101,43 @@ class PipelineStep:
             if stage is None or self.groups.pp is None:  # a buffer, or read by no stage: every rank holds it
                 state[name] = value.detach().clone()
                 continue
-            full = value.detach().clone() if value.shape == self.full_shapes[name] else torch.empty(
-                self.full_shapes[name], dtype=value.dtype
-            )
-            dist.broadcast(full, src=self.groups.pp_ranks[self.schedule.stage_rank(stage)], group=self.groups.pp)
+            holder_rank = self.schedule.stage_rank(stage)
+            shape = self.full_shapes[name]
+            if holder_rank != self.groups.pp_rank:
+                full = torch.empty(shape, dtype=value.dtype)
+            elif value.shape == shape:
+                full = value.detach().clone()
+            else:  # a shard over dp (dp_strategy="fsdp"): gather it from the stage's dp group
+                gathered = value.new_empty(value.numel() * self.groups.dp_size)
+                dist.all_gather_into_tensor(gathered, value.detach(), group=self.groups.dp)
+                full = gathered[: shape.numel()].view(shape).clone()
+            dist.broadcast(full, src=self.groups.pp_ranks[holder_rank], group=self.groups.pp)
             state[name] = full
         return state if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+
+def _shard_over_dp(
+    graphs: dict[int, StageGraphs], parameters: dict[str, nn.Parameter], groups: PipelineGroups, last: str
+) -> tuple[dict[int, SyncVariant], dict[int, fx.GraphModule]]:
+    """[Note: sharded data parallel across pipelines]: the variants, and each parameter replaced by its shard."""
+    names = [n for g in graphs.values() for n in g.parameter_names]
+    twice = sorted({n for n in names if sum(parameters[m] is parameters[n] for m in names) > 1})
+    if twice:
+        raise OptionsError(
+            f"pipeline: dp_strategy='fsdp' cannot yet shard a parameter that two graphs on one rank read "
+            f"({', '.join(twice)}: a tied weight within a stage, or in two stages of one rank); "
+            "untie it, place the stages so that each rank reads it once, or use dp_strategy='ddp'."
+        )
+    group_name = groups.dp.group_name
+    sync, gather = {}, {}
+    for s, g in graphs.items():
+        layout = layout_of(g, groups.dp_size)
+        gather[s] = gather_variant(g, layout, group_name)
+        sync[s] = reduce_scatter_variant(g, last, layout, group_name)
+        for i, name in enumerate(g.parameter_names):
+            param = parameters[name]
+            param.data = layout.shard(param.data, i, groups.dp_rank)
+    return sync, gather
 
 
 def pipeline(
@@ -117,6 +150,7 @@ def pipeline(
     schedule: str = "1f1b",
     mesh: DeviceMesh | None = None,
     split_points: Sequence[str] | None = None,
+    dp_strategy: str = "ddp",
     bucket_cap_mb: int = 25,
 ) -> PipelineStep:
     """Cut ``model`` into ``stages`` pipeline stages and return the step that trains it.
@@ -124,12 +158,15 @@ def pipeline(
     ``example_inputs`` is one rank's slice, ``(*model_inputs, target)``; ``loss_fn(model(*model_inputs),
     target)`` must be the micro-batch's mean loss. ``mesh``: None runs the pipeline over the whole
     world; a ``("dp", "pp")`` mesh runs one pipeline per ``dp`` index and averages gradients over
-    ``dp`` (ddp's bucketed all-reduce, ``bucket_cap_mb`` per bucket, in each stage's last backward
-    graph). See ``[Note: the pipeline's data contract]`` in ``runtime/pipeline_parallel.py``.
+    ``dp``: ``dp_strategy="ddp"`` all-reduces them in buckets of ``bucket_cap_mb``, ``"fsdp"`` keeps
+    1/dp of each stage's parameters, gradients and optimizer state per rank, gathered once per step.
+    See ``[Note: the pipeline's data contract]`` in ``runtime/pipeline_parallel.py``.
     """
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise OptionsError("pipeline: this model is already cut into stages; call dpar.pipeline once per model.")
     check_name(schedule)
+    if dp_strategy not in ("ddp", "fsdp"):
+        raise OptionsError(f"pipeline: dp_strategy={dp_strategy!r} is not one of 'ddp', 'fsdp'.")
     groups = _groups(mesh)
     p = len(groups.pp_ranks)
     if not isinstance(stages, int) or stages < 1 or stages % p:
@@ -180,14 +217,19 @@ def pipeline(
         if id(param) not in held:  # another rank's stage: release it
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     shared = {name: full_shapes[name] for name in split.shared_parameters}
-    sync = {}
-    if groups.dp is not None and groups.dp_size > 1:  # [Note: data parallel across pipelines]
+    sync, gather = {}, {}
+    if groups.dp is not None and groups.dp_size > 1:
         last = "backward_weight" if schedule == "zb_h1" else "backward"
-        sync = {
-            s: sync_variant(g, last, group_name=groups.dp.group_name, dp_size=groups.dp_size, cap_bytes=bucket_cap_mb << 20)
-            for s, g in graphs.items()
-        }
-    executor = PipelineExecutor(plan, graphs, state, groups, shared, sync)
+        if dp_strategy == "ddp":  # [Note: data parallel across pipelines]
+            sync = {
+                s: sync_variant(g, last, group_name=groups.dp.group_name, dp_size=groups.dp_size,
+                                cap_bytes=bucket_cap_mb << 20)
+                for s, g in graphs.items()
+            }
+        else:
+            sync, gather = _shard_over_dp(graphs, parameters, groups, last)
+            shared = {name: parameters[name].shape for name in shared}  # each rank sums its shard
+    executor = PipelineExecutor(plan, graphs, state, groups, shared, sync, gather)
     step = PipelineStep(model, split, graphs, executor, groups, tuple(tuple(x.shape) for x in example_inputs), full_shapes)
     object.__setattr__(model, _ATTRIBUTE, step)
     return step

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 
 from dpar.compiler.pipeline_parallel.data_parallel import SyncVariant
@@ -40,6 +41,7 @@ class PipelineGroups:
     pp_rank: int
     dp: dist.ProcessGroup | None
     dp_size: int
+    dp_rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ class PipelineExecutor:
     def __init__(
         self, schedule: PipelineSchedule, graphs: dict[int, StageGraphs], state: dict[str, torch.Tensor],
         groups: PipelineGroups, shared: dict[str, torch.Size], sync: dict[int, SyncVariant] | None = None,
+        gather: dict[int, fx.GraphModule] | None = None,
     ) -> None:
         self.schedule = schedule
         self.graphs = graphs
@@ -68,6 +71,10 @@ class PipelineExecutor:
         self.last_backward = {
             s: [a for a in own if a.stage == s and a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT)][-1] for s in self.sync
         }
+        # [Note: sharded data parallel across pipelines]: a stage's first F gathers its parameters.
+        self.gather = gather or {}
+        self.first_forward = {s: next(a for a in own if a.stage == s and a.op is Op.FORWARD) for s in self.gather}
+        self.gathered: dict[int, list[torch.Tensor]] = {}
         self.last_stage = schedule.num_stages - 1
         self.timeline: list[ActionTime] = []
         self.peak_held: dict[int, int] = {}  # stage -> most micro-batches whose saved activations were held at once
@@ -75,7 +82,18 @@ class PipelineExecutor:
 
     def _params(self, stage: int) -> list[torch.Tensor]:
         g = self.graphs[stage]
-        return [self.state[n] for n in (*g.parameter_names, *g.buffer_names)]
+        params = self.gathered[stage] if stage in self.gather else [self.state[n] for n in g.parameter_names]
+        return [*params, *(self.state[n] for n in g.buffer_names)]
+
+    def _forward(self, action: Action, batch: list[torch.Tensor], carried: list[torch.Tensor]) -> Sequence:
+        g = self.graphs[action.stage]
+        if self.first_forward.get(action.stage) != action:
+            return g.forward(*self._params(action.stage), *batch, *carried)
+        shard = torch.cat([self.state[n].reshape(-1) for n in g.parameter_names])
+        buffers = [self.state[n] for n in g.buffer_names]
+        result = self.gather[action.stage](shard, *buffers, *batch, *carried)
+        self.gathered[action.stage] = list(result[len(result) - len(g.parameter_names):])  # kept for the step
+        return result[: len(result) - len(g.parameter_names)]
 
     def _peer(self, stage: int) -> int:
         return self.groups.pp_ranks[self.schedule.stage_rank(stage)]
@@ -112,10 +130,10 @@ class PipelineExecutor:
             if variant is None or self.last_backward[action.stage] != action:
                 return getattr(self.graphs[action.stage], graph_name)(*args)
             mine = stage_grads[action.stage]
+            params = self._params(action.stage)  # whole, also where they rest as shards
             accumulated = [mine.pop(i, None) for i in variant.accumulated]
             accumulated = [
-                a if a is not None else torch.zeros_like(self.state[self.graphs[action.stage].parameter_names[i]])
-                for a, i in zip(accumulated, variant.accumulated)
+                a if a is not None else torch.zeros_like(params[i]) for a, i in zip(accumulated, variant.accumulated)
             ]
             return variant.graph(*args, *accumulated)  # its gradients are the averaged totals
 
@@ -140,7 +158,7 @@ class PipelineExecutor:
             g = self.graphs.get(s)
             if action.op is Op.FORWARD:
                 batch = [micro_batches[k][i] for i in g.stage.batch_inputs]
-                result = g.forward(*self._params(s), *batch, *inputs_of(key))
+                result = self._forward(action, batch, inputs_of(key))
                 outputs[key] = list(result[: g.num_outputs])
                 saved[key] = list(result[g.num_outputs:])
                 self._count_held(s, saved)
@@ -178,6 +196,7 @@ class PipelineExecutor:
             self.timeline.append(ActionTime(action, start, time.perf_counter()))
         for work, _ in pending:
             work.wait()
+        self.gathered.clear()  # sharded at rest again
         self._write_grads(stage_grads)
         return self._mean_loss(loss / m)
 

@@ -84,7 +84,7 @@ def one_process(name: str, layers: int, optim: str, world_size: int) -> tuple[di
 
 
 def pipelined(rank: int, world_size: int, name: str, layers: int, optim: str, schedule: str, stages: int,
-              micro_batches: int, mesh_shape: tuple[int, int] | None = None
+              micro_batches: int, mesh_shape: tuple[int, int] | None = None, dp_strategy: str = "ddp",
               ) -> tuple[dict | None, list[float], list[float], dict[int, int]]:
     """Each rank fed its own slice; returns (full state on rank 0, losses, measured bubble per step,
     the most micro-batches each of this rank's stages held at once)."""
@@ -96,7 +96,8 @@ def pipelined(rank: int, world_size: int, name: str, layers: int, optim: str, sc
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp"))
     x, y = batch(0, ROWS_PER_RANK * world_size)
     step = dpar.pipeline(model, token_loss, example_inputs=(x.chunk(world_size)[rank], y.chunk(world_size)[rank]),
-                         stages=stages, micro_batches=micro_batches, schedule=schedule, mesh=mesh)
+                         stages=stages, micro_batches=micro_batches, schedule=schedule, mesh=mesh,
+                         dp_strategy=dp_strategy)
     opt = optimizer(optim, model.parameters())
     losses, bubbles = [], []
     for i in range(STEPS):

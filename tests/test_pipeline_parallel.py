@@ -62,21 +62,26 @@ def test_activations_held_per_stage():
         assert result["zb_h1"][2] == {rank: world_size}
 
 
-def _dp_pp(rank: int, world_size: int) -> dict[str, tuple]:
-    return {
-        schedule: pipelined(rank, world_size, "llama", 4, "adamw", schedule, 2, 4, mesh_shape=(2, 2))[:2]
-        for schedule in ("1f1b", "zb_h1")  # the dp all-reduce in the last B, and in the last W
-    }
+DP_CASES = (("ddp", "1f1b"), ("ddp", "zb_h1"), ("fsdp", "1f1b"), ("fsdp", "zb_h1"))  # sync in the last B, or W
+
+
+def _dp_pp(rank: int, world_size: int) -> dict[tuple[str, str], tuple]:
+    results = {}
+    for dp_strategy, schedule in DP_CASES:
+        model_state, losses, _, _ = pipelined(rank, world_size, "llama", 4, "adamw", schedule, 2, 4,
+                                              mesh_shape=(2, 2), dp_strategy=dp_strategy)
+        results[dp_strategy, schedule] = (model_state, losses)
+    return results
 
 
 def test_dp_by_pp_mesh_matches_one_process():
-    """(dp=2, pp=2): two pipelines, each on its members' slices, gradients averaged over dp."""
+    """(dp=2, pp=2): two pipelines, each on its members' slices, gradients averaged (or reduce-scattered) over dp."""
     reference, reference_losses = one_process("llama", 4, "adamw", 4)
-    results = run_ranks(_dp_pp, 4, timeout_s=300)
-    for schedule in ("1f1b", "zb_h1"):
-        assert max_abs_diff(reference, results[0][schedule][0]) < TOLERANCE["adamw"], schedule
+    results = run_ranks(_dp_pp, 4, timeout_s=400)
+    for case in DP_CASES:
+        assert max_abs_diff(reference, results[0][case][0]) < TOLERANCE["adamw"], case
         for result in results:
-            assert result[schedule][1] == pytest.approx(reference_losses, rel=1e-5), schedule
+            assert result[case][1] == pytest.approx(reference_losses, rel=1e-5), case
 
 
 def test_dp_all_reduce_is_in_the_last_backward_graph(world_of_four):
@@ -95,6 +100,27 @@ def test_dp_all_reduce_is_in_the_last_backward_graph(world_of_four):
     assert len(variant.accumulated) == len(step.graphs[stage].parameter_names)
     plain = step.graphs[stage].backward_weight
     assert not [n for n in plain.graph.nodes if "all_reduce" in str(n.target)]
+
+
+def test_fsdp_over_dp_gathers_once_and_reduce_scatters_once(world_of_four):
+    """Shards at rest (1/dp of each parameter), one all-gather in the first F, one reduce-scatter in the last W."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    model = build("llama", 4)
+    whole = {n: p.numel() for n, p in model.named_parameters()}
+    step = dpar.pipeline(model, token_loss, example_inputs=_slice(), stages=2, micro_batches=8, mesh=mesh,
+                         schedule="zb_h1", dp_strategy="fsdp")
+    (stage,) = step.graphs
+    names = step.graphs[stage].parameter_names
+    assert {n: p.numel() for n, p in model.named_parameters() if n in names} == {n: -(-whole[n] // 2) for n in names}
+
+    def collectives(gm):
+        return [str(n.target) for n in gm.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)]
+
+    assert collectives(step.executor.gather[stage]) == ["_c10d_functional.all_gather_into_tensor.default"]
+    assert collectives(step.executor.sync[stage].graph) == ["_c10d_functional.reduce_scatter_tensor.default"]
+    assert not collectives(step.graphs[stage].forward) and not collectives(step.graphs[stage].backward_weight)
 
 
 def test_one_process_without_a_process_group():

@@ -270,10 +270,19 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--strategy",
-        choices=("ddp", "zero2", "fsdp", "tp"),
+        choices=("ddp", "zero2", "fsdp", "tp", "pipeline"),
         default="ddp",
         help="ddp replicates; zero2/fsdp shard parameters, gradients and optimizer state; tp splits "
-        "layers (Megatron). Every strategy feeds each rank its own batches, as DDP does. All but ddp need torchrun",
+        "layers (Megatron); pipeline puts consecutive blocks on each rank (one stage per rank). Every strategy "
+        "feeds each rank its own batches, as DDP does. All but ddp need torchrun",
+    )
+    parser.add_argument(
+        "--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"), default="1f1b",
+        help="pipeline: the schedule (interleaved_1f1b runs two stages on each rank)",
+    )
+    parser.add_argument(
+        "--micro-batches", type=int, default=None,
+        help="pipeline: micro-batches per step (default 4 x the stages, which keeps the bubble small)",
     )
     parser.add_argument(
         "--sequence-parallel",
@@ -312,6 +321,9 @@ def parse_args() -> argparse.Namespace:
         parser.error("--sequence-parallel splits activations between tensor-parallel layers: add --strategy tp")
     if args.bucket_cap_mb is not None and args.strategy == "tp":
         parser.error("--bucket-cap-mb: tp has no gradient buckets")
+    if args.strategy == "pipeline" and args.resume is not None:
+        parser.error("--resume: dpar.checkpoint does not save pipeline stages yet; export with "
+                     "dpar.checkpoint.full_state_dict instead")
     return args
 
 
@@ -341,7 +353,7 @@ def main() -> None:
         dpar.parallelize(
             model, strategy="tp", example_inputs=(example.to(device),), sequence_parallel=args.sequence_parallel
         )
-    elif args.strategy != "ddp":
+    elif args.strategy not in ("ddp", "pipeline"):
         param_dtype = getattr(torch, args.param_dtype)
         dpar.parallelize(
             model, strategy=args.strategy, param_dtype=param_dtype, reduce_dtype=torch.float32,
@@ -350,7 +362,18 @@ def main() -> None:
     options = {"compiler": args.compiler}
     if args.strategy == "ddp" and args.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = args.bucket_cap_mb  # ddp sizes its buckets when compiling
-    model = torch.compile(model, backend="dpar", options=options)
+    if args.strategy == "pipeline":  # the backward runs inside the step: model(x, y) + backward below
+        stages = world_size * (2 if args.schedule == "interleaved_1f1b" else 1)
+        x, y = get_batch(data, args.batch_size, config.block_size, torch.Generator().manual_seed(args.seed))
+        pipelined = dpar.pipeline(
+            model, lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten()),
+            example_inputs=(x.to(device), y.to(device)), stages=stages, schedule=args.schedule,
+            micro_batches=args.micro_batches or 4 * stages,
+        )
+        if rank == 0:
+            print(pipelined.split)
+    else:
+        model = torch.compile(model, backend="dpar", options=options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = 0
     if args.resume is not None:
@@ -368,10 +391,13 @@ def main() -> None:
     with dpar.compiler.registry.recording() as graphs:  # what dpar compiles, for comm/step
         for step in range(start, args.steps):
             x, y = (t.to(device) for t in get_batch(data, args.batch_size, config.block_size, generator))
-            loss = model(x, y)
-            if step + 1 == args.fail_at_step and rank == world_size - 1:
-                fail_once(args.resume, step + 1, rank)  # after the forward: the others are in the backward
-            loss.backward()
+            if args.strategy == "pipeline":
+                loss = pipelined(x, y)  # forward and backward of every rank's rows, the mean loss
+            else:
+                loss = model(x, y)
+                if step + 1 == args.fail_at_step and rank == world_size - 1:
+                    fail_once(args.resume, step + 1, rank)  # after the forward: the others are in the backward
+                loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach()
@@ -386,7 +412,10 @@ def main() -> None:
             now = time.perf_counter()  # after .item(), which waits for the device
             # The first step compiles and always logs alone: tokens/s counts from the next.
             throughput = f"{tokens_per_step * steps / (now - logged_at):,.0f}" if logged_at else "-"
-            if rank == 0:
+            if rank == 0 and args.strategy == "pipeline":
+                print(f"step {step + 1:4d}  loss {mean_loss:.4f}  tokens/s {throughput}  "
+                      f"bubble {pipelined.measured_bubble():.0%} (rank 0, last step)")
+            elif rank == 0:
                 comm = format_communication(dpar.compiler.registry.communication_per_step(graphs))
                 print(f"step {step + 1:4d}  loss {mean_loss:.4f}  tokens/s {throughput}  comm/step {comm}")
             logged_step, logged_at = step + 1, time.perf_counter()

@@ -12,8 +12,9 @@ from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, DivergedRanksError, DparError, NonFiniteGradientError,
-    OptionsError, ProcessGroupError, RankLostError, ScheduleError,
+    OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError, ScheduleError,
 )
+from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
 from dpar.runtime.local_sgd import OuterSGD
 
@@ -29,6 +30,8 @@ __all__ = [
     "NonFiniteGradientError",
     "OptionsError",
     "OuterSGD",
+    "PipelineBubbleWarning",
+    "PipelineMemoryError",
     "Plan",
     "ProcessGroupError",
     "RankLostError",

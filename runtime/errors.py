@@ -50,3 +50,7 @@ class RankLostError(DparError):
 
 class NonFiniteGradientError(DparError, FloatingPointError):
     """A backward produced nan or inf gradients (raised under options={"check_finite": True})."""
+
+
+class PipelineMemoryError(OptionsError):
+    """No pipeline degree fits the model's state and activations in the memory budget."""

@@ -24,7 +24,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
 def _every_schedule(rank: int, world_size: int, name: str, layers: int, optim: str, micro_batches: int,
                     schedules: tuple[str, ...]) -> dict[str, tuple]:
-    warnings.simplefilter("ignore", dpar.compiler.pipeline_parallel.schedules.PipelineBubbleWarning)
+    warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
     results = {}
     for schedule in schedules:
         stages = 2 * world_size if schedule == "interleaved_1f1b" else world_size
@@ -197,7 +197,7 @@ def test_a_batch_of_another_shape_is_refused(world_of_two):
 
 
 def test_few_micro_batches_warn_with_the_bubble(world_of_two):
-    with pytest.warns(dpar.compiler.pipeline_parallel.schedules.PipelineBubbleWarning, match=r"20.0%"):
+    with pytest.warns(dpar.PipelineBubbleWarning, match=r"20.0%"):
         dpar.pipeline(build("llama", 2), token_loss, example_inputs=_slice(), stages=2, micro_batches=4)
 
 

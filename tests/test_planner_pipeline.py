@@ -23,7 +23,8 @@ from pipeline_models import FLOPS_ONLY, mse, stack
 import dpar
 from dpar.cli import main
 from dpar.inspect.costs import DeviceSpec
-from dpar.planner.pipeline import PipelineMemoryError, plan_pipeline
+from dpar import PipelineMemoryError
+from dpar.planner import plan_pipeline
 
 MODELS = Path(__file__).resolve().parent / "pipeline_models.py"
 F = 8.192e-6

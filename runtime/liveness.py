@@ -30,6 +30,12 @@ or about to enter, a collective with it. What a survivor sees depends on how it 
   that rank leaves by either path (its sockets close), so every survivor is out within the bounds
   above; each also watches the vanished rank's heartbeat itself.
 
+On NCCL the survivor's CPU does not block inside the graph (kernels wait on the GPU) but at its
+next synchronisation, outside dpar's graphs, where the same watchdog sees no graph progress and acts
+alike. NCCL's own watchdog is the second line: ``NCCL_DEFAULTS`` below are set when dpar is imported
+(before ``init_process_group`` reads them; a value already in the environment, the user's or
+torchrun's, wins). Not tested here: no GPU on the machine these notes were written on.
+
 Steps are counted here, not by the optimizer, which dpar does not see: a step begins with the
 first forward graph call after a backward (or a no_grad inference graph), so under gradient accumulation each
 micro-batch counts as one. The heartbeat carries the step and phase, so the survivor can say where
@@ -59,6 +65,21 @@ WATCH_AFTER_S = 3.0
 """This rank's graphs made no progress for this long: the daemon thread starts reading the others' heartbeats."""
 SILENT_AFTER_S = 10.0
 """While watching: a rank whose heartbeat stays still this long is declared lost, and this process ends."""
+
+
+NCCL_DEFAULTS = {
+    # A failed or timed-out collective ends the process, without the communicator clean-up that can
+    # itself hang on a dead peer (torch's default, pinned: torchrun sets 1, which cleans up first).
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    # The rank whose watchdog sees the error tells the others through the store: they end too, rather
+    # than each waiting for its own timeout (the process group's, 10 min by default).
+    "TORCH_NCCL_PROPAGATE_ERROR": "1",
+    # A watchdog thread itself stuck in a CUDA or NCCL call is ended by the monitor after
+    # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (torch's 480 s).
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+}
+for _name, _value in NCCL_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
 
 
 @dataclasses.dataclass
@@ -136,17 +157,17 @@ def _heartbeats(store: dist.Store, ranks: Sequence[int]) -> dict[int, dict[str, 
     return {r: json.loads(store.get(k)) for r, k in zip(ranks, keys) if store.check([k])}
 
 
-def _others() -> list[int]:
-    return [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+def _others(rank: int, world_size: int) -> list[int]:
+    return [r for r in range(world_size) if r != rank]
 
 
-def watch(store: dist.Store) -> None:
+def watch(store: dist.Store, me: int, world_size: int) -> None:
     """Run by the daemon thread once a second: end this process if it is stuck while a rank is silent."""
     now = time.monotonic()
-    if _progress.step == 0 or now - _progress.changed_at < WATCH_AFTER_S:
+    if _progress.step == 0 or now - _progress.changed_at < WATCH_AFTER_S or _left:
         _watched.clear()
         return
-    for rank, heartbeat in _heartbeats(store, _others()).items():
+    for rank, heartbeat in _heartbeats(store, _others(me, world_size)).items():
         if "left" in heartbeat:
             _watched.pop(rank, None)
         elif rank not in _watched or _watched[rank][0] != heartbeat["beat"]:
@@ -155,12 +176,12 @@ def watch(store: dist.Store) -> None:
     if not silent:
         return
     message = (
-        f"rank {dist.get_rank()} lost rank(s) {silent} {_progress.where()}: they have sent no heartbeat for "
+        f"rank {me} lost rank(s) {silent} {_progress.where()}: they have sent no heartbeat for "
         f"{SILENT_AFTER_S:.0f} s while this rank has made no progress for {now - _progress.changed_at:.0f} s "
         "(their host is gone or the process is frozen). A collective blocked in the transport cannot be "
         f"interrupted, so dpar ends this process. {_RESTART}"
     )
-    mark_left(store, dist.get_rank(), f"lost rank(s) {silent}")
+    mark_left(store, me, f"lost rank(s) {silent}")
     print(f"dpar.RankLostError: {message}", file=sys.stderr, flush=True)
     os._exit(1)
 
@@ -174,20 +195,21 @@ _RESTART = (
 
 
 def _diagnose(exc: RuntimeError) -> RankLostError | None:
-    """The error to raise for ``exc`` if a rank has vanished; None if every rank is alive."""
+    """The error to raise for ``exc`` if a rank vanished or left; None if every rank is alive and in."""
     me = dist.get_rank() if dist.is_initialized() else None
     if me is None:
         return None
     failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:_QUOTED]}"
+    others = _others(me, dist.get_world_size())
     try:
         store = default_store()
-        first = _heartbeats(store, _others())
+        first = _heartbeats(store, others)
         deadline = time.monotonic() + LOST_AFTER_S
         while True:
-            now = _heartbeats(store, _others())
+            now = _heartbeats(store, others)
             left = {r: h["left"] for r, h in now.items() if "left" in h}
             alive = {r for r, h in now.items() if "beat" in h and h["beat"] != first.get(r, {}).get("beat")}
-            lost = [r for r in _others() if r not in left and r not in alive]
+            lost = [r for r in others if r not in left and r not in alive]
             if not lost or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
@@ -197,17 +219,17 @@ def _diagnose(exc: RuntimeError) -> RankLostError | None:
             f"rank {me} lost the rendezvous store {_progress.where()} ({failure}): its host, {host}, is gone "
             f"(killed, crashed, or it left after an error of its own: see its log). {_RESTART}"
         )
-    if not lost:
+    if not lost and not left:
         return None
-    last = "; ".join(
-        f"rank {r} last beat {_Progress(step=first[r]['step'], phase=first[r]['phase']).where()}"
-        if r in first and "beat" in first[r] else f"rank {r} never sent a heartbeat"
+    reasons = [
+        f"rank {r} sent no heartbeat for {LOST_AFTER_S:.0f} s (killed or crashed; its last beat: "
+        + (_Progress(step=first[r]["step"], phase=first[r]["phase"]).where() if "beat" in first.get(r, {}) else "none")
+        + ")"
         for r in lost
-    )
-    others = "".join(f"; rank {r} left: {why}" for r, why in sorted(left.items()))
-    mark_left(store, me, f"lost rank(s) {lost} {_progress.where()}")
+    ] + [f"rank {r} left: {why}" for r, why in sorted(left.items())]
+    named = lost or sorted(left)  # the vanished ranks; else those that left while this one communicated
+    mark_left(store, me, f"lost rank(s) {named} {_progress.where()}")
     return RankLostError(
-        f"rank {me} lost rank(s) {lost} {_progress.where()}: a collective failed ({failure}) and "
-        f"rank(s) {lost} sent no heartbeat for {LOST_AFTER_S:.0f} s ({last}{others}): the process was "
-        f"killed or crashed. {_RESTART}"
+        f"rank {me} lost rank(s) {named} {_progress.where()}: a collective failed ({failure}); "
+        f"{'; '.join(reasons)}. {_RESTART}"
     )

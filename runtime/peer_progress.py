@@ -87,7 +87,7 @@ def start_answering(rank: int, checks: Callable[[], int]) -> None:
     except Exception:  # a store without clone(): waiting ranks fall back to the check's timeout
         return
     _answering = threading.Thread(
-        target=_answer_queries, args=(store, rank, checks), name="dpar-peer-progress", daemon=True
+        target=_answer_queries, args=(store, rank, dist.get_world_size(), checks), name="dpar-peer-progress", daemon=True
     )
     _answering.start()
 
@@ -100,26 +100,25 @@ def _stop_answering() -> None:
         _answering.join(timeout=2 * POLL_INTERVAL_S)
 
 
-def _answer_queries(store: dist.Store, rank: int, checks: Callable[[], int]) -> None:
-    query = beats = 1
+def _answer_queries(store: dist.Store, rank: int, world_size: int, checks: Callable[[], int]) -> None:
+    query, beats = 1, 0
     try:
-        liveness.beat(store, rank, beats)
-    except Exception:
-        return
-    # Ends with the process group: after destroy_process_group the store server may be gone.
-    while not _stop.wait(POLL_INTERVAL_S) and dist.is_initialized():
-        try:
+        # Ends with the process group: after destroy_process_group the store server may be gone.
+        while True:
             beats += 1
             liveness.beat(store, rank, beats)
-            liveness.watch(store)
+            liveness.watch(store, rank, world_size)
             while store.check([f"{_QUERY}/{query}"]):
                 if rank in json.loads(store.get(f"{_QUERY}/{query}"))["ranks"]:
                     report = PeerReport(rank, collectives_issued(), checks(), _main_thread_location())
                     store.set(f"{_ANSWER}/{query}/{rank}", json.dumps(dataclasses.asdict(report)))
                 query += 1
-        except Exception:
-            return  # the store is gone; an asking rank treats the silence as unknown
-    liveness.mark_left(store, rank, "its program ended or raised (see its log)")
+            if _stop.wait(POLL_INTERVAL_S) or not dist.is_initialized():
+                break
+    except Exception:
+        pass  # the store is gone (an asking rank treats the silence as unknown), or the process group is
+    finally:  # however the thread ends, others must not take the heartbeat's end for a vanished rank
+        liveness.mark_left(store, rank, "its program ended or raised (see its log)")
 
 
 def _main_thread_location(depth: int = 3) -> str:

@@ -117,7 +117,7 @@ def test_survivors_of_a_killed_rank_raise_rank_lost_error_naming_it_and_the_step
             assert "rank 0, is gone" in message
         else:
             assert f"rank {rank} lost rank(s) [{victim}] in the backward of step {KILL_AT + 1}" in message
-            assert f"rank {victim} last beat " in message  # once a second: where it was up to a second before
+            assert f"rank {victim} sent no heartbeat for 3 s (killed or crashed; its last beat: " in message
         assert "torchrun --max-restarts" in message
         assert seen["seconds"] < ERROR_BOUND_S, seen["seconds"]
 
@@ -129,3 +129,16 @@ def test_a_frozen_rank_ends_the_survivors_within_the_silence_bound(tmp_path):
     assert seen["exitcode"] == 1, seen
     assert "dpar.RankLostError: rank 0 lost rank(s) [1] in the backward of step 3" in seen["stderr"]
     assert 10.0 <= seen["seconds"] < SILENT_BOUND_S, seen["seconds"]
+
+
+def test_import_dpar_sets_nccl_error_handling_unless_the_environment_already_has_it():
+    import subprocess
+
+    from dpar.runtime.liveness import NCCL_DEFAULTS
+
+    env = {k: v for k, v in os.environ.items() if k not in NCCL_DEFAULTS} | {"TORCH_NCCL_PROPAGATE_ERROR": "0"}
+    shown = subprocess.run(
+        [sys.executable, "-c", "import os, dpar; print([os.environ[k] for k in dpar.runtime.liveness.NCCL_DEFAULTS])"],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    assert shown.strip() == "['3', '0', '1']"  # the user's TORCH_NCCL_PROPAGATE_ERROR=0 wins

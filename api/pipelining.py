@@ -15,7 +15,9 @@ from dpar.compiler.pipeline_parallel.sharded import gather_variant, layout_of, r
 from dpar.compiler.pipeline_parallel.schedules import build_schedule, check_name, warn_if_bubble_large
 from dpar.compiler.pipeline_parallel.split import StageSplit, capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs, trace_stage
+from dpar.runtime.agreement import agree
 from dpar.runtime.errors import OptionsError
+from dpar.runtime.liveness import PIPELINE_STEP, watching
 from dpar.runtime.pipeline_parallel import PipelineExecutor, PipelineGroups
 from dpar.runtime.world import current_world
 
@@ -73,10 +75,11 @@ class PipelineStep:
                 "the stage graphs are captured at one micro-batch shape. Keep the per-rank batch shape fixed "
                 "(drop_last=True in the DataLoader), or build another step for the other shape."
             )
-        batch = [self._gather(x) for x in inputs]
-        m = self.schedule.micro_batches
-        micro_batches = [list(chunk) for chunk in zip(*(x.chunk(m) for x in batch))]
-        return self.executor.run(micro_batches)
+        with watching(PIPELINE_STEP):  # a rank that vanishes mid-step is named: RankLostError
+            batch = [self._gather(x) for x in inputs]
+            m = self.schedule.micro_batches
+            micro_batches = [list(chunk) for chunk in zip(*(x.chunk(m) for x in batch))]
+            return self.executor.run(micro_batches)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """The pipeline group's batch: every member's slice, in pipeline order."""
@@ -229,6 +232,11 @@ def pipeline(
         else:
             sync, gather = _shard_over_dp(graphs, parameters, groups, last)
             shared = {name: parameters[name].shape for name in shared}  # each rank sums its shard
+    world = current_world()
+    if world is not None:  # every rank must have cut the same stages and built the same schedule
+        agree(world, "dpar.pipeline", [*str(split).splitlines(), *str(plan).splitlines(),
+                                       f"inputs {[tuple(x.shape) for x in example_inputs]}"], timeout_s=120,
+              subject="pipeline stage splits, schedules and input shapes")
     executor = PipelineExecutor(plan, graphs, state, groups, shared, sync, gather)
     step = PipelineStep(model, split, graphs, executor, groups, tuple(tuple(x.shape) for x in example_inputs), full_shapes)
     object.__setattr__(model, _ATTRIBUTE, step)

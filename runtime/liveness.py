@@ -44,12 +44,13 @@ the vanished rank was.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -93,6 +94,8 @@ class _Progress:
     def where(self) -> str:
         if self.step == 0:
             return "before the first step"
+        if self.phase == PIPELINE_STEP:
+            return f"in pipeline step {self.step}"
         if self.phase == "inference":
             return f"in an inference graph (no_grad) after step {self.step}"
         return f"in the {self.phase} of step {self.step}"
@@ -103,8 +106,11 @@ _watched: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat count, whe
 _left: list[str] = []  # why this rank left, once it has: the first reason stays
 
 
+PIPELINE_STEP = "pipeline step"  # one call of dpar.pipeline's step: forward and backward of every micro-batch
+
+
 def _enter(phase: str) -> None:
-    if phase == "forward" and _progress.phase != "forward":
+    if phase == PIPELINE_STEP or (phase == "forward" and _progress.phase != "forward"):
         _progress.step += 1
     _progress.phase, _progress.changed_at = phase, time.monotonic()
 
@@ -119,16 +125,23 @@ class Watched:
         self._phase = phase
 
     def __call__(self, args: list[Any]) -> Any:
-        _enter(self._phase)
-        try:
+        with watching(self._phase):
             return self._compiled(args)
-        except RuntimeError as exc:  # gloo's and NCCL's failures (DistBackendError is one)
-            error = _diagnose(exc)
-            if error is None:
-                raise
-            raise error from exc
-        finally:
-            _progress.changed_at = time.monotonic()
+
+
+@contextlib.contextmanager
+def watching(phase: str) -> Iterator[None]:
+    """Count the step; a collective failing inside becomes ``RankLostError`` when a rank has vanished."""
+    _enter(phase)
+    try:
+        yield
+    except RuntimeError as exc:  # gloo's and NCCL's failures (DistBackendError is one)
+        error = _diagnose(exc)
+        if error is None:
+            raise
+        raise error from exc
+    finally:
+        _progress.changed_at = time.monotonic()
 
 
 # Heartbeats: written and watched by peer_progress.py's daemon thread on its own store connection.

@@ -48,17 +48,26 @@ def _rank(rank: int, world_size: int, port: int, strategy: str, victim: int, how
     model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, fused_qkv=False))
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
-    if strategy != "ddp":
+    if strategy == "pipeline":  # the victim dies before its step: the others are inside theirs, waiting on it
+        loss_fn = torch.nn.functional.cross_entropy
+        runner = dpar.pipeline(model, lambda logits, t: loss_fn(logits.flatten(0, 1), t.flatten()),
+                               example_inputs=(x, y), stages=world_size, micro_batches=2 * world_size)
+    elif strategy != "ddp":
         dpar.parallelize(model, strategy=strategy, example_inputs=(x,))
-    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    if strategy != "pipeline":
+        runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         for step in range(STEPS):
+            if strategy == "pipeline" and rank == victim and step == KILL_AT:
+                Path(f"{out}/killed").write_text(str(time.time()))
+                os.kill(os.getpid(), how)
             loss = runner(x, y)
             if rank == victim and step == KILL_AT:
                 Path(f"{out}/killed").write_text(str(time.time()))
                 os.kill(os.getpid(), how)
-            loss.backward()
+            if strategy != "pipeline":
+                loss.backward()
             optimizer.step()
             optimizer.zero_grad()
     except Exception as exc:
@@ -101,8 +110,8 @@ def run_with_victim(strategy: str, world_size: int, victim: int, how: int, out: 
 
 @pytest.mark.parametrize(
     "strategy,world_size,victim",
-    [("ddp", 3, 1), ("fsdp", 2, 1), ("tp", 2, 1), ("ddp", 2, 0)],
-    ids=["ddp-3ranks", "fsdp", "tp", "ddp-store-host-killed"],
+    [("ddp", 3, 1), ("fsdp", 2, 1), ("tp", 2, 1), ("ddp", 2, 0), ("pipeline", 2, 1)],
+    ids=["ddp-3ranks", "fsdp", "tp", "ddp-store-host-killed", "pipeline"],
 )
 def test_survivors_of_a_killed_rank_raise_rank_lost_error_naming_it_and_the_step(tmp_path, strategy, world_size, victim):
     import dpar
@@ -115,6 +124,9 @@ def test_survivors_of_a_killed_rank_raise_rank_lost_error_naming_it_and_the_step
         if victim == 0:  # it hosted the rendezvous store (init_process_group's env://), which is gone with it
             assert f"rank {rank} lost the rendezvous store in the backward of step {KILL_AT + 1}" in message
             assert "rank 0, is gone" in message
+        elif strategy == "pipeline":
+            assert f"rank {rank} lost rank(s) [{victim}] in pipeline step {KILL_AT + 1}" in message
+            assert f"rank {victim} sent no heartbeat for 3 s (killed or crashed; its last beat: " in message
         else:
             assert f"rank {rank} lost rank(s) [{victim}] in the backward of step {KILL_AT + 1}" in message
             assert f"rank {victim} sent no heartbeat for 3 s (killed or crashed; its last beat: " in message

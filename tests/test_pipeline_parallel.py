@@ -130,6 +130,21 @@ def test_one_process_without_a_process_group():
     assert max_abs_diff(reference, state) < TOLERANCE["sgd"]
 
 
+def _uneven_slices(rank: int, world_size: int) -> str:
+    x, y = batch(0, ROWS_PER_RANK - rank)  # rank 1 is fed fewer rows than rank 0
+    try:
+        dpar.pipeline(build("llama", 2), token_loss, example_inputs=(x, y), stages=2, micro_batches=2)
+    except dpar.CollectiveMismatchError as error:
+        return str(error)
+    return "built"
+
+
+def test_ranks_that_cut_different_stages_fail_at_build_not_in_a_hang():
+    for message in run_ranks(_uneven_slices, 2, timeout_s=120):
+        assert message.startswith("pipeline stage splits, schedules and input shapes differ between ranks")
+        assert "sends 4096 bytes" in message and "sends 3072 bytes" in message  # stage 0's activations per rank
+
+
 class _BatchNormStack(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -10,6 +10,8 @@ A graph goes through these stages, each a list of named passes run by
   backward   ddp builds one per variant: sync, no_sync (no passes), sync accumulated
   inference  a graph without backward (no_grad): the joint graph's tensor-parallel
              passes, then the forward's
+  optimizer  zero1's optimizer step, captured by ``optimizer_step.CapturedStep``:
+             after the update, the stepped ranges are gathered into the parameters
 
 ``Pipeline`` lists them for one ``ParallelPlan``; the strategy modules
 (``data_parallel``, ``sharded_data_parallel``, ``tensor_parallel``) supply the
@@ -36,6 +38,7 @@ from dpar.compiler.logs import configure as configure_logs
 from dpar.compiler.logs import log_pass
 from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
+from dpar.compiler.passes.all_gather_ranges import UpdatedRange, all_gather_updated_ranges
 from dpar.compiler.passes.broadcast_buffers import average_inputs_pass, buffer_broadcast_groups
 from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.sink_waits import sink_waits_pass
@@ -63,6 +66,17 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[Pass], label: str) -> fx.Gra
         stages.append(stage)
     gm.meta[STAGES_KEY] = tuple(stages)
     return gm
+
+
+def optimizer_passes(
+    strategy: Strategy, ranges: Sequence[UpdatedRange] = (), example_inputs: Sequence[Any] = (), group: tuple[str, int] = ("", 1)
+) -> list[Pass]:
+    """An optimizer step graph's passes: zero1's gather of the ranges it stepped (``group``: name, size)."""
+    if strategy is not Strategy.ZERO1:
+        return []
+    name, size = group
+    return [("all_gather_updated_ranges",
+             lambda g: all_gather_updated_ranges(g, example_inputs, ranges, group_name=name, world_size=size))]
 
 
 JOINT_LABEL = "joint graph"
@@ -168,6 +182,7 @@ class Pipeline:
             "dynamo": self.dynamo_passes(), "joint": self.joint_passes(), "forward": self.forward_passes(),
             **({f"forward ({self.other_forward[0]})": self.forward_passes(other=True)} if self.other_forward else {}),
             **{f"backward ({v.value})": self.backward_passes(v) for v in Variant}, "inference": self.inference_passes(),
+            "optimizer": optimizer_passes(self.plan.strategy),
         }
         return {stage: [name for name, _ in passes] for stage, passes in stages.items()}
 

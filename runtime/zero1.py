@@ -9,19 +9,31 @@ owns range r. The first step of an optimizer over such parameters replaces each
 in its param groups by a Parameter viewing this rank's range of it, so the
 optimizer creates and keeps state for those elements only (1/N), and its
 ``zero_grad`` clears the whole gradients too. Before every step the views'
-gradients are the same elements of the whole gradients. The step writes this rank's
-elements in place, and right after it one all-gather per dtype brings every
-rank's range into the whole parameters. That gather is not deferred to the next
-forward's graph: between a step and the next forward, ``model.state_dict()``, an
-EMA of the weights or an evaluation would read parameters only 1/N updated.
+gradients are the same elements of the whole gradients.
+
+From then on the optimizer's ``step`` is captured as a graph
+(compiler/optimizer_step.py): the step writes this rank's elements in place, and
+the optimizer stage's pass (compiler/passes/all_gather_ranges.py) appends to that
+graph one all-gather per dtype that brings every rank's range into the whole
+parameters. The gather is part of the step, not deferred to the next forward's
+graph: between a step and the next forward, ``model.state_dict()``, an EMA of the
+weights or an evaluation would read parameters only 1/N updated. The first step is
+already running when zero1 first sees the optimizer (in the global step pre-hook),
+so it runs eagerly, and the same pass over a graph that only reads the ranges
+gathers after it (as after any step Dynamo ran eagerly). The captured step is
+installed as the optimizer's own ``step`` inside torch's hook wrapper, so every
+step pre- and post-hook still runs around the update, in order.
+
 Elementwise optimizers (SGD, Adam, AdamW) give DDP's numbers; one that reads
 across a parameter's elements (LAMB's trust ratio, Adafactor's factored moments)
-would see only its range.
+would see only its range. One Dynamo cannot capture whole, or a ``step(closure)``,
+is refused with an OptionsError at its second step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -31,6 +43,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
+
+from dpar.compiler.optimizer_step import CapturedStep
+from dpar.compiler.passes.all_gather_ranges import UpdatedRange
+from dpar.compiler.pipeline import optimizer_passes
+from dpar.compiler.plan import Strategy
+from dpar.runtime.errors import OptionsError
 
 
 def owned_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -66,7 +84,7 @@ def shard_optimizer_state(parameters: Iterable[nn.Parameter], group: dist.Proces
             _owned[p] = _views[owned.view] = owned
     if not _hooks_installed:
         register_optimizer_step_pre_hook(_step_on_owned_ranges)
-        register_optimizer_step_post_hook(_gather_after_step)
+        register_optimizer_step_post_hook(_after_step)
         _hooks_installed = True
 
 
@@ -80,21 +98,60 @@ def whole_of(parameter: torch.Tensor) -> torch.Tensor:
     return owned.whole if owned is not None else parameter
 
 
-_switched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_captured: weakref.WeakKeyDictionary[torch.optim.Optimizer, CapturedStep] = weakref.WeakKeyDictionary()
 
 
 def _step_on_owned_ranges(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer not in _switched and any(p in _owned for g in optimizer.param_groups for p in g["params"]):
-        for group in optimizer.param_groups:
-            group["params"] = [_owned[p].view if p in _owned else p for p in group["params"]]
-        optimizer.zero_grad = _clearing_whole_gradients(optimizer)  # type: ignore[method-assign]
-        _switched.add(optimizer)
+    if optimizer not in _captured and any(p in _owned for g in optimizer.param_groups for p in g["params"]):
+        _capture_steps(optimizer)
     for group in optimizer.param_groups:
         for view in group["params"]:
             owned = _views.get(view)
             if owned is not None:
                 grad = owned.whole.grad
                 view.grad = None if grad is None else grad.reshape(-1)[owned.lo : owned.hi]
+
+
+def _capture_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Switch ``optimizer`` to the views, and its later steps to the captured one (see the Note above)."""
+    for group in optimizer.param_groups:
+        group["params"] = [_owned[p].view if p in _owned else p for p in group["params"]]
+    optimizer.zero_grad = _clearing_whole_gradients(optimizer)  # type: ignore[method-assign]
+    owned = _owned_of(optimizer)
+    ranges = [UpdatedRange(o.view, o.whole, o.lo, o.hi) for o in owned]
+    groups = {o.group for o in owned}
+    if len(groups) > 1:
+        raise OptionsError("one optimizer steps parameters of two zero1 models over different process groups: "
+                           "give each model its own optimizer")
+    group = groups.pop()
+    where = (group.group_name, dist.get_world_size(group))
+    captured = CapturedStep(optimizer, lambda inputs: optimizer_passes(Strategy.ZERO1, ranges, inputs, where))
+    _captured[optimizer] = captured
+    previous = optimizer.step
+    step = types.MethodType(torch.optim.Optimizer.profile_hook_step(_run_captured), optimizer)
+    if getattr(previous, "_wrapped_by_lr_sched", False):  # an LR scheduler's check that step() ran before its own
+        step = _marking_called(step, optimizer)
+    optimizer.step = step  # type: ignore[method-assign]
+
+
+def _run_captured(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    return _captured[optimizer](*args, **kwargs)
+
+
+def _marking_called(step: Callable[..., Any], optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """``step``, still telling an LR scheduler built before it that the optimizer stepped."""
+    reference = weakref.ref(optimizer)
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        reference()._opt_called = True  # type: ignore[union-attr]
+        return step(*args, **kwargs)
+
+    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return marked
+
+
+def _owned_of(optimizer: torch.optim.Optimizer) -> list[Owned]:
+    return [_views[v] for group in optimizer.param_groups for v in group["params"] if v in _views]
 
 
 def _clearing_whole_gradients(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
@@ -117,25 +174,14 @@ def _clearing_whole_gradients(optimizer: torch.optim.Optimizer) -> Callable[...,
     return clearing
 
 
-def _gather_after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Every rank's stepped range into the whole parameters (the whole gradients stay, as DDP's do)."""
-    stepped = [_views[v] for group in optimizer.param_groups for v in group["params"] if v in _views]
-    for owned in stepped:
-        owned.view.grad = None  # a view of the whole gradient, made again before each step
-    by_dtype: dict[tuple[torch.dtype, dist.ProcessGroup], list[Owned]] = {}
-    for owned in stepped:
-        by_dtype.setdefault((owned.whole.dtype, owned.group), []).append(owned)
-    with torch.no_grad():
-        for (_, group), owned in by_dtype.items():
-            _all_gather_ranges(owned, group)
-
-
-def _all_gather_ranges(owned: list[Owned], group: dist.ProcessGroup) -> None:
-    """One all-gather: each rank sends its ranges, each padded to ceil(numel / N), back to back."""
-    world_size = dist.get_world_size(group)
-    chunks = [-(-o.whole.numel() // world_size) for o in owned]
-    mine = torch.cat([torch.nn.functional.pad(o.view.detach(), (0, c - o.view.numel())) for o, c in zip(owned, chunks)])
-    gathered = mine.new_empty(world_size * mine.numel())
-    dist.all_gather_into_tensor(gathered, mine, group=group)
-    for o, piece in zip(owned, gathered.view(world_size, -1).split(chunks, dim=1)):
-        o.whole.detach().view(-1).copy_(piece.reshape(-1)[: o.whole.numel()])
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Drop the views' gradients (views of the whole ones, which stay, as DDP's do); after a step that ran
+    no captured graph (the first, or one Dynamo ran eagerly), gather the stepped ranges by the same pass."""
+    captured = _captured.get(optimizer)
+    if captured is None:
+        return
+    for owned in _owned_of(optimizer):
+        owned.view.grad = None
+    if not captured.ran:
+        captured.after_uncaptured()
+    captured.ran = False

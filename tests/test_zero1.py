@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from distributed import run_ranks
+from dpar.compiler.optimizer_step import LABEL as STEP_LABEL
 from training import BUILDERS, TOLERANCE, Case, max_abs_diff, train
 
 CASES = [Case("uneven", "adamw"), Case("mlp", "sgd", 4), Case("gpt", "adamw"), Case("convbn", "sgd")]
@@ -69,9 +70,45 @@ def skipped_step_run(rank: int, world_size: int, zero1: bool) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def lockstep_run(rank: int, world_size: int) -> list[float]:
+    """The GPT under zero1 and torch DDP side by side, AdamW: after each opt.step(), with no forward in
+    between, max |model.state_dict() - DDP's| (what an EMA or a checkpoint would read)."""
+    import dpar
+    from training import global_batch, loss_of, make_optimizer
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, reference = BUILDERS["gpt"](), BUILDERS["gpt"]()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(dpar.parallelize(model, strategy="zero1"), backend="dpar", options={"compiler": "aot_eager"})
+    ddp = nn.parallel.DistributedDataParallel(reference)
+    runs = [(model, compiled, make_optimizer("adamw", list(model.parameters()))),
+            (reference, ddp, make_optimizer("adamw", list(reference.parameters())))]
+    diffs = []
+    for step in range(4):
+        x, y = (t.chunk(world_size)[rank] for t in global_batch("gpt", step, 0, 4 * world_size))
+        for _, runner, opt in runs:
+            opt.zero_grad()
+            loss_of("gpt", runner, x, y).backward()
+            opt.step()
+        diffs.append(max_abs_diff(model.state_dict(), reference.state_dict()))
+    return diffs
+
+
+def _targets_after_gather(gm) -> list[str]:
+    """What the captured step graph does after its first all-gather: only moving gathered elements."""
+    nodes = list(gm.graph.nodes)
+    first = next(i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default)
+    return sorted({str(n.target) for n in nodes[first:] if n.op == "call_function"})
+
+
 def rank_main(rank: int, world_size: int) -> dict:
     import dpar
+    from dpar.compiler.options import Options
+    from dpar.compiler.pipeline import Pipeline
     from dpar.compiler.registry import recording
+    from dpar.placement import plan_of
+    from dpar.runtime.world import current_world
 
     results = {}
     for case in CASES:
@@ -82,7 +119,8 @@ def rank_main(rank: int, world_size: int) -> dict:
         optimizers: list[torch.optim.Optimizer] = []
         with recording() as graphs:
             got = train(case, model, compiled, rank, world_size, lambda: dpar.no_sync(compiled), optimizers)
-        kinds = sorted({c.kind for g in graphs for c in g.collectives})
+        kinds = sorted({c.kind for g in graphs for c in g.collectives if not g.label.startswith(STEP_LABEL)})
+        steps = [g for g in graphs if g.label == STEP_LABEL]
 
         torch.manual_seed(rank)
         reference = BUILDERS[case.model]()
@@ -96,6 +134,11 @@ def rank_main(rank: int, world_size: int) -> dict:
             "ddp_optimizer_bytes": state_bytes(ddp_optimizers[0]),
             "owned_elements": sum(t.numel() for t in optimizers[0].param_groups[0]["params"]),
             "collective_kinds": kinds,
+            "step_graphs": [{"code": g.graph.code, "passes": [st.pass_name for st in g.stages],
+                             "collectives": [(c.kind, c.dtype, c.bytes) for c in g.collectives],
+                             "after_gather": _targets_after_gather(g.graph)} for g in steps],
+            "gather_only_graphs": sum(g.label == f"{STEP_LABEL} (gather only)" for g in graphs),
+            "listing": Pipeline(plan_of(model), [], current_world(), Options()).listing()["optimizer"],
         }
     import tempfile
 
@@ -104,6 +147,7 @@ def rank_main(rank: int, world_size: int) -> dict:
         dist_broadcast_path(directory)
         results["resumed"] = resumed_run(rank, world_size, directory[0], save_after=2)
     results["uninterrupted"] = resumed_run(rank, world_size, "", save_after=None)
+    results["lockstep"] = lockstep_run(rank, world_size)
     results["skipped_zero1"] = skipped_step_run(rank, world_size, zero1=True)
     results["skipped_ddp"] = skipped_step_run(rank, world_size, zero1=False)
     return results
@@ -154,9 +198,42 @@ def test_zero_grad_without_a_step_clears_the_whole_gradients(trained) -> None:
         assert max_abs_diff(result["skipped_zero1"], result["skipped_ddp"]) <= TOLERANCE["sgd"]
 
 
-def test_the_graphs_hold_ddps_collectives(trained) -> None:
-    """zero1 changes what the optimizer keeps, not the graphs: gradient buckets all-reduced, buffers
-    broadcast; the stepped ranges are gathered right after each step (see the Note in runtime/zero1.py)."""
+def test_the_model_graphs_hold_ddps_collectives(trained) -> None:
+    """zero1 changes what the optimizer keeps, not the model's graphs: gradient buckets all-reduced,
+    buffers broadcast; the stepped ranges are gathered in the optimizer step graph (below)."""
     _, per_rank = trained
     assert per_rank[0]["uneven-adamw"]["collective_kinds"] == ["all_reduce"]
     assert per_rank[0]["convbn-sgd"]["collective_kinds"] == ["all_reduce", "broadcast"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_the_captured_step_graph_ends_with_one_all_gather_of_the_stepped_ranges(trained, case: Case) -> None:
+    """Steps 2.. run one captured graph: the optimizer's in-place updates, then the optimizer stage's pass
+    appended one all-gather of every range (each padded to ceil(numel / N)), then only copies into the
+    whole parameters. The first step, eager, is followed by the same pass over the ranges alone."""
+    world_size, per_rank = trained
+    model = BUILDERS[case.model]()
+    padded_ranges = sum(-(-p.numel() // world_size) for p in model.parameters() if p.requires_grad)
+    for result in per_rank:
+        assert result[case.id]["listing"] == ["all_gather_updated_ranges"]
+        assert result[case.id]["gather_only_graphs"] == 1
+        (step,) = result[case.id]["step_graphs"]  # one capture serves every later step
+        assert step["passes"] == ["captured", "all_gather_updated_ranges"]
+        # fp32 models: one gather; each rank sends its padded ranges, receives N times that.
+        assert step["collectives"] == [("all_gather", torch.float32, 4 * padded_ranges)]
+        assert step["code"].count("_c10d_functional.all_gather_into_tensor") == 1
+        assert step["code"].count("_c10d_functional.wait_tensor") == 1
+        assert step["after_gather"] == sorted(
+            {"_c10d_functional.all_gather_into_tensor.default", "_c10d_functional.wait_tensor.default",
+             "aten.view.default", "aten.split_with_sizes.default", "<built-in function getitem>",
+             "aten.reshape.default", "aten.slice.Tensor", "aten.copy_.default"})
+    if world_size == 2 and case.id == "uneven-adamw":
+        print(per_rank[0][case.id]["step_graphs"][0]["code"])  # pytest -s shows the step graph
+
+
+def test_state_dict_right_after_each_step_is_ddps(trained) -> None:
+    """No forward between step and read: the gather is inside the step (first step: eager, then gathered)."""
+    _, per_rank = trained
+    for result in per_rank:
+        assert len(result["lockstep"]) == 4
+        assert max(result["lockstep"]) <= TOLERANCE["adamw"]

@@ -154,7 +154,7 @@ def pipeline(
     mesh: DeviceMesh | None = None,
     split_points: Sequence[str] | None = None,
     dp_strategy: str = "ddp",
-    bucket_cap_mb: int = 25,
+    bucket_cap_mb: float = 25,
 ) -> PipelineStep:
     """Cut ``model`` into ``stages`` pipeline stages and return the step that trains it.
 
@@ -205,9 +205,11 @@ def pipeline(
     warn_if_bubble_large(schedule, p, micro_batches, virtual)
     micro_batch = tuple(torch.cat([x] * p)[: total // micro_batches] for x in example_inputs)
     split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points)
-    empty = [s.index for s in split.stages if not s.blocks]
-    if empty:
-        raise OptionsError(f"pipeline: stages {empty} would hold no block; use fewer stages.")
+    world = current_world()
+    if world is not None and world.backend != "fake":  # every rank must have cut the same stages and schedule
+        agree(world, "dpar.pipeline", [*str(split).splitlines(), *str(plan).splitlines(),
+                                       f"inputs {[tuple(x.shape) for x in example_inputs]}"], timeout_s=120,
+              subject="pipeline stage splits, schedules and input shapes")
     parameters = dict(model.named_parameters(remove_duplicate=False))
     state = parameters | dict(model.named_buffers(remove_duplicate=False))
     mine = plan.stages_of(groups.pp_rank)
@@ -226,17 +228,12 @@ def pipeline(
         if dp_strategy == "ddp":  # [Note: data parallel across pipelines]
             sync = {
                 s: sync_variant(g, last, group_name=groups.dp.group_name, dp_size=groups.dp_size,
-                                cap_bytes=bucket_cap_mb << 20)
+                                cap_bytes=int(bucket_cap_mb * 2**20))
                 for s, g in graphs.items()
             }
         else:
             sync, gather = _shard_over_dp(graphs, parameters, groups, last)
             shared = {name: parameters[name].shape for name in shared}  # each rank sums its shard
-    world = current_world()
-    if world is not None and world.backend != "fake":  # every rank must have cut the same stages and schedule
-        agree(world, "dpar.pipeline", [*str(split).splitlines(), *str(plan).splitlines(),
-                                       f"inputs {[tuple(x.shape) for x in example_inputs]}"], timeout_s=120,
-              subject="pipeline stage splits, schedules and input shapes")
     executor = PipelineExecutor(plan, graphs, state, groups, shared, sync, gather)
     step = PipelineStep(model, split, graphs, executor, groups, tuple(tuple(x.shape) for x in example_inputs), full_shapes)
     object.__setattr__(model, _ATTRIBUTE, step)

@@ -95,6 +95,15 @@ class PipelineExecutor:
         self.gathered[action.stage] = list(result[len(result) - len(g.parameter_names):])  # kept for the step
         return result[: len(result) - len(g.parameter_names)]
 
+    def _input_grads(self, key: tuple[int, int], input_grads: dict) -> list[torch.Tensor]:
+        """Stage ``key[0]``'s input gradients for the previous stage; zeros where an input took none."""
+        g = self.graphs[key[0]]
+        specs = g.stage.carried_in
+        return [
+            grad if grad is not None else torch.zeros(specs[i].shape, dtype=specs[i].dtype)
+            for i, grad in zip(g.grad_inputs, input_grads.pop(key))
+        ]
+
     def _peer(self, stage: int) -> int:
         return self.groups.pp_ranks[self.schedule.stage_rank(stage)]
 
@@ -142,7 +151,7 @@ class PipelineExecutor:
                 return [scale]
             if key in output_grads:
                 return output_grads.pop(key)
-            return input_grads.pop((key[0] + 1, key[1]))  # the next stage runs on this rank too
+            return self._input_grads((key[0] + 1, key[1]), input_grads)  # the next stage runs on this rank too
 
         def inputs_of(key: tuple[int, int]) -> list[torch.Tensor]:
             if key[0] == 0:
@@ -183,12 +192,7 @@ class PipelineExecutor:
                 specs = g.stage.carried_in
                 received[key] = self._recv([(sp.shape, sp.dtype) for sp in specs], s - 1, False, s - 1, k)
             elif action.op is Op.SEND_GRADIENT:
-                specs = g.stage.carried_in
-                grads = input_grads.pop(key)
-                values = [
-                    grad if grad is not None else torch.zeros(specs[i].shape, dtype=specs[i].dtype)
-                    for i, grad in zip(g.grad_inputs, grads)
-                ]
+                values = self._input_grads(key, input_grads)
                 pending += [self._send(v, s - 1, True, s - 1, k, i) for i, v in enumerate(values)]
             elif action.op is Op.RECV_GRADIENT:
                 specs = g.stage.carried_out

@@ -54,7 +54,10 @@ def sync_variant(graphs: StageGraphs, which: str, *, group_name: str, dp_size: i
     """``which``: ``"backward"`` or ``"backward_weight"``, the graph that ends the stage's step."""
     gm = copy_graph_module(getattr(graphs, which))
     first = len(graphs.grad_inputs) if which == "backward" else 0  # B returns input gradients first
-    buckets = plan_buckets(_gradients(gm, graphs, first), cap_bytes)
+    gradients = _gradients(gm, graphs, first)
+    outputs = gm.graph.output_node().args[0]
+    like = {g.output_index: outputs[g.output_index].meta["val"] for g in gradients}  # before the pass rewires them
+    buckets = plan_buckets(gradients, cap_bytes)
     gm = run_passes(
         gm,
         [
@@ -65,17 +68,8 @@ def sync_variant(graphs: StageGraphs, which: str, *, group_name: str, dp_size: i
         f"pipeline stage {graphs.stage.index} {which} (sync over dp)",
     )
     order = accumulated_gradient_order(buckets)
-    like = {g.output_index: outputs_val for g, outputs_val in _gradient_values(graphs, which, first)}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, index in zip(placeholders[len(placeholders) - len(order):], order):
         node.meta["val"] = fake_like(like[index])  # the accumulated gradient: shaped as the gradient
     refresh_fake_values(gm, [n.meta["val"] for n in placeholders])  # the tables and Inductor read them
     return SyncVariant(gm, tuple(index - first for index in order))
-
-
-def _gradient_values(graphs: StageGraphs, which: str, first: int):
-    outputs = getattr(graphs, which).graph.output_node().args[0]
-    for k in range(len(graphs.parameter_names)):
-        node = outputs[first + k]
-        if isinstance(node, fx.Node):
-            yield Gradient(first + k, "", (), node.meta["val"].dtype, 0), node.meta["val"]

@@ -25,7 +25,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 

@@ -34,6 +34,7 @@ from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.pipeline import run_passes
 from dpar.compiler.pipeline_parallel.data_parallel import SyncVariant
 from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs
+from dpar.runtime.errors import OptionsError
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -75,7 +76,11 @@ def layout_of(graphs: StageGraphs, dp: int) -> ShardLayout:
     values = _parameter_placeholders(graphs.forward, graphs)
     dtypes = {v.meta["val"].dtype for v in values}
     if len(dtypes) > 1:
-        raise NotImplementedError(f"stage {graphs.stage.index}: parameters of several dtypes {dtypes}")
+        raise OptionsError(
+            f"pipeline: dp_strategy='fsdp' shards one flat buffer per stage, and stage {graphs.stage.index} holds "
+            f"parameters of several dtypes ({', '.join(sorted(map(str, dtypes)))}); give the model one parameter "
+            "dtype, or use dp_strategy='ddp'."
+        )
     return ShardLayout(tuple(tuple(v.meta["val"].shape) for v in values), dtypes.pop(), dp)
 
 

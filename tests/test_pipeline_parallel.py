@@ -130,6 +130,8 @@ def _uneven_slices(rank: int, world_size: int) -> str:
     try:
         dpar.pipeline(build("llama", 2), token_loss, example_inputs=(x, y), stages=2, micro_batches=2)
     except dpar.CollectiveMismatchError as error:
+        # Every rank raises; none may leave (rank 0 hosts the store) before the others have read the lines.
+        torch.distributed.barrier()
         return str(error)
     return "built"
 

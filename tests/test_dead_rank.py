@@ -48,7 +48,7 @@ def _rank(rank: int, world_size: int, port: int, strategy: str, victim: int, how
     model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, fused_qkv=False))
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
-    if strategy == "pipeline":  # the victim dies before its step: the others are inside theirs, waiting on it
+    if strategy == "pipeline":
         loss_fn = torch.nn.functional.cross_entropy
         runner = dpar.pipeline(model, lambda logits, t: loss_fn(logits.flatten(0, 1), t.flatten()),
                                example_inputs=(x, y), stages=world_size, micro_batches=2 * world_size)
@@ -57,16 +57,20 @@ def _rank(rank: int, world_size: int, port: int, strategy: str, victim: int, how
     if strategy != "pipeline":
         runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def die_if_victim(step: int) -> None:
+        if rank == victim and step == KILL_AT:
+            Path(f"{out}/killed").write_text(str(time.time()))
+            os.kill(os.getpid(), how)
+
     try:
         for step in range(STEPS):
-            if strategy == "pipeline" and rank == victim and step == KILL_AT:
-                Path(f"{out}/killed").write_text(str(time.time()))
-                os.kill(os.getpid(), how)
-            loss = runner(x, y)
-            if rank == victim and step == KILL_AT:
-                Path(f"{out}/killed").write_text(str(time.time()))
-                os.kill(os.getpid(), how)
-            if strategy != "pipeline":
+            if strategy == "pipeline":
+                die_if_victim(step)  # before its step: the others are inside theirs, waiting on it
+                runner(x, y)
+            else:
+                loss = runner(x, y)
+                die_if_victim(step)  # after the forward: the others are in the backward
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -20,6 +20,7 @@ from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.runtime.errors import OptionsError
 from dpar.runtime.finite_gradients import FiniteGradients
 from dpar.runtime.local_sgd import period_of
+from dpar.runtime.optimizer_graph import step_in_graph
 from dpar.runtime.replicate import synchronize_replicas
 from dpar.runtime.same_rows import checking_same_rows
 from dpar.runtime.sharding import uneven_shards_padded_once
@@ -68,6 +69,8 @@ def dpar_backend(
     # whole tensor still starts from rank 0's.
     whole = [s for s in state if not isinstance(s[2], DTensor) and tensor_parallel_spec_of(s[2]) is None]
     synchronize_replicas(whole, world, parsed.check_timeout_s, broadcast=not _resumed_local_sgd(plan, state))
+    if parsed.steps_optimizer_in_graph:
+        step_in_graph(i.tensor() for i in inputs if i.kind is InputKind.PARAMETER and i.requires_grad)
     pipeline = Pipeline(plan, inputs, world, parsed)
     gm = pipeline.prepare(gm)
     hook: GraphHook = pipeline

@@ -9,14 +9,18 @@ keep running around the captured step, see ``runtime/zero1.py``), and
 ``_use_grad_for_differentiable``, whose graph breaks only toggle grad mode: the
 captured body runs under ``no_grad`` (``differentiable=True`` is refused). With
 ``fullgraph=True`` a step Dynamo cannot capture whole raises at once instead of
-running in pieces, some of them eager. Each captured step compiles a copy of the
-step function's code, so each optimizer has its own Dynamo cache: many optimizers
-of one class do not share, and exhaust, one recompile limit. A graph runs as
-Python: on CPU this costs more than the eager step for many small parameters
-(about 6 us per op, see the README's zero1 section). Should Dynamo run a step
-eagerly all the same (``torch.compiler.disable``, ``set_stance("force_eager")``),
-``ran`` stays False, and the caller runs the same passes over a graph that only
-reads the parameters (``after_uncaptured``).
+running in pieces, some of them eager (``StepNotCaptured``: the caller decides
+whether that is an error or a reason to step eagerly). Each captured step
+compiles a copy of the step function's code, so each optimizer has its own Dynamo
+cache: many optimizers of one class do not share, and exhaust, one recompile
+limit. After the passes the graph is lowered by ``lower``: run as Python, which
+on CPU costs more than the eager step for many small parameters (about 6 us per
+op), or compiled by Inductor (``inductor_step``), which fuses the update of every
+parameter into a few loops, as ``torch.compile(optimizer.step)`` does, with the
+same numbers bit for bit. Should Dynamo run a step eagerly all the same
+(``torch.compiler.disable``, ``set_stance("force_eager")``), ``ran`` stays False,
+and the caller runs the same passes over a graph that only reads the parameters
+(``after_uncaptured``).
 """
 
 from __future__ import annotations
@@ -35,19 +39,30 @@ from torch.optim.optimizer import _use_grad_for_differentiable
 from dpar.compiler.collectives import collectives
 from dpar.compiler.pipeline import Pass, run_passes
 from dpar.compiler.registry import record
-from dpar.runtime.errors import OptionsError
 
 PassesFor = Callable[[Sequence[Any]], list[Pass]]
 """The passes for a step graph, given its example inputs (to match graph inputs to tensors)."""
+StepLower = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
+"""What runs a step graph after its passes: its Python code, or Inductor's kernels."""
 
 LABEL = "optimizer step graph"
 _USE_GRAD = _use_grad_for_differentiable(lambda: None).__code__
 
 
+def _unhooked(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The class's step without the wrapper that runs the step hooks."""
+    step = type(optimizer).step
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
+def eager_step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """One eager step, from inside a step that already ran the hooks."""
+    return _unhooked(optimizer)(optimizer, *args, **kwargs)
+
+
 def _step_body(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     """The class's step without the hook and grad-mode wrappers, as a function with its own code object."""
-    step = type(optimizer).step
-    step = getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+    step = _unhooked(optimizer)
     if step.__code__ is _USE_GRAD:
         step = step.__wrapped__
     body = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__)
@@ -55,16 +70,35 @@ def _step_body(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     return body
 
 
-class CapturedStep:
-    """``optimizer``'s step, each graph Dynamo captures of it through ``passes``."""
+def python_step(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    return gm
 
-    def __init__(self, optimizer: torch.optim.Optimizer, passes: PassesFor) -> None:
+
+def inductor_step(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """Inductor's kernels for a step graph. Dynamo's compile id comes off first: AOTAutograd reads a
+    graph with one as Dynamo's and looks up a source for every attribute, which the tensors a pass
+    added (zero1's whole parameters) do not have."""
+    from torch._inductor.compile_fx import compile_fx
+
+    gm.meta.pop("dynamo_compile_id", None)
+    return compile_fx(gm, example_inputs)
+
+
+class StepNotCaptured(Exception):
+    """Dynamo cannot capture an optimizer's step whole; ``reason`` is the first line of why."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, reason: str) -> None:
+        super().__init__(f"Dynamo cannot capture {type(optimizer).__name__}'s step: {reason}")
+        self.reason = reason
+
+
+class CapturedStep:
+    """``optimizer``'s step, each graph Dynamo captures of it through ``passes``, then ``lower``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, passes: PassesFor, lower: StepLower = python_step) -> None:
         if optimizer.defaults.get("differentiable", False):
-            raise OptionsError(
-                f"{type(optimizer).__name__}(differentiable=True) cannot be captured, and zero1 gathers the "
-                "stepped parameters inside the captured step: build the optimizer with differentiable=False"
-            )
-        self._optimizer, self.passes = weakref.ref(optimizer), passes  # zero1 keys its steps by optimizer, weakly
+            raise StepNotCaptured(optimizer, "differentiable=True steps under autograd, a captured step under no_grad")
+        self._optimizer, self.passes, self.lower = weakref.ref(optimizer), passes, lower
         self.ran = False  # whether the last call ran a captured graph (Dynamo may run a frame eagerly)
         self._gather_only: fx.GraphModule | None = None
         self._compiled = torch.compile(_step_body(optimizer), backend=self._backend, fullgraph=True)
@@ -72,10 +106,11 @@ class CapturedStep:
     def _backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         gm = run_passes(gm, self.passes(example_inputs), LABEL)
         record(LABEL, gm, collectives(gm))
+        compiled = self.lower(gm, example_inputs)
 
         def run(*args: Any) -> Any:
             self.ran = True
-            return gm(*args)
+            return compiled(*args)
 
         return run
 
@@ -85,25 +120,14 @@ class CapturedStep:
         assert optimizer is not None, "a captured step lives no longer than its optimizer"
         return optimizer
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """One step (``args`` as ``optimizer.step`` takes them, without self)."""
-        if args or kwargs.get("closure") is not None:
-            raise OptionsError(
-                f"{type(self.optimizer).__name__}.step(closure) re-evaluates the loss inside the step, which cannot be "
-                "captured, and zero1 gathers the stepped parameters inside the captured step: call loss.backward() "
-                "and then optimizer.step() without a closure"
-            )
+    def __call__(self) -> Any:
+        """One step; ``StepNotCaptured`` where Dynamo cannot capture it whole."""
         self.ran = False
         try:
             with torch.no_grad():
                 return self._compiled(self.optimizer)
         except (Unsupported, FailOnRecompileLimitHit) as exc:
-            reason = str(exc).strip().splitlines()[0]
-            raise OptionsError(
-                f"zero1 captures the optimizer's step with torch.compile(fullgraph=True) and appends the all-gather "
-                f"of the stepped ranges to it; Dynamo cannot capture {type(self.optimizer).__name__}'s step: {reason}. "
-                "Use an optimizer Dynamo captures (SGD, Adam, AdamW, ...), or strategy='ddp' or 'zero2'"
-            ) from exc
+            raise StepNotCaptured(self.optimizer, str(exc).strip().splitlines()[0]) from exc
 
     def after_uncaptured(self) -> None:
         """The passes over a graph that only reads the optimizer's parameters, for a step Dynamo did not capture."""
@@ -119,3 +143,26 @@ class CapturedStep:
             record(label, self._gather_only, collectives(self._gather_only))
         with torch.no_grad():
             self._gather_only()
+
+
+def install_step(optimizer: torch.optim.Optimizer, run: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``run(optimizer, *args, **kwargs)`` the optimizer's ``step``, inside torch's hook wrapper (so
+    every step pre- and post-hook still runs around it, in order); returns the step it replaces."""
+    previous = optimizer.step
+    step = types.MethodType(torch.optim.Optimizer.profile_hook_step(run), optimizer)
+    if getattr(previous, "_wrapped_by_lr_sched", False):  # an LR scheduler's check that step() ran before its own
+        step = _marking_called(step, optimizer)
+    optimizer.step = step  # type: ignore[method-assign]
+    return previous
+
+
+def _marking_called(step: Callable[..., Any], optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """``step``, still telling an LR scheduler built before it that the optimizer stepped."""
+    reference = weakref.ref(optimizer)
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        reference()._opt_called = True  # type: ignore[union-attr]
+        return step(*args, **kwargs)
+
+    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return marked

@@ -26,9 +26,16 @@ class Options:
     """Move each wait as late as the graph allows (False keeps it next to its collective)."""
     check_timeout_s: float = 120.0
     """How long a rank waits for the others at a cross-rank consistency check."""
+    optimizer_in_graph: bool | None = None
+    """Compile the step of every optimizer over this model's parameters with Inductor, from its second step
+    (see [Note: the optimizer step in the graph] in runtime/optimizer_graph.py); None: when ``compiler`` is inductor."""
     check_finite: bool = False
     """Raise ``NonFiniteGradientError`` naming each parameter whose gradient holds nan or inf
     (see [Note: where the finite check runs, and why it is opt-in] in runtime/finite_gradients.py)."""
+
+    @property
+    def steps_optimizer_in_graph(self) -> bool:
+        return self.compiler == "inductor" if self.optimizer_in_graph is None else self.optimizer_in_graph
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -59,6 +66,11 @@ class Options:
         for flag in ("broadcast_buffers", "sink_waits", "check_finite"):
             if not isinstance(getattr(self, flag), bool):
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.optimizer_in_graph is not None and not isinstance(self.optimizer_in_graph, bool):
+            raise OptionsError(
+                f"optimizer_in_graph must be True, False or None (True when compiler is inductor), "
+                f"got {self.optimizer_in_graph!r}"
+            )
         timeout = self.check_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise OptionsError(f"check_timeout_s must be a positive number of seconds, got {timeout!r}")

@@ -12,7 +12,8 @@ optimizer creates and keeps state for those elements only (1/N), and its
 gradients are the same elements of the whole gradients.
 
 From then on the optimizer's ``step`` is captured as a graph
-(compiler/optimizer_step.py): the step writes this rank's elements in place, and
+(compiler/optimizer_step.py), compiled by Inductor where the model's options say so
+(runtime/optimizer_graph.py): the step writes this rank's elements in place, and
 the optimizer stage's pass (compiler/passes/all_gather_ranges.py) appends to that
 graph one all-gather per dtype that brings every rank's range into the whole
 parameters. The gather is part of the step, not deferred to the next forward's
@@ -33,7 +34,6 @@ is refused with an OptionsError at its second step.
 from __future__ import annotations
 
 import dataclasses
-import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -44,11 +44,12 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dpar.compiler.optimizer_step import CapturedStep
+from dpar.compiler.optimizer_step import CapturedStep, StepNotCaptured, inductor_step, install_step, python_step
 from dpar.compiler.passes.all_gather_ranges import UpdatedRange
 from dpar.compiler.pipeline import optimizer_passes
 from dpar.compiler.plan import Strategy
 from dpar.runtime.errors import OptionsError
+from dpar.runtime.optimizer_graph import steps_in_graph
 
 
 def owned_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -125,29 +126,34 @@ def _capture_steps(optimizer: torch.optim.Optimizer) -> None:
                            "give each model its own optimizer")
     group = groups.pop()
     where = (group.group_name, dist.get_world_size(group))
-    captured = CapturedStep(optimizer, lambda inputs: optimizer_passes(Strategy.ZERO1, ranges, inputs, where))
+    lower = inductor_step if steps_in_graph(o.whole for o in owned) else python_step
+    try:
+        captured = CapturedStep(optimizer, lambda inputs: optimizer_passes(Strategy.ZERO1, ranges, inputs, where), lower)
+    except StepNotCaptured as exc:
+        raise _refusal(exc) from exc
     _captured[optimizer] = captured
-    previous = optimizer.step
-    step = types.MethodType(torch.optim.Optimizer.profile_hook_step(_run_captured), optimizer)
-    if getattr(previous, "_wrapped_by_lr_sched", False):  # an LR scheduler's check that step() ran before its own
-        step = _marking_called(step, optimizer)
-    optimizer.step = step  # type: ignore[method-assign]
+    install_step(optimizer, _run_captured)
 
 
 def _run_captured(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-    return _captured[optimizer](*args, **kwargs)
+    if args or kwargs.get("closure") is not None:
+        raise OptionsError(
+            f"{type(optimizer).__name__}.step(closure) re-evaluates the loss inside the step, which cannot be "
+            "captured, and zero1 gathers the stepped parameters inside the captured step: call loss.backward() "
+            "and then optimizer.step() without a closure"
+        )
+    try:
+        return _captured[optimizer]()
+    except StepNotCaptured as exc:
+        raise _refusal(exc) from exc
 
 
-def _marking_called(step: Callable[..., Any], optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-    """``step``, still telling an LR scheduler built before it that the optimizer stepped."""
-    reference = weakref.ref(optimizer)
-
-    def marked(*args: Any, **kwargs: Any) -> Any:
-        reference()._opt_called = True  # type: ignore[union-attr]
-        return step(*args, **kwargs)
-
-    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    return marked
+def _refusal(exc: StepNotCaptured) -> OptionsError:
+    return OptionsError(
+        f"zero1 captures the optimizer's step with torch.compile(fullgraph=True) and appends the all-gather "
+        f"of the stepped ranges to it; {exc}. Use an optimizer Dynamo captures (SGD, Adam, AdamW, ...) with "
+        "differentiable=False, or strategy='ddp' or 'zero2'"
+    )
 
 
 def _owned_of(optimizer: torch.optim.Optimizer) -> list[Owned]:

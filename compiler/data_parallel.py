@@ -6,24 +6,30 @@ Which of them run, and in what order, is ``pipeline.py``'s to say.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
 from dpar.compiler.capture import GraphInput, InputKind
+from dpar.compiler.costs import DeviceSpec, comm_time, node_cost, spec_of_device
 from dpar.compiler.passes.all_reduce import accumulated_gradient_order, all_reduce_gradients_pass
 from dpar.compiler.passes.broadcast_buffers import broadcast_buffers_pass
+from dpar.compiler.passes.bucket_schedule import schedule_buckets
 from dpar.compiler.passes.buckets import Bucket, Gradient, plan_buckets
 from dpar.compiler.plan import MeshAxis
 from dpar.runtime.gradient_sync import Variant
 
 log = logging.getLogger("dpar")
 
-def gradients_of(gm: fx.GraphModule, inputs: Sequence[GraphInput]) -> list[Gradient]:
-    """The parameter gradients a backward graph returns, with where each becomes ready."""
+def gradients_of(
+    gm: fx.GraphModule, inputs: Sequence[GraphInput], done: Mapping[fx.Node, float] | None = None
+) -> list[Gradient]:
+    """The parameter gradients a backward graph returns, with where each becomes ready (and, given
+    ``compute_done``'s figures, after how many seconds of the backward's compute)."""
     outputs = gm.graph.output_node().args[0]
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    done = done or {}
     return [
         Gradient(
             output_index=inp.index,
@@ -31,10 +37,20 @@ def gradients_of(gm: fx.GraphModule, inputs: Sequence[GraphInput]) -> list[Gradi
             shape=inp.shape,
             dtype=inp.dtype,
             ready_at=position[outputs[inp.index]],
+            ready_s=done.get(outputs[inp.index], 0.0),
         )
         for inp in inputs
         if inp.kind is InputKind.PARAMETER and isinstance(outputs[inp.index], fx.Node)
     ]
+
+
+def compute_done(gm: fx.GraphModule, spec: DeviceSpec) -> dict[fx.Node, float]:
+    """Seconds of compute (roofline) the graph has run once each node is done, in graph order."""
+    done, total = {}, 0.0
+    for node in gm.graph.nodes:
+        total += node_cost(node, spec).seconds
+        done[node] = total
+    return done
 
 
 def broadcast_buffers(gm: fx.GraphModule, groups: dict[str, list[int]]) -> fx.GraphModule:
@@ -45,18 +61,36 @@ def broadcast_buffers(gm: fx.GraphModule, groups: dict[str, list[int]]) -> fx.Gr
 
 
 class GradientBuckets:
-    """ddp's gradient buckets over the replicate axis, planned from the backward graph."""
+    """ddp's gradient buckets over the replicate axis, planned from the backward graph: from cost
+    under ``cap_bytes`` (see [Note: the bucket schedule]), or with ``from_cost=False`` (the user set
+    ``bucket_cap_mb``) by DDP's greedy rule, as a DDP user setting it expects."""
 
-    def __init__(self, inputs: Sequence[GraphInput], axis: MeshAxis, cap_bytes: int) -> None:
-        self.inputs, self.axis, self.cap_bytes = list(inputs), axis, cap_bytes
+    def __init__(self, inputs: Sequence[GraphInput], axis: MeshAxis, cap_bytes: int, *, from_cost: bool = True) -> None:
+        self.inputs, self.axis, self.cap_bytes, self.from_cost = list(inputs), axis, cap_bytes, from_cost
         self.buckets: list[Bucket] = []
 
     def plan(self, backward: fx.GraphModule) -> None:
-        self.buckets = plan_buckets(gradients_of(backward, self.inputs), self.cap_bytes)
+        if self.from_cost:
+            spec = self.device_spec()
+            done = compute_done(backward, spec)
+            self.buckets = schedule_buckets(
+                gradients_of(backward, self.inputs, done),
+                backward_s=max(done.values(), default=0.0),
+                all_reduce_s=lambda nbytes: comm_time("all_reduce", nbytes, self.axis.size, spec),
+                overlap=spec.overlap,
+                cap_bytes=self.cap_bytes,
+            )
+        else:
+            self.buckets = plan_buckets(gradients_of(backward, self.inputs), self.cap_bytes)
         log.info(
             "buckets: %s",
-            [(b.index, str(b.dtype), b.nbytes, [g.name for g in b.gradients]) for b in self.buckets],
+            [(b.index, str(b.dtype), b.nbytes, [g.name for g in b.gradients], b.reason) for b in self.buckets],
         )
+
+    def device_spec(self) -> DeviceSpec:
+        """The cost preset of the device the parameters live on."""
+        tensors = (i.tensor() for i in self.inputs if i.kind is InputKind.PARAMETER)
+        return spec_of_device(next((t.device for t in tensors if t is not None), torch.device("cpu")))
 
     @property
     def accumulation_order(self) -> list[int]:

@@ -114,7 +114,7 @@ class Pipeline:
         self.sharded = ShardedGroups(inputs, plan) if plan.strategy.shards_parameters else None
         replicate = plan.axis(AxisRole.REPLICATE)
         self.gradients = (
-            GradientBuckets(inputs, replicate, options.bucket_cap_bytes)
+            GradientBuckets(inputs, replicate, options.bucket_cap_bytes, from_cost=options.bucket_cap_mb is None)
             if plan.strategy in (Strategy.DDP, Strategy.DDP_TP, Strategy.ZERO1) else None
         )
         self.replicate = replicate

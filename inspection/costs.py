@@ -1,153 +1,29 @@
-"""What things cost: device specs, the roofline for compute, the symbolic α-β model for comm.
+"""What things cost: the compiler's cost model (``dpar.compiler.costs``), which inspection reads.
 
-[Note: the α-β ring model]
-A collective over N ranks costs ``steps * α + moved_bytes * β``: α is the
-latency of one ring step, β the seconds per byte of one rank's link. Ring
-all-reduce is a reduce-scatter then an all-gather, 2(N-1) steps moving
-2(N-1)/N of the payload per rank; all-gather and reduce-scatter take N-1 steps
-moving (N-1)/N of the full (gathered) size. Broadcast is a binomial tree:
-ceil(log2 N) rounds, each sending the whole payload. At N = 1 every cost is 0.
-The formulas are sympy expressions in N, B (payload bytes), α and β so that a
-report can print them and how they grow with N.
+It lives in the compiler because ddp's bucket plan is chosen from it; the names stay importable
+from here for the simulator, the reports and existing callers.
 """
 
-from __future__ import annotations
+from dpar.compiler.costs import (
+    ALPHA,
+    BETA,
+    B,
+    COMM_TERMS,
+    N,
+    PRESETS,
+    DeviceSpec,
+    NodeCost,
+    comm_time,
+    comm_time_expr,
+    device_spec,
+    moved_bytes,
+    moved_bytes_expr,
+    node_cost,
+    node_flops,
+    payload_bytes,
+)
 
-import dataclasses
-from typing import Any
-
-import sympy
-import torch
-import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
-
-from dpar.compiler.collectives import is_compute
-
-N, B, ALPHA, BETA = sympy.symbols("N B alpha beta", positive=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-    """One rank's peak throughput and its link to the others."""
-
-    name: str
-    flops_fp32: float  # FLOP/s
-    flops_16bit: float  # FLOP/s for bf16/fp16 (tensor cores where there are some)
-    memory_bandwidth: float  # bytes/s
-    alpha: float  # seconds per ring step
-    link_bandwidth: float  # bytes/s per rank
-
-    @property
-    def beta(self) -> float:
-        return 1.0 / self.link_bandwidth
-
-    def flops(self, dtype: torch.dtype) -> float:
-        return self.flops_16bit if dtype in (torch.bfloat16, torch.float16) else self.flops_fp32
-
-
-PRESETS: dict[str, DeviceSpec] = {
-    # H100 SXM datasheet (dense TF32 / BF16, HBM3), one 400 Gb/s NIC per GPU across nodes.
-    "h100": DeviceSpec("h100", 494e12, 989e12, 3.35e12, alpha=5e-6, link_bandwidth=50e9),
-    # The 2-core development/CI machine, rounded from benchmarks/validate_simulator.py's
-    # calibration (one thread per rank: 512^2 matmul ~95 GFLOP/s, 16 MiB copy ~2.6 GB/s,
-    # 2-rank gloo all-reduce over loopback alpha ~175 us, ~0.7 GB/s).
-    "cpu": DeviceSpec("cpu", 90e9, 20e9, 2.5e9, alpha=150e-6, link_bandwidth=0.7e9),
-}
-
-
-def device_spec(name_or_spec: str | DeviceSpec) -> DeviceSpec:
-    if isinstance(name_or_spec, DeviceSpec):
-        return name_or_spec
-    if name_or_spec not in PRESETS:
-        raise ValueError(f"unknown device {name_or_spec!r}; presets: {sorted(PRESETS)}")
-    return PRESETS[name_or_spec]
-
-
-def _ceil_log2(n: sympy.Expr) -> sympy.Expr:
-    return sympy.ceiling(sympy.log(n, 2))
-
-
-# (latency steps, bytes moved per rank as a fraction of B) per collective kind.
-COMM_TERMS: dict[str, tuple[sympy.Expr, sympy.Expr]] = {
-    "all_reduce": (2 * (N - 1), 2 * (N - 1) / N),
-    "all_gather": (N - 1, (N - 1) / N),
-    "reduce_scatter": (N - 1, (N - 1) / N),
-    "all_to_all": (N - 1, (N - 1) / N),  # pairwise exchange: every rank keeps 1/N of its buffer
-    "broadcast": (_ceil_log2(N), _ceil_log2(N)),
-}
-
-
-def comm_time_expr(kind: str) -> sympy.Expr:
-    """Seconds for one collective of ``B`` payload bytes over ``N`` ranks, in α and β."""
-    steps, moved = COMM_TERMS[kind]
-    return steps * ALPHA + moved * B * BETA
-
-
-def moved_bytes_expr(kind: str) -> sympy.Expr:
-    """Bytes one rank sends for one collective of ``B`` payload bytes."""
-    return COMM_TERMS[kind][1] * B
-
-
-def comm_time(kind: str, nbytes: int, world_size: int, spec: DeviceSpec) -> float:
-    values = {N: world_size, B: nbytes, ALPHA: spec.alpha, BETA: spec.beta}
-    return float(comm_time_expr(kind).subs(values))
-
-
-def moved_bytes(kind: str, nbytes: int, world_size: int) -> float:
-    return float(moved_bytes_expr(kind).subs({N: world_size, B: nbytes}))
-
-
-def payload_bytes(collective: fx.Node) -> int:
-    """B for a collective node: its full buffer, the larger of its operand and its result.
-
-    An all-gather's operand is one rank's shard and a reduce-scatter's result is
-    one; the ring formulas above are in the gathered (pre-scatter) size.
-    """
-    return max(_tensor_bytes(_val(collective.args[0])), _tensor_bytes(collective.meta.get("val")))
-
-
-# ---- compute: a roofline per FX node ----------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeCost:
-    """The roofline of one node: time = max(flops / peak, bytes / bandwidth)."""
-
-    flops: int
-    bytes: int
-    seconds: float
-
-
-def _val(arg: Any) -> Any:
-    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
-
-
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return int(value.numel()) * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
-def node_flops(node: fx.Node) -> int:
-    """FLOPs from torch's flop counter formulas; 0 for ops it has none for (elementwise)."""
-    packet = getattr(node.target, "_overloadpacket", None)
-    formula = flop_registry.get(packet)
-    if formula is None:
-        return 0
-    args = torch.utils._pytree.tree_map(_val, node.args)
-    kwargs = torch.utils._pytree.tree_map(_val, dict(node.kwargs))
-    return int(formula(*args, out_val=node.meta.get("val"), **kwargs))
-
-
-def node_cost(node: fx.Node, spec: DeviceSpec) -> NodeCost:
-    """Roofline time of a compute node; views (aliases), collectives and waits cost no compute."""
-    if not is_compute(node) or getattr(node.target, "is_view", False):
-        return NodeCost(0, 0, 0.0)
-    flops = node_flops(node)
-    out = node.meta.get("val")
-    nbytes = sum(_tensor_bytes(_val(a)) for a in node.all_input_nodes) + _tensor_bytes(out)
-    dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
-    seconds = max(flops / spec.flops(dtype), nbytes / spec.memory_bandwidth)
-    return NodeCost(flops, nbytes, seconds)
+__all__ = [
+    "ALPHA", "BETA", "B", "COMM_TERMS", "N", "PRESETS", "DeviceSpec", "NodeCost", "comm_time", "comm_time_expr",
+    "device_spec", "moved_bytes", "moved_bytes_expr", "node_cost", "node_flops", "payload_bytes",
+]

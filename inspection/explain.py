@@ -12,6 +12,8 @@ import torch.fx as fx
 
 from dpar.compiler.backend import dpar_backend
 from dpar.compiler.capture import GraphInput, classify_inputs
+from dpar.compiler.costs import assumed_device
+from dpar.compiler.passes.buckets import BUCKET_REASON
 from dpar.inspect.buckets import bucket_of, graph_buckets
 from dpar.inspect.costs import DeviceSpec, comm_time, device_spec, moved_bytes, payload_bytes
 from dpar.inspect.fake_world import fake_world
@@ -142,7 +144,7 @@ def explain(
     parsed = Options.parse(compile_options)
     # One knob: a sharded strategy's buckets are laid out by parallelize, ddp's when compiling.
     cap = compile_options.pop("bucket_cap_mb", None) if chosen.takes_bucket_cap else None
-    with fake_world(world_size):
+    with fake_world(world_size), assumed_device(spec):  # ddp's buckets planned for ``device``, not this CPU
         torch._dynamo.reset()
         try:
             work = chosen.prepare(copy.deepcopy(model), _positional(example_inputs), world_size, cap)
@@ -187,14 +189,15 @@ def _report(
                 continue
             found = graph_buckets(g.graph, gradients=g is backward)
             first = len(buckets)
+            nodes = {n.name: n for n in g.graph.graph.nodes}
             for b in found:
                 names = input_names if b.kind == "all_gather" else gradient_names
                 sharded = b.kind in ("all_gather", "reduce_scatter")  # parallelize's groups: no byte cap
                 buckets.append(BucketRow(
                     len(buckets), prefix + g.label, dtype_name(b.dtype), tuple(names[i] for i in b.positions),
                     b.nbytes, None if sharded else options.bucket_cap_bytes, b.kind,
+                    nodes[b.collective_node].meta.get(BUCKET_REASON, ""),
                 ))
-            nodes = {n.name: n for n in g.graph.graph.nodes}
             for c in g.collectives:
                 local = bucket_of(found, c.issue_node)
                 nbytes = payload_bytes(nodes[c.issue_node])

@@ -61,6 +61,7 @@ class BucketRow:
     bytes: int
     cap_bytes: int | None  # None: grouped per block, not by size
     collective: str = "all_reduce"
+    why: str = ""  # the bucket plan's reason it closed where it did (the all-reduce's node.meta)
 
     @property
     def fill(self) -> float | None:
@@ -123,10 +124,10 @@ class Report:
     def bucket_table(self) -> Table:
         return Table(
             "Buckets",
-            ("bucket", "graph", "dtype", "parameters", "bytes", "fill of cap", "collective"),
+            ("bucket", "graph", "dtype", "parameters", "bytes", "fill of cap", "collective", "why"),
             tuple(
                 (str(b.index), b.graph, b.dtype, ", ".join(b.parameters), f"{b.bytes:,}",
-                 "per block" if b.fill is None else f"{b.fill:.1%} of {_mib(b.cap_bytes)}", b.collective)
+                 "per block" if b.fill is None else f"{b.fill:.1%} of {_mib(b.cap_bytes)}", b.collective, b.why or "-")
                 for b in self.buckets
             ),
         )

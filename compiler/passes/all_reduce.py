@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.graph_utils import view_contiguous
-from dpar.compiler.passes.buckets import Bucket
+from dpar.compiler.passes.buckets import BUCKET_REASON, Bucket
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -60,6 +60,7 @@ def all_reduce_gradients_pass(
             flat = flats[0] if len(flats) == 1 else graph.call_function(aten.cat.default, (flats,))
             flat = graph.call_function(aten.div.Tensor, (flat, world_size))
             reduced = graph.call_function(c10d.all_reduce.default, (flat, "sum", group_name))
+            reduced.meta[BUCKET_REASON] = bucket.reason
             waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
             pieces = graph.call_function(
                 aten.split_with_sizes.default, (waited, [g.numel for g in bucket.gradients])

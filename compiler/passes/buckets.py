@@ -1,4 +1,7 @@
-"""Which gradients share an all-reduce: DDP's size-capped buckets, in readiness order."""
+"""Which gradients share an all-reduce: DDP's size-capped buckets, in readiness order.
+
+Without ``bucket_cap_mb`` ddp plans them from cost instead (``bucket_schedule.py``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+
+BUCKET_REASON = "dpar_bucket_reason"  # node.meta key: on a bucket's all-reduce, its ``Bucket.reason``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +22,7 @@ class Gradient:
     shape: tuple[int, ...]
     dtype: torch.dtype
     ready_at: int  # position of the node that produces it
+    ready_s: float = 0.0  # seconds of backward compute done when it is produced (the cost model's)
 
     @property
     def numel(self) -> int:
@@ -37,6 +43,7 @@ class Bucket:
     index: int
     dtype: torch.dtype
     gradients: tuple[Gradient, ...]
+    reason: str = ""  # why it closed where it did, for ``dpar inspect``
 
     @property
     def nbytes(self) -> int:
@@ -63,9 +70,17 @@ def plan_buckets(gradients: Sequence[Gradient], cap_bytes: int) -> list[Bucket]:
         bucket.append(grad)
         if sum(g.nbytes for g in bucket) >= cap_bytes:
             closed.append(open_by_dtype.pop(grad.dtype))
+    full = {id(b) for b in closed}
     closed.extend(open_by_dtype.values())
     closed.sort(key=lambda b: max(g.ready_at for g in b))
     return [
-        Bucket(index=i, dtype=grads[0].dtype, gradients=tuple(grads))
+        Bucket(index=i, dtype=grads[0].dtype, gradients=tuple(grads), reason=_greedy_reason(grads, cap_bytes, id(grads) in full))
         for i, grads in enumerate(closed)
     ]
+
+
+def _greedy_reason(grads: Sequence[Gradient], cap_bytes: int, full: bool) -> str:
+    size = sum(g.nbytes for g in grads)
+    if full:
+        return f"bucket_cap_mb: DDP's rule, closed on reaching the {cap_bytes / 2**20:g} MiB cap ({size:,} bytes)"
+    return f"bucket_cap_mb: DDP's rule, the last gradients ({size:,} bytes, under the {cap_bytes / 2**20:g} MiB cap)"

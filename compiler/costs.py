@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import sympy
@@ -126,9 +127,14 @@ def moved_bytes_expr(kind: str) -> sympy.Expr:
     return COMM_TERMS[kind][1] * B
 
 
+@functools.cache
+def _comm_time_function(kind: str) -> Callable[[int, int, float, float], float]:
+    """``comm_time_expr(kind)`` as plain Python: the bucket plan evaluates it for every candidate bucket."""
+    return sympy.lambdify((N, B, ALPHA, BETA), comm_time_expr(kind), modules="math")
+
+
 def comm_time(kind: str, nbytes: int, world_size: int, spec: DeviceSpec) -> float:
-    values = {N: world_size, B: nbytes, ALPHA: spec.alpha, BETA: spec.beta}
-    return float(comm_time_expr(kind).subs(values))
+    return float(_comm_time_function(kind)(world_size, nbytes, spec.alpha, spec.beta))
 
 
 def moved_bytes(kind: str, nbytes: int, world_size: int) -> float:

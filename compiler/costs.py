@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import sympy
@@ -100,6 +100,11 @@ def spec_of_device(device: torch.device) -> DeviceSpec:
         return PRESETS["cpu"]
     name = torch.cuda.get_device_name(device).upper()
     return PRESETS["h200"] if "H200" in name else PRESETS["h100"]
+
+
+def spec_of_tensors(tensors: Iterable[torch.Tensor | None]) -> DeviceSpec:
+    """``spec_of_device`` for the first of ``tensors`` (the parameters); the CPU's when there is none."""
+    return spec_of_device(next((t.device for t in tensors if t is not None), torch.device("cpu")))
 
 
 def _ceil_log2(n: sympy.Expr) -> sympy.Expr:
@@ -195,3 +200,12 @@ def node_cost(node: fx.Node, spec: DeviceSpec) -> NodeCost:
     dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
     seconds = max(flops / spec.flops(dtype), nbytes / spec.memory_bandwidth)
     return NodeCost(flops, nbytes, seconds)
+
+
+def compute_done(gm: fx.GraphModule, spec: DeviceSpec) -> dict[fx.Node, float]:
+    """Seconds of compute (roofline) a graph has run once each node is done, in graph order."""
+    done, total = {}, 0.0
+    for node in gm.graph.nodes:
+        total += node_cost(node, spec).seconds
+        done[node] = total
+    return done

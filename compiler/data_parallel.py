@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.capture import GraphInput, InputKind
-from dpar.compiler.costs import DeviceSpec, comm_time, node_cost, spec_of_device
+from dpar.compiler.costs import comm_time, compute_done, spec_of_tensors
 from dpar.compiler.passes.all_reduce import accumulated_gradient_order, all_reduce_gradients_pass
 from dpar.compiler.passes.broadcast_buffers import broadcast_buffers_pass
 from dpar.compiler.passes.bucket_schedule import schedule_buckets
@@ -44,15 +44,6 @@ def gradients_of(
     ]
 
 
-def compute_done(gm: fx.GraphModule, spec: DeviceSpec) -> dict[fx.Node, float]:
-    """Seconds of compute (roofline) the graph has run once each node is done, in graph order."""
-    done, total = {}, 0.0
-    for node in gm.graph.nodes:
-        total += node_cost(node, spec).seconds
-        done[node] = total
-    return done
-
-
 def broadcast_buffers(gm: fx.GraphModule, groups: dict[str, list[int]]) -> fx.GraphModule:
     """DDP's broadcast_buffers: each group of ``buffer_broadcast_groups`` from its rank 0, in turn."""
     for group, positions in groups.items():
@@ -71,7 +62,7 @@ class GradientBuckets:
 
     def plan(self, backward: fx.GraphModule) -> None:
         if self.from_cost:
-            spec = self.device_spec()
+            spec = spec_of_tensors(i.tensor() for i in self.inputs if i.kind is InputKind.PARAMETER)
             done = compute_done(backward, spec)
             self.buckets = schedule_buckets(
                 gradients_of(backward, self.inputs, done),
@@ -86,11 +77,6 @@ class GradientBuckets:
             "buckets: %s",
             [(b.index, str(b.dtype), b.nbytes, [g.name for g in b.gradients], b.reason) for b in self.buckets],
         )
-
-    def device_spec(self) -> DeviceSpec:
-        """The cost preset of the device the parameters live on."""
-        tensors = (i.tensor() for i in self.inputs if i.kind is InputKind.PARAMETER)
-        return spec_of_device(next((t.device for t in tensors if t is not None), torch.device("cpu")))
 
     @property
     def accumulation_order(self) -> list[int]:

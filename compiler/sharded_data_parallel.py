@@ -13,9 +13,11 @@ import torch.fx as fx
 from torch._library.fake_class_registry import FakeScriptObject
 
 from dpar.compiler.capture import GraphInput, InputKind
+from dpar.compiler.costs import spec_of_tensors
 from dpar.compiler.lowering import flat_inputs
 from dpar.compiler.passes.all_gather import ParameterGroup, bucket_all_gathers_pass
-from dpar.compiler.passes.prefetch import prefetch_all_gathers_pass
+from dpar.compiler.options import DDP_BUCKET_CAP_MB
+from dpar.compiler.passes.prefetch import prefetch_all_gathers_pass, prefetch_distance
 from dpar.compiler.passes.reduce_scatter import bucket_reduce_scatters_pass
 from dpar.compiler.passes.reshard import tag_gathers
 from dpar.compiler.plan import AxisRole, ParallelPlan
@@ -84,4 +86,9 @@ class ShardedGroups:
         )
 
     def prefetch(self, gm: fx.GraphModule) -> fx.GraphModule:
-        return prefetch_all_gathers_pass(gm, self.plan.max_inflight_gathers)
+        distance = self.plan.max_inflight_gathers
+        if distance is None:  # from cost, under ddp's default bucket bound
+            spec = spec_of_tensors(i.tensor() for i in self.inputs if i.kind is InputKind.PARAMETER)
+            distance = prefetch_distance(gm, spec, self.shard.size, int(DDP_BUCKET_CAP_MB * 2**20))
+            log.info("prefetch distance from cost (%s): %d", spec.name, distance)
+        return prefetch_all_gathers_pass(gm, distance)

@@ -2,7 +2,8 @@
 
 Hand-made gradients with a 1 ms + 1 us/byte all-reduce: the exact cuts, optimality against every
 cut of a short sequence, never worse than DDP's greedy buckets, the cap, the reasons' numbers. Then
-``dpar.explain``'s why column for a known MLP, and 2 gloo ranks training like torch DDP.
+``dpar.explain``'s why column for a known MLP, 2 gloo ranks training like torch DDP, and fsdp's
+prefetch distance from cost ([Note: the prefetch distance] in compiler/passes/prefetch.py).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch.nn as nn
 from distributed import run_ranks
 from training import BUILDERS, TOLERANCE, Case, max_abs_diff, train
 
-from dpar.compiler.costs import PRESETS, DeviceSpec, assumed_device, spec_of_device
+from dpar.compiler.costs import PRESETS, DeviceSpec, assumed_device, payload_bytes, spec_of_device
 from dpar.compiler.passes.bucket_schedule import schedule_buckets, step_overrun
 from dpar.compiler.passes.buckets import Bucket, Gradient, plan_buckets
+from dpar.compiler.passes.prefetch import _stall, choose_distance, gathers_by_need, prefetch_distance
 from dpar.inspect.explain import explain
 
 MS = 1e-3
@@ -206,3 +208,23 @@ def test_cost_planned_ddp_trains_like_torch_ddp_on_two_gloo_ranks() -> None:
         assert result["gpt-adamw"]["all_reduces"] >= 5
         for case_id, optimizer in [("mlp-sgd", "sgd"), ("gpt-adamw", "adamw")]:
             assert max_abs_diff(result[case_id]["dpar"], result[case_id]["ddp"]) <= TOLERANCE[optimizer]
+
+
+def test_prefetch_distance_is_the_smallest_that_stalls_least_within_the_memory_bound() -> None:
+    # Four 1 ms gathers needed after 0, 0.5, 4.5 and 5 ms of compute. One ahead: gather 3 is issued
+    # when gather 1 is waited for (2 ms) and stalls 0.5 ms more than two ahead, where it is issued at
+    # 1 ms and done at 4 ms; three ahead stalls no less than two.
+    need, comm = [0.0, 0.5 * MS, 4.5 * MS, 5 * MS], [MS] * 4
+    assert [_stall(need, comm, d) for d in (1, 2, 3)] == pytest.approx([2 * MS, 1.5 * MS, 1.5 * MS])
+    assert choose_distance(need, comm, [10] * 4, cap_bytes=100) == 2
+    assert choose_distance(need, comm, [10] * 4, cap_bytes=15) == 1  # two in flight would pass the bound
+
+
+def test_prefetch_distance_reads_the_fsdp_graphs_gathers() -> None:
+    # parallelize's buckets of consecutive parameters up to 4.01 MiB: several gathers
+    report = explain(*wide_mlp(), world_size=8, strategy="fsdp", device="h100", options={"bucket_cap_mb": 4.01})
+    forward = next(g.graph for g in report.graphs if g.label == "forward graph")
+    gathers, _ = gathers_by_need(forward.graph)
+    assert len(gathers) > 1 and all(payload_bytes(g) <= 2 * LAYER_BYTES for g in gathers)
+    assert prefetch_distance(forward, PRESETS["cpu"], 8, cap_bytes=10**9) == 1  # overlap 0: nothing to gain
+    assert prefetch_distance(forward, PRESETS["h100"], 8, cap_bytes=LAYER_BYTES) == 1  # the bound holds one

@@ -78,7 +78,7 @@ def parallelize(
     strategy: str = "fsdp",
     mesh: DeviceMesh | None = None,
     bucket_cap_mb: float | None = None,
-    max_inflight_gathers: int = 1,
+    max_inflight_gathers: int | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     tp_plan: dict[str, int | None] | None = None,
@@ -115,7 +115,9 @@ def parallelize(
     (``layers.3``), the rest in one ``root`` bucket; a number groups consecutive
     parameters up to that many MiB instead (under ddp the same knob is a compile
     option, and is refused here). ``max_inflight_gathers`` bounds how many
-    all-gathers may be issued ahead of their use (the memory prefetch costs). ``param_dtype`` (e.g.
+    all-gathers may be issued ahead of their use (the memory prefetch costs); None
+    chooses it from the cost model (compiler/passes/prefetch.py), 1 where communication
+    cannot overlap compute. ``param_dtype`` (e.g.
     ``torch.bfloat16``) is the dtype parameters are gathered and computed in, and
     ``reduce_dtype`` the one gradients are reduce-scattered in; shards, their
     gradients and the optimizer state stay in the stored dtype (float32).
@@ -131,8 +133,12 @@ def parallelize(
         raise OptionsError(
             "parallelize was already called on this model; build a fresh model to choose another strategy"
         )
-    if not isinstance(max_inflight_gathers, int) or max_inflight_gathers < 1:
-        raise OptionsError(f"max_inflight_gathers must be an integer >= 1, got {max_inflight_gathers!r}")
+    if max_inflight_gathers is not None and (
+        isinstance(max_inflight_gathers, bool) or not isinstance(max_inflight_gathers, int) or max_inflight_gathers < 1
+    ):
+        raise OptionsError(
+            f"max_inflight_gathers must be an integer >= 1, or None to choose it from cost, got {max_inflight_gathers!r}"
+        )
     _check_bucket_cap(strategy, bucket_cap_mb)
     _check_sync_every(strategy, sync_every)
     if outer_optimizer is not None and (strategy != "local_sgd" or not isinstance(outer_optimizer, local_sgd.OuterSGD)):
@@ -345,7 +351,7 @@ def _parallelize_tensor_parallel(
     example_inputs: Sequence[Any] | None,
     world: int,
     device_type: str,
-    max_inflight_gathers: int,
+    max_inflight_gathers: int | None,
     sequence_parallel: bool,
     same_batch_in_tp_group: bool,
     bucket_cap_mb: float | None,

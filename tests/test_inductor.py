@@ -54,3 +54,32 @@ def test_inductor_with_no_sync_matches_one_process_on_the_whole_batch(strategy: 
     for rank, got in enumerate(per_rank):
         for name, want in model.state_dict().items():
             torch.testing.assert_close(got[name], want, rtol=0, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "hsdp", "fsdp+tp"])
+def test_every_op_dpars_passes_insert_has_an_inductor_lowering(strategy: str) -> None:
+    """Inductor gets dpar's graphs after AOTAutograd decomposed them: an op a pass inserts must have a
+    lowering of its own (aten.zeros, say, has only a decomposition, and Inductor refuses the graph).
+    Tied weights exercise fsdp's summed reduce-scatter."""
+    import re
+
+    import torch._inductor.lowering
+    from torch._inductor.decomposition import select_decomp_table
+
+    import dpar
+    from training import tiny_gpt
+
+    model = tiny_gpt()
+    assert model.lm_head.weight is model.tok_emb.weight  # tied
+    report = dpar.explain(model, (torch.zeros(4, 16, dtype=torch.long),) * 2, world_size=4, strategy=strategy)
+    ops = re.compile(r"torch\.ops\.(\w+)\.(\w+)\.(\w+)")
+    inserted = set()
+    for view in report.graphs:
+        inserted |= set(ops.findall(view.stages[-1].code)) - set(ops.findall(view.stages[0].code))
+    assert inserted, "the passes inserted no op: nothing was checked"
+    lowerings, decompositions = torch._inductor.lowering.lowerings, select_decomp_table()
+    refused = sorted(
+        ".".join(op) for op in inserted
+        if (target := getattr(getattr(getattr(torch.ops, op[0]), op[1]), op[2])) not in lowerings and target in decompositions
+    )  # an op with neither gets a fallback kernel (dpar's own custom ops)
+    assert not refused, f"{strategy}: only a decomposition, no Inductor lowering, for {refused}"

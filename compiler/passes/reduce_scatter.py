@@ -97,8 +97,8 @@ def _sum_before_reducing(graph: fx.Graph, tied: list[fx.Node]) -> fx.Node:
             total.meta["val"] = kept.args[0].meta["val"]  # the bucketing reads shapes from it
             val = other.meta["val"]
             for wait in [u for u in other.users if u.target is WAIT]:
-                zeros = graph.call_function(
-                    aten.zeros.default, (list(val.shape),), {"dtype": val.dtype, "device": val.device}
+                zeros = graph.call_function(  # full, not zeros: Inductor lowers it without a decomposition
+                    aten.full.default, (list(val.shape), 0), {"dtype": val.dtype, "device": val.device}
                 )
                 wait.replace_all_uses_with(zeros)
                 graph.erase_node(wait)

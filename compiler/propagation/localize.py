@@ -42,8 +42,13 @@ def _vocabulary_mask(graph: fx.Graph, indices: fx.Node, start: int, rows: int) -
     below = graph.call_function(aten.lt.Scalar, (shifted, 0))
     above = graph.call_function(aten.ge.Scalar, (shifted, rows))
     elsewhere = graph.call_function(aten.logical_or.default, (below, above))
-    local = graph.call_function(aten.masked_fill.Scalar, (shifted, elsewhere, 0))
-    return local, graph.call_function(aten.unsqueeze.default, (elsewhere, -1))
+    return _zero_where(graph, elsewhere, shifted, 0), graph.call_function(aten.unsqueeze.default, (elsewhere, -1))
+
+
+def _zero_where(graph: fx.Graph, mask: fx.Node, values: fx.Node, zero: int | float) -> fx.Node:
+    """``values.masked_fill(mask, zero)`` as an op Inductor lowers directly: dpar's graphs reach it
+    already decomposed, and masked_fill has only a decomposition there."""
+    return graph.call_function(aten.where.ScalarSelf, (mask, zero, values))
 
 
 def _split_embedding(graph: fx.Graph, node: fx.Node, mesh: MeshDim) -> None:
@@ -53,7 +58,7 @@ def _split_embedding(graph: fx.Graph, node: fx.Node, mesh: MeshDim) -> None:
         local, elsewhere = _vocabulary_mask(graph, indices, start, rows)
     node.args = (weight, local, *node.args[2:])
     with graph.inserting_after(node):
-        masked = graph.call_function(aten.masked_fill.Scalar, (node, elsewhere, 0.0))
+        masked = _zero_where(graph, elsewhere, node, 0.0)
     node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
 
 
@@ -63,7 +68,7 @@ def _split_embedding_backward(graph: fx.Graph, node: fx.Node, mesh: MeshDim) -> 
     local_padding = padding_idx - start
     with graph.inserting_before(node):
         local, elsewhere = _vocabulary_mask(graph, indices, start, rows)
-        grad = graph.call_function(aten.masked_fill.Scalar, (grad, elsewhere, 0.0))
+        grad = _zero_where(graph, elsewhere, grad, 0.0)
     node.args = (grad, local, rows, local_padding if 0 <= local_padding < rows else -1, *rest)
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +73,18 @@ def timed_steps(
         optimizer.zero_grad(set_to_none=True)
         step_ms.append((time.perf_counter() - start) * 1e3)
     return step_ms, loss.item()
+
+
+def turns(modes: Sequence[str], rounds: int, steps: int, warmup: int) -> Iterator[tuple[int, str, slice]]:
+    """(turn, mode, its batches) for ``rounds`` turns of ``steps / rounds`` steps after the warm-up.
+
+    Every mode runs once a turn, on the same batches as the others, so that a neighbour's burst of
+    load lands on all of them alike; each turn starts one mode further on, so no mode always runs
+    right after the same other one (a mode after a larger one was measured a few percent slower).
+    """
+    per_turn = steps // rounds
+    for turn in range(rounds):
+        first = warmup + turn * per_turn
+        shift = turn % len(modes)
+        for mode in [*modes[shift:], *modes[:shift]]:
+            yield turn, mode, slice(first, first + per_turn)

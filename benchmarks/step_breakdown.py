@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 from distributed import run_ranks  # noqa: E402
-from harness import RESULTS, revision  # noqa: E402
+from harness import RESULTS, revision, turns  # noqa: E402
 from models import MODELS, batches  # noqa: E402
 from step_time_sweep import Config, build  # noqa: E402
 
@@ -69,11 +69,8 @@ def run_rank(rank: int, world_size: int, config: Config, args: argparse.Namespac
         phased_steps(step_model, optimizer, data[: args.warmup])
         steppers[mode] = (step_model, optimizer)
     phases: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
-    per_turn = args.steps // args.rounds
-    for turn in range(args.rounds):
-        first = args.warmup + turn * per_turn
-        for mode, (step_model, optimizer) in steppers.items():
-            phases[mode] += phased_steps(step_model, optimizer, data[first : first + per_turn])
+    for _, mode, window in turns(args.modes, args.rounds, args.steps, args.warmup):
+        phases[mode] += phased_steps(*steppers[mode], data[window])
     tops: dict[str, list[dict[str, Any]]] = {}
     for mode, (step_model, optimizer) in steppers.items():
         with profile(activities=[ProfilerActivity.CPU]) as prof:

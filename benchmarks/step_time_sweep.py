@@ -44,7 +44,7 @@ import dpar
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 from distributed import run_ranks  # noqa: E402
-from harness import RESULTS, revision, timed_steps  # noqa: E402
+from harness import RESULTS, revision, timed_steps, turns  # noqa: E402
 from models import MODELS, batches  # noqa: E402
 
 WORLD_SIZE = 2  # the CPU machines have 2 cores: one rank per core
@@ -113,15 +113,12 @@ def run_rank(rank: int, world_size: int, config: Config, modes: tuple[str, ...],
         timed_steps(step_model, optimizer, data[: args.warmup])
         warmup_s[mode] = time.perf_counter() - start
         steppers[mode] = (step_model, optimizer)
-    per_turn = args.steps // args.rounds
-    turns: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    per_mode: dict[str, list[list[float]]] = {mode: [] for mode in modes}
     losses: dict[str, float] = {}
-    for turn in range(args.rounds):
-        first = args.warmup + turn * per_turn
-        for mode, (step_model, optimizer) in steppers.items():
-            times, losses[mode] = timed_steps(step_model, optimizer, data[first : first + per_turn])
-            turns[mode].append(times)
-    return {"turns": turns, "final_loss": losses, "warmup_s": warmup_s}
+    for _, mode, window in turns(modes, args.rounds, args.steps, args.warmup):
+        times, losses[mode] = timed_steps(*steppers[mode], data[window])
+        per_mode[mode].append(times)
+    return {"turns": per_mode, "final_loss": losses, "warmup_s": warmup_s}
 
 
 def measure(config: Config, args: argparse.Namespace) -> dict[str, dict[str, Any]]:

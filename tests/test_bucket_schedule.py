@@ -8,9 +8,8 @@ prefetch distance from cost ([Note: the prefetch distance] in compiler/passes/pr
 
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 import itertools
 import random
 

@@ -26,6 +26,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from dpar.compiler.collectives import is_compute
@@ -155,7 +156,7 @@ def payload_bytes(collective: fx.Node) -> int:
     An all-gather's operand is one rank's shard and a reduce-scatter's result is
     one; the ring formulas above are in the gathered (pre-scatter) size.
     """
-    return max(_tensor_bytes(_val(collective.args[0])), _tensor_bytes(collective.meta.get("val")))
+    return max(_tensor_bytes(_val(collective.args[0])), _tensor_bytes(_val(collective)))
 
 
 # ---- compute: a roofline per FX node ----------------------------------------------------
@@ -171,7 +172,22 @@ class NodeCost:
 
 
 def _val(arg: Any) -> Any:
-    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+    """A node's example value with every symbolic size replaced by its hint: costing a graph compiled
+    for dynamic shapes must not guard on its sizes (``int()`` of one would, and specialise the graph
+    to this batch, recompiling it for every other)."""
+    return _hinted(arg.meta.get("val") if isinstance(arg, fx.Node) else arg)
+
+
+def _hinted(value: Any) -> Any:
+    if isinstance(value, torch.SymInt):
+        return optimization_hint(value, fallback=1)
+    if isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride())):
+        return torch.empty_strided(
+            [_hinted(d) for d in value.shape], [_hinted(d) for d in value.stride()], dtype=value.dtype, device="meta"
+        )
+    if isinstance(value, (list, tuple)):
+        return type(value)(_hinted(v) for v in value)
+    return value
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -190,7 +206,7 @@ def node_flops(node: fx.Node) -> int:
         return 0
     args = torch.utils._pytree.tree_map(_val, node.args)
     kwargs = torch.utils._pytree.tree_map(_val, dict(node.kwargs))
-    return int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+    return int(formula(*args, out_val=_val(node), **kwargs))
 
 
 def node_cost(node: fx.Node, spec: DeviceSpec) -> NodeCost:
@@ -198,7 +214,7 @@ def node_cost(node: fx.Node, spec: DeviceSpec) -> NodeCost:
     if not is_compute(node) or getattr(node.target, "is_view", False):
         return NodeCost(0, 0, 0.0)
     flops = node_flops(node)
-    out = node.meta.get("val")
+    out = _val(node)
     nbytes = sum(_tensor_bytes(_val(a)) for a in node.all_input_nodes) + _tensor_bytes(out)
     dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
     seconds = max(flops / spec.flops(dtype), nbytes / spec.memory_bandwidth)

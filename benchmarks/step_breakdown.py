@@ -33,7 +33,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 from distributed import run_ranks  # noqa: E402
 from harness import RESULTS, revision, turns  # noqa: E402
 from models import MODELS, batches  # noqa: E402
-from step_time_sweep import Config, build  # noqa: E402
+from step_time_sweep import Config, build, optimizer_for  # noqa: E402
 
 MODES = ("alone_compiled", "ddp_compiled", "dpar_ddp", "fsdp2_eager", "dpar_fsdp")
 PHASES = ("forward", "backward", "optimizer")
@@ -65,7 +65,7 @@ def run_rank(rank: int, world_size: int, config: Config, args: argparse.Namespac
         torch.manual_seed(args.seed)
         model = spec.build()
         step_model = build(mode, model, "inductor")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = optimizer_for(mode, model, "inductor", 1e-3)
         phased_steps(step_model, optimizer, data[: args.warmup])
         steppers[mode] = (step_model, optimizer)
     phases: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}

@@ -12,8 +12,9 @@ alike, and each turn gives every mode a median: the spread reported is the
 lowest and highest of those per-turn ratios, each taken within one turn.
 
 ``alone_*`` are the floor: the same step on each rank with no communication at
-all (both ranks still run at once, sharing the cores as the others do). No
-data-parallel path can beat its floor here. ``fsdp2_compiled`` trains in ranks
+all (both ranks still run at once, sharing the cores as the others do);
+``alone_compiled`` compiles the model and the optimizer's step. No
+data-parallel path can beat the lower of the two here. ``fsdp2_compiled`` trains in ranks
 of its own, in turns with a fresh ``fsdp2_eager`` that relates it to the
 others: compiling the FSDP2 root marks the model's forward skipped for the
 whole process (its hooks are ``torch._dynamo.disable``d), which would leave
@@ -95,6 +96,15 @@ def build(mode: str, model: nn.Module, compiler: str) -> nn.Module:
     return torch.compile(model, backend="dpar", options={"compiler": compiler})
 
 
+def optimizer_for(mode: str, model: nn.Module, compiler: str, lr: float) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters (after ``build``); the compiled floor compiles its step too, as
+    dpar does its own (torch's modes step eagerly, as their users' code does)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    if mode == "alone_compiled":
+        optimizer.step = torch.compile(optimizer.step, backend=compiler)  # type: ignore[method-assign]
+    return optimizer
+
+
 def run_rank(rank: int, world_size: int, config: Config, modes: tuple[str, ...], args: argparse.Namespace) -> dict:
     """Warm every mode up, then time them in turns; per mode, the per-turn step times and the last loss."""
     torch._dynamo.config.optimize_ddp = "ddp_optimizer"  # compiled DDP splits its graph at bucket boundaries
@@ -108,7 +118,7 @@ def run_rank(rank: int, world_size: int, config: Config, modes: tuple[str, ...],
         torch.manual_seed(args.seed)
         model = spec.build()
         step_model = build(mode, model, args.compiler)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer = optimizer_for(mode, model, args.compiler, args.lr)
         start = time.perf_counter()
         timed_steps(step_model, optimizer, data[: args.warmup])
         warmup_s[mode] = time.perf_counter() - start

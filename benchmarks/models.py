@@ -75,3 +75,9 @@ def batches(spec: ModelSpec, rows: int, seq: int, count: int, seed: int) -> list
         ids = torch.randint(0, spec.vocab, (rows, seq), generator=generator)
         out.append((ids, ids if spec.shifts_labels else torch.roll(ids, -1, 1)))
     return out
+
+
+def llama_25m() -> tuple[nn.Module, Batch]:
+    """For ``dpar inspect benchmarks/models.py:llama_25m``: the model and one rank's 8x128 batch."""
+    spec = MODELS["llama-25m"]
+    return spec.build(), batches(spec, 8, 128, 1, seed=0)[0]

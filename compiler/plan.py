@@ -79,7 +79,7 @@ class ParallelPlan:
     buckets: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """Sharded strategies: bucket -> parameter names, in module order (ddp sizes its buckets when
     compiling, from the order gradients become ready)."""
-    max_inflight_gathers: int | None = 1  # None: chosen from cost (compiler/passes/prefetch.py)
+    max_inflight_gathers: int | None = None  # None: chosen from cost (compiler/passes/prefetch.py), parallelize's default
     param_dtype: torch.dtype | None = None  # gathered and computed in; None: as stored
     reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in; None: as computed
     sequence_parallel: bool = False

@@ -56,9 +56,14 @@ def step_in_graph(parameters: Iterable[torch.Tensor]) -> None:
 
 
 def steps_in_graph(parameters: Iterable[torch.Tensor]) -> bool:
-    """Whether an optimizer over ``parameters`` (all of them dpar's) compiles its step."""
-    listed = list(parameters)
-    return bool(listed) and all(p in _in_graph for p in listed)
+    """Whether an optimizer over ``parameters`` (all of them dpar's) compiles its step. Stops at the
+    first other parameter: the post-step hook asks this after every step of every other optimizer."""
+    seen = False
+    for p in parameters:
+        if p not in _in_graph:
+            return False
+        seen = True
+    return seen
 
 
 def _capture_after_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -72,6 +77,7 @@ def _capture_after_first_step(optimizer: torch.optim.Optimizer, args: Any, kwarg
     except StepNotCaptured as exc:
         _warn_eager(exc)
         return
+
     def run(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs.get("closure") is not None:
             return eager_step(optimizer, *args, **kwargs)

@@ -75,8 +75,120 @@ class HuggingFaceLM(nn.Module):
 HF_MODELS = ("llama", "bert", "gpt2", "t5", "mixtral")
 
 
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: two 3x3 convolutions without bias, each followed by
+    BatchNorm, and a strided 1x1 convolution + BatchNorm on the shortcut where the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet(nn.Module):
+    """torchvision's resnet18 layer kinds at a small width (torchvision does not load beside torch
+    2.13+cpu): a 7x7 stem with BatchNorm and max pooling, basic blocks, average pooling, a classifier.
+    The batch's token ids are drawn as images; the loss is cross entropy on ``labels``' first column."""
+
+    def __init__(self, width: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
+        self.layers = nn.Sequential(
+            BasicBlock(width, width, 1), BasicBlock(width, width, 1),
+            BasicBlock(width, 2 * width, 2), BasicBlock(2 * width, 2 * width, 1),
+        )
+        self.fc = nn.Linear(2 * width, classes)
+        self.classes = classes
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        images = (ids.float() / VOCAB).repeat_interleave(3 * IMAGE * IMAGE // SEQ, 1).view(-1, 3, IMAGE, IMAGE)
+        images = images + torch.linspace(-1, 1, IMAGE * IMAGE).view(1, 1, IMAGE, IMAGE)
+        logits = self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(images)), 1), 1))
+        return nn.functional.cross_entropy(logits, ids[:, 0] % self.classes)
+
+
+IMAGE = 16
+
+
+class CausalSDPA(nn.Module):
+    """torchtitan's inner-attention contract ((B, L, heads, head_dim) in and out) over torch's causal
+    SDPA: flex attention, torchtitan 0.3's only choice for language models, has no CPU backward."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs) -> torch.Tensor:
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=enable_gqa
+        )
+        return out.transpose(1, 2)
+
+
+class TorchtitanLM(nn.Module):
+    """torchtitan 0.3.0's own model code (its ``debugmodel`` flavours: RoPE, GQA or MLA, routed
+    experts), each layer's inner attention causal SDPA, with the causal LM loss over the unmasked
+    tokens as torchtitan's trainer computes it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        if name == "titan_llama3":
+            from torchtitan.models.llama3 import model_registry
+        else:
+            from torchtitan.models.deepseek_v3 import model_registry
+        self.inner = model_registry("debugmodel").model.build()
+        for layer in self.inner.layers.values():
+            layer.attention.inner_attention = CausalSDPA()
+        with torch.no_grad():
+            self.inner.init_weights(buffer_device=None)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        logits = self.inner(ids)
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+class NanoGPTLM(nn.Module):
+    """nanoGPT's model (examples/gpt.py, tied LM head), optionally under CPU bf16 autocast."""
+
+    def __init__(self, autocast: bool = False) -> None:
+        super().__init__()
+        from gpt import GPT, GPTConfig
+
+        self.inner = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_embd=32))
+        self.autocast = autocast
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            return self.inner(ids, labels.masked_fill(labels < 0, 0).roll(-1, 1))
+
+
+# Models beside the Hugging Face ones: name -> builder.
+OTHER_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "resnet": ResNet,
+    "titan_llama3": lambda: TorchtitanLM("titan_llama3"),
+    "titan_deepseek": lambda: TorchtitanLM("titan_deepseek"),
+    "nanogpt": NanoGPTLM,
+    "nanogpt_bf16": lambda: NanoGPTLM(autocast=True),
+}
+
+
 def build(name: str) -> nn.Module:
+    """``name`` seeded the same on every rank; ``gpt2_ckpt``: GPT-2 with gradient_checkpointing_enable()."""
     torch.manual_seed(0)
+    if name in OTHER_MODELS:
+        return OTHER_MODELS[name]()
+    if name == "gpt2_ckpt":
+        model = HuggingFaceLM("gpt2")
+        model.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
     return HuggingFaceLM(name)
 
 
@@ -100,14 +212,16 @@ class Run:
     model: str
     strategy: str  # "torch_ddp" for the reference
     optimizer: str = "adamw"
+    lr: float | None = None  # None: the optimizer's default below
     mesh_shape: tuple[int, ...] | None = None  # 2-D strategies: (dp, tp) or (replicate, shard)
     parallelize_kwargs: tuple[tuple[str, object], ...] = ()
+    options: tuple[tuple[str, object], ...] = ()  # torch.compile(..., options=) beyond the compiler
 
 
-def _optimizer(name: str, params) -> torch.optim.Optimizer:
+def _optimizer(name: str, params, lr: float | None = None) -> torch.optim.Optimizer:
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05)
-    return torch.optim.AdamW(params, lr=1e-3)
+        return torch.optim.SGD(params, lr=lr or 0.05)
+    return torch.optim.AdamW(params, lr=lr or 1e-3)
 
 
 def train(rank: int, world_size: int, run: Run, prepare: Callable[[nn.Module], None] | None = None) -> dict:
@@ -127,8 +241,8 @@ def train(rank: int, world_size: int, run: Run, prepare: Callable[[nn.Module], N
             kwargs["mesh"] = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=names)
         example = rank_slice(global_batch(0, ROWS_PER_RANK * world_size), rank, world_size)
         dpar.parallelize(model, strategy=run.strategy, example_inputs=example, **kwargs)
-        runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
-    opt = _optimizer(run.optimizer, [p for p in model.parameters() if p.requires_grad])
+        runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager", **dict(run.options)})
+    opt = _optimizer(run.optimizer, [p for p in model.parameters() if p.requires_grad], run.lr)
     for step in range(STEPS):
         opt.zero_grad()
         ids, labels, mask = rank_slice(global_batch(step, ROWS_PER_RANK * world_size), rank, world_size)

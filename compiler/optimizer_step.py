@@ -20,7 +20,7 @@ parameter into a few loops, as ``torch.compile(optimizer.step)`` does, with the
 same numbers bit for bit. Should Dynamo run a step eagerly all the same
 (``torch.compiler.disable``, ``set_stance("force_eager")``), ``ran`` stays False,
 and the caller runs the same passes over a graph that only reads the parameters
-(``after_uncaptured``).
+(``PassesAfterEagerStep``), as it does after a step it chose to run eagerly.
 """
 
 from __future__ import annotations
@@ -100,7 +100,6 @@ class CapturedStep:
             raise StepNotCaptured(optimizer, "differentiable=True steps under autograd, a captured step under no_grad")
         self._optimizer, self.passes, self.lower = weakref.ref(optimizer), passes, lower
         self.ran = False  # whether the last call ran a captured graph (Dynamo may run a frame eagerly)
-        self._gather_only: fx.GraphModule | None = None
         self._compiled = torch.compile(_step_body(optimizer), backend=self._backend, fullgraph=True)
 
     def _backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -129,20 +128,30 @@ class CapturedStep:
         except (Unsupported, FailOnRecompileLimitHit) as exc:
             raise StepNotCaptured(self.optimizer, str(exc).strip().splitlines()[0]) from exc
 
-    def after_uncaptured(self) -> None:
-        """The passes over a graph that only reads the optimizer's parameters, for a step Dynamo did not capture."""
-        if self._gather_only is None:
+
+class PassesAfterEagerStep:
+    """The passes over a graph that only reads an optimizer's parameters: what they add to a captured step
+    (zero1's gather of the stepped ranges), for a step that ran eagerly instead. Built at the first call."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, passes: PassesFor) -> None:
+        self._optimizer, self.passes = weakref.ref(optimizer), passes
+        self._graph: fx.GraphModule | None = None
+
+    def __call__(self) -> None:
+        if self._graph is None:
+            optimizer = self._optimizer()
+            assert optimizer is not None, "the passes after a step live no longer than its optimizer"
             holder, graph = nn.Module(), fx.Graph()
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            params = [p for group in optimizer.param_groups for p in group["params"]]
             for i, p in enumerate(params):
                 setattr(holder, f"p{i}", p)
                 graph.get_attr(f"p{i}")
             graph.output(())
             label = f"{LABEL} (gather only)"
-            self._gather_only = run_passes(fx.GraphModule(holder, graph), self.passes(()), label)
-            record(label, self._gather_only, collectives(self._gather_only))
+            self._graph = run_passes(fx.GraphModule(holder, graph), self.passes(()), label)
+            record(label, self._graph, collectives(self._graph))
         with torch.no_grad():
-            self._gather_only()
+            self._graph()
 
 
 def install_step(optimizer: torch.optim.Optimizer, run: Callable[..., Any]) -> Callable[..., Any]:

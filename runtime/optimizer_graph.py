@@ -18,8 +18,9 @@ The first step of each optimizer runs eagerly and creates its state; the
 capture and the Inductor compile (10-20 s on CPU) happen at the second. A step
 with a closure runs eagerly. An optimizer Dynamo cannot capture whole (or built
 with ``differentiable=True``) steps eagerly from then on, with a
-``StepNotCapturedWarning`` naming why. zero1 captures its own steps (it appends
-the gather of the stepped ranges to them) and asks ``steps_in_graph`` how to lower them.
+``StepNotCapturedWarning`` naming why. zero1 captures its own steps where
+``steps_in_graph`` says so (it appends the gather of the stepped ranges to them) and
+otherwise steps eagerly, as the ddp model beside it would.
 """
 
 from __future__ import annotations
@@ -75,8 +76,14 @@ def _capture_after_first_step(optimizer: torch.optim.Optimizer, args: Any, kwarg
     try:
         captured = CapturedStep(optimizer, lambda inputs: [], inductor_step)
     except StepNotCaptured as exc:
-        _warn_eager(exc)
+        warn_eager(exc)
         return
+    install_captured_step(optimizer, captured)
+
+
+def install_captured_step(optimizer: torch.optim.Optimizer, captured: CapturedStep) -> None:
+    """Make ``captured`` the optimizer's step. A step with a closure runs eagerly; a step Dynamo cannot
+    capture whole warns once and runs eagerly from then on (``captured.ran`` stays False for both)."""
 
     def run(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs.get("closure") is not None:
@@ -85,13 +92,13 @@ def _capture_after_first_step(optimizer: torch.optim.Optimizer, args: Any, kwarg
             return captured()
         except StepNotCaptured as exc:
             optimizer.step = previous  # type: ignore[method-assign]
-            _warn_eager(exc)
+            warn_eager(exc)
             return eager_step(optimizer)
 
     previous = install_step(optimizer, run)
 
 
-def _warn_eager(exc: StepNotCaptured) -> None:
+def warn_eager(exc: StepNotCaptured) -> None:
     warnings.warn(
         f"{exc}; it steps eagerly from now on, one op per parameter group (or per parameter over DTensors). "
         "For a fused step use an optimizer Dynamo captures (SGD, Adam, AdamW, ...) with differentiable=False; "

@@ -11,24 +11,26 @@ optimizer creates and keeps state for those elements only (1/N), and its
 ``zero_grad`` clears the whole gradients too. Before every step the views'
 gradients are the same elements of the whole gradients.
 
-From then on the optimizer's ``step`` is captured as a graph
-(compiler/optimizer_step.py), compiled by Inductor where the model's options say so
-(runtime/optimizer_graph.py): the step writes this rank's elements in place, and
-the optimizer stage's pass (compiler/passes/all_gather_ranges.py) appends to that
-graph one all-gather per dtype that brings every rank's range into the whole
-parameters. The gather is part of the step, not deferred to the next forward's
+The step itself is the one the ddp model beside it would take, so the numbers are
+DDP's bit for bit: eager where the model's step is eager (the default under
+``aot_eager``), then a graph holding only the optimizer stage's pass
+(compiler/passes/all_gather_ranges.py), one all-gather per dtype that brings every
+rank's range into the whole parameters. Where the model's step is in a graph
+(``optimizer_in_graph``, the default under Inductor; runtime/optimizer_graph.py),
+from the second step on the step is captured (compiler/optimizer_step.py), the same
+pass appends the gather to it, and Inductor compiles both; a step Dynamo cannot
+capture whole warns once and steps eagerly, gathered as above. (A captured step
+and an eager one differ in the last bits, Adam's bias corrections being fp32
+tensors in one and Python floats in the other; AdamW amplifies that, after 5 steps
+at lr 1e-2 by up to 3.7e-5 on a ResNet-style net, so zero1 always takes the step
+ddp takes.) The gather is part of the step, not deferred to the next forward's
 graph: between a step and the next forward, ``model.state_dict()``, an EMA of the
-weights or an evaluation would read parameters only 1/N updated. The first step is
-already running when zero1 first sees the optimizer (in the global step pre-hook),
-so it runs eagerly, and the same pass over a graph that only reads the ranges
-gathers after it (as after any step Dynamo ran eagerly). The captured step is
-installed as the optimizer's own ``step`` inside torch's hook wrapper, so every
-step pre- and post-hook still runs around the update, in order.
+weights or an evaluation would read parameters only 1/N updated. Every step pre-
+and post-hook still runs around the update, in order.
 
 Elementwise optimizers (SGD, Adam, AdamW) give DDP's numbers; one that reads
 across a parameter's elements (LAMB's trust ratio, Adafactor's factored moments)
-would see only its range. One Dynamo cannot capture whole, or a ``step(closure)``,
-is refused with an OptionsError at its second step.
+would see only its range.
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dpar.compiler.optimizer_step import CapturedStep, StepNotCaptured, inductor_step, install_step, python_step
+from dpar.compiler.optimizer_step import CapturedStep, PassesAfterEagerStep, StepNotCaptured, inductor_step
 from dpar.compiler.passes.all_gather_ranges import UpdatedRange
 from dpar.compiler.pipeline import optimizer_passes
 from dpar.compiler.plan import Strategy
 from dpar.runtime.errors import OptionsError
-from dpar.runtime.optimizer_graph import steps_in_graph
+from dpar.runtime.optimizer_graph import install_captured_step, steps_in_graph, warn_eager
 
 
 def owned_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -99,12 +101,20 @@ def whole_of(parameter: torch.Tensor) -> torch.Tensor:
     return owned.whole if owned is not None else parameter
 
 
-_captured: weakref.WeakKeyDictionary[torch.optim.Optimizer, CapturedStep] = weakref.WeakKeyDictionary()
+@dataclasses.dataclass
+class Stepping:
+    """How one optimizer over zero1 ranges steps, and gathers the stepped ranges after."""
+
+    captured: CapturedStep | None  # the step with the gather appended, where the model's step is in a graph
+    gather_after_eager: PassesAfterEagerStep  # the gather alone, after a step that ran eagerly
+
+
+_stepping: weakref.WeakKeyDictionary[torch.optim.Optimizer, Stepping] = weakref.WeakKeyDictionary()
 
 
 def _step_on_owned_ranges(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer not in _captured and any(p in _owned for g in optimizer.param_groups for p in g["params"]):
-        _capture_steps(optimizer)
+    if optimizer not in _stepping and any(p in _owned for g in optimizer.param_groups for p in g["params"]):
+        _switch_to_ranges(optimizer)
     for group in optimizer.param_groups:
         for view in group["params"]:
             owned = _views.get(view)
@@ -113,8 +123,8 @@ def _step_on_owned_ranges(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
                 view.grad = None if grad is None else grad.reshape(-1)[owned.lo : owned.hi]
 
 
-def _capture_steps(optimizer: torch.optim.Optimizer) -> None:
-    """Switch ``optimizer`` to the views, and its later steps to the captured one (see the Note above)."""
+def _switch_to_ranges(optimizer: torch.optim.Optimizer) -> None:
+    """Switch ``optimizer`` to the views, and decide how its steps run (see the Note above)."""
     for group in optimizer.param_groups:
         group["params"] = [_owned[p].view if p in _owned else p for p in group["params"]]
     optimizer.zero_grad = _clearing_whole_gradients(optimizer)  # type: ignore[method-assign]
@@ -126,34 +136,19 @@ def _capture_steps(optimizer: torch.optim.Optimizer) -> None:
                            "give each model its own optimizer")
     group = groups.pop()
     where = (group.group_name, dist.get_world_size(group))
-    lower = inductor_step if steps_in_graph(o.whole for o in owned) else python_step
-    try:
-        captured = CapturedStep(optimizer, lambda inputs: optimizer_passes(Strategy.ZERO1, ranges, inputs, where), lower)
-    except StepNotCaptured as exc:
-        raise _refusal(exc) from exc
-    _captured[optimizer] = captured
-    install_step(optimizer, _run_captured)
 
+    def passes(inputs):
+        return optimizer_passes(Strategy.ZERO1, ranges, inputs, where)
 
-def _run_captured(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-    if args or kwargs.get("closure") is not None:
-        raise OptionsError(
-            f"{type(optimizer).__name__}.step(closure) re-evaluates the loss inside the step, which cannot be "
-            "captured, and zero1 gathers the stepped parameters inside the captured step: call loss.backward() "
-            "and then optimizer.step() without a closure"
-        )
-    try:
-        return _captured[optimizer]()
-    except StepNotCaptured as exc:
-        raise _refusal(exc) from exc
-
-
-def _refusal(exc: StepNotCaptured) -> OptionsError:
-    return OptionsError(
-        f"zero1 captures the optimizer's step with torch.compile(fullgraph=True) and appends the all-gather "
-        f"of the stepped ranges to it; {exc}. Use an optimizer Dynamo captures (SGD, Adam, AdamW, ...) with "
-        "differentiable=False, or strategy='ddp' or 'zero2'"
-    )
+    captured = None
+    if steps_in_graph(o.whole for o in owned):
+        try:
+            captured = CapturedStep(optimizer, passes, inductor_step)
+        except StepNotCaptured as exc:
+            warn_eager(exc)
+        else:
+            install_captured_step(optimizer, captured)
+    _stepping[optimizer] = Stepping(captured, PassesAfterEagerStep(optimizer, passes))
 
 
 def _owned_of(optimizer: torch.optim.Optimizer) -> list[Owned]:
@@ -182,12 +177,13 @@ def _clearing_whole_gradients(optimizer: torch.optim.Optimizer) -> Callable[...,
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Drop the views' gradients (views of the whole ones, which stay, as DDP's do); after a step that ran
-    no captured graph (the first, or one Dynamo ran eagerly), gather the stepped ranges by the same pass."""
-    captured = _captured.get(optimizer)
-    if captured is None:
+    no captured graph (an eager one, or one Dynamo ran eagerly), gather the stepped ranges by the same pass."""
+    stepping = _stepping.get(optimizer)
+    if stepping is None:
         return
     for owned in _owned_of(optimizer):
         owned.view.grad = None
-    if not captured.ran:
-        captured.after_uncaptured()
-    captured.ran = False
+    if stepping.captured is None or not stepping.captured.ran:
+        stepping.gather_after_eager()
+    if stepping.captured is not None:
+        stepping.captured.ran = False

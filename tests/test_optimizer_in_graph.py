@@ -157,28 +157,31 @@ def test_optimizer_in_graph_follows_the_inner_compiler_unless_set() -> None:
         Options.parse({"optimizer_in_graph": "yes"})
 
 
-def zero1_with(rank: int, world_size: int, optimizer: str) -> None:
+def zero1_with(rank: int, world_size: int) -> tuple[list[str], list[torch.Tensor]]:
+    """A Linear under zero1 with its step in the graph, every rank fed the same rows, 3 steps of an
+    optimizer Dynamo cannot capture: the warnings raised, and the parameters."""
     import dpar
 
     torch.manual_seed(0)
     layer = nn.Linear(4, 3)
     dpar.parallelize(layer, strategy="zero1")
-    compiled = torch.compile(layer, backend="dpar", options={"compiler": "aot_eager"})
-    if optimizer == "graph_break":
-        opt: torch.optim.Optimizer = SGDWithGraphBreak(layer.parameters(), lr=0.1)
-    else:
-        opt = torch.optim.SGD(layer.parameters(), lr=0.1, differentiable=True)
-    for _ in range(2):
-        compiled(torch.randn(2, 4)).sum().backward()
-        opt.step()
+    compiled = torch.compile(layer, backend="dpar", options={"compiler": "aot_eager", "optimizer_in_graph": True})
+    opt = SGDWithGraphBreak(layer.parameters(), lr=0.1, momentum=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            compiled(torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return [f"{w.category.__name__}: {w.message}" for w in caught], [p.detach().clone() for p in layer.parameters()]
 
 
-@pytest.mark.parametrize(
-    ("optimizer", "reason"),
-    [("graph_break", "Dynamo cannot capture SGDWithGraphBreak's step"), ("differentiable", "differentiable=True")],
-)
-def test_zero1_refuses_an_optimizer_it_cannot_capture_naming_the_fix(optimizer: str, reason: str) -> None:
-    from distributed import RankFailed
-
-    with pytest.raises(RankFailed, match=f"OptionsError: zero1 captures the optimizer's step.*{reason}.*strategy='ddp'"):
-        run_ranks(zero1_with, 1, optimizer, timeout_s=120)
+def test_zero1_steps_an_optimizer_it_cannot_capture_eagerly_warning_once() -> None:
+    """As under ddp: one StepNotCapturedWarning, then eager steps on this rank's ranges, each followed by
+    the gather of the ranges, with one process's numbers (both ranks see the same rows)."""
+    for caught, params in run_ranks(zero1_with, 2, timeout_s=120):
+        warned = [w for w in caught if w.startswith("StepNotCapturedWarning")]
+        assert len(warned) == 1 and "Dynamo cannot capture SGDWithGraphBreak's step" in warned[0], caught
+        want = _eager_reference(torch.optim.SGD, lr=0.1, momentum=0.9)
+        assert all(torch.equal(a, b) for a, b in zip(params, want))

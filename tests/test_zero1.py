@@ -96,7 +96,7 @@ def lockstep_run(rank: int, world_size: int) -> list[float]:
 
 
 def _targets_after_gather(gm) -> list[str]:
-    """What the captured step graph does after its first all-gather: only moving gathered elements."""
+    """What a step graph does after its first all-gather: only moving gathered elements."""
     nodes = list(gm.graph.nodes)
     first = next(i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default)
     return sorted({str(n.target) for n in nodes[first:] if n.op == "call_function"})
@@ -127,6 +127,7 @@ def rank_main(rank: int, world_size: int) -> dict:
         ddp = nn.parallel.DistributedDataParallel(reference)
         ddp_optimizers: list[torch.optim.Optimizer] = []
         want = train(case, reference, ddp, rank, world_size, ddp.no_sync, ddp_optimizers)
+        gather_only = [g for g in graphs if g.label == f"{STEP_LABEL} (gather only)"]
         results[case.id] = {
             "diff": max_abs_diff({k: v for k, v in got.items() if "running" not in k and "num_batches" not in k},
                                  {k: v for k, v in want.items() if "running" not in k and "num_batches" not in k}),
@@ -134,10 +135,10 @@ def rank_main(rank: int, world_size: int) -> dict:
             "ddp_optimizer_bytes": state_bytes(ddp_optimizers[0]),
             "owned_elements": sum(t.numel() for t in optimizers[0].param_groups[0]["params"]),
             "collective_kinds": kinds,
-            "step_graphs": [{"code": g.graph.code, "passes": [st.pass_name for st in g.stages],
-                             "collectives": [(c.kind, c.dtype, c.bytes) for c in g.collectives],
-                             "after_gather": _targets_after_gather(g.graph)} for g in steps],
-            "gather_only_graphs": sum(g.label == f"{STEP_LABEL} (gather only)" for g in graphs),
+            "step_graphs": len(steps),
+            "gather_graphs": [{"code": g.graph.code, "passes": [st.pass_name for st in g.stages],
+                               "collectives": [(c.kind, c.dtype, c.bytes) for c in g.collectives],
+                               "after_gather": _targets_after_gather(g.graph)} for g in gather_only],
             "listing": Pipeline(plan_of(model), [], current_world(), Options()).listing()["optimizer"],
         }
     import tempfile
@@ -166,10 +167,14 @@ def trained(request) -> tuple[int, list[dict]]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_parameters_match_torch_ddp(trained, case: Case) -> None:
+def test_parameters_are_torch_ddps_bit_for_bit(trained, case: Case) -> None:
+    """The model's step is eager under aot_eager, as torch DDP's is: the same update on this rank's ranges,
+    then the gather, so at 2 ranks nothing differs (a captured step would differ in the last bits, amplified
+    by AdamW: 3.7e-5 on a ResNet-style net at lr 1e-2). At 4 ranks gloo's ring sums dpar's buckets and
+    DDP's in another order, which AdamW amplifies (up to 1.7e-6 on the GPT)."""
     world_size, per_rank = trained
     for rank, result in enumerate(per_rank):
-        assert result[case.id]["diff"] <= TOLERANCE[case.optimizer], f"rank {rank}"
+        assert result[case.id]["diff"] <= (0.0 if world_size == 2 else TOLERANCE[case.optimizer]), f"rank {rank}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -207,28 +212,29 @@ def test_the_model_graphs_hold_ddps_collectives(trained) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_the_captured_step_graph_ends_with_one_all_gather_of_the_stepped_ranges(trained, case: Case) -> None:
-    """Steps 2.. run one captured graph: the optimizer's in-place updates, then the optimizer stage's pass
-    appended one all-gather of every range (each padded to ceil(numel / N)), then only copies into the
-    whole parameters. The first step, eager, is followed by the same pass over the ranges alone."""
+def test_each_eager_step_is_followed_by_one_all_gather_of_the_stepped_ranges(trained, case: Case) -> None:
+    """Under aot_eager the step is eager, as the ddp model's would be, and one graph holding the optimizer
+    stage's pass runs after every step: one all-gather of every range (each padded to ceil(numel / N)),
+    then only copies into the whole parameters. (Under Inductor the pass appends the same gather to the
+    captured step: tests/test_optimizer_in_graph.py.)"""
     world_size, per_rank = trained
     model = BUILDERS[case.model]()
     padded_ranges = sum(-(-p.numel() // world_size) for p in model.parameters() if p.requires_grad)
     for result in per_rank:
         assert result[case.id]["listing"] == ["all_gather_updated_ranges"]
-        assert result[case.id]["gather_only_graphs"] == 1
-        (step,) = result[case.id]["step_graphs"]  # one capture serves every later step
-        assert step["passes"] == ["captured", "all_gather_updated_ranges"]
+        assert result[case.id]["step_graphs"] == 0
+        (gather,) = result[case.id]["gather_graphs"]  # one graph serves every step
+        assert gather["passes"] == ["captured", "all_gather_updated_ranges"]
         # fp32 models: one gather; each rank sends its padded ranges, receives N times that.
-        assert step["collectives"] == [("all_gather", torch.float32, 4 * padded_ranges)]
-        assert step["code"].count("_c10d_functional.all_gather_into_tensor") == 1
-        assert step["code"].count("_c10d_functional.wait_tensor") == 1
-        assert step["after_gather"] == sorted(
+        assert gather["collectives"] == [("all_gather", torch.float32, 4 * padded_ranges)]
+        assert gather["code"].count("_c10d_functional.all_gather_into_tensor") == 1
+        assert gather["code"].count("_c10d_functional.wait_tensor") == 1
+        assert gather["after_gather"] == sorted(
             {"_c10d_functional.all_gather_into_tensor.default", "_c10d_functional.wait_tensor.default",
              "aten.view.default", "aten.split_with_sizes.default", "<built-in function getitem>",
              "aten.reshape.default", "aten.slice.Tensor", "aten.copy_.default"})
     if world_size == 2 and case.id == "uneven-adamw":
-        print(per_rank[0][case.id]["step_graphs"][0]["code"])  # pytest -s shows the step graph
+        print(per_rank[0][case.id]["gather_graphs"][0]["code"])  # pytest -s shows the gather graph
 
 
 def test_state_dict_right_after_each_step_is_ddps(trained) -> None:

@@ -8,6 +8,7 @@ is downloaded: the Hugging Face models are built from small random configs.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -131,6 +132,18 @@ class CausalSDPA(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=enable_gqa
         )
         return out.transpose(1, 2)
+
+
+TORCHTITAN_MODELS = ("titan_llama3", "titan_deepseek")
+
+
+def needs_torchtitan(name: str) -> None:
+    """Skip a test of a torchtitan model where its code is not installed (tests/requirements-torchtitan.txt),
+    except under CI, which installs it: there a missing install fails the test."""
+    if name in TORCHTITAN_MODELS and not os.environ.get("CI"):
+        import pytest
+
+        pytest.importorskip("torchtitan")
 
 
 class TorchtitanLM(nn.Module):

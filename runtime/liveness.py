@@ -25,7 +25,13 @@ or about to enter, a collective with it. What a survivor sees depends on how it 
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. Bound: ``WATCH_AFTER_S + SILENT_AFTER_S`` plus one beat,
   about 14 s; ``SILENT_AFTER_S`` is longer than ``LOST_AFTER_S`` because ending a process is final,
   and a live rank whose threads are starved (swapping, a C call holding the GIL) must not be taken
-  for dead.
+  for dead. Nor does the thread watch while this rank compiles (Dynamo's or AOTAutograd's compile,
+  dpar's passes or a check across ranks on its main thread's stack): a compiling rank is blocked
+  in no transport, its checks wait with their own bounds and named errors, and its peers compile
+  the same graph, holding the GIL for long stretches (Python's compile() of a large generated
+  graph, a full garbage collection). On a machine with ten runnable threads per core that silenced
+  a live peer's heartbeat for 10 s while both compiled, and the rank that watched ended itself
+  with a RankLostError naming a rank that was alive.
 * A survivor blocked on a live rank that is itself blocked on the vanished one is released when
   that rank leaves by either path (its sockets close), so every survivor is out within the bounds
   above; each also watches the vanished rank's heartbeat itself.
@@ -246,10 +252,31 @@ def _others(rank: int, world_size: int) -> list[int]:
     return [r for r in range(world_size) if r != rank]
 
 
+_DPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_COMPILE_FRAMES = tuple(
+    os.path.join(os.path.dirname(os.path.dirname(dist.__file__)), *path)
+    for path in (("_dynamo", "convert_frame.py"), ("_functorch", "_aot_autograd", "graph_compile.py"))
+) + (
+    os.path.join(_DPAR_DIR, "compiler", "pipeline.py"),  # dpar's passes, a backward variant built on first use
+    os.path.join(_DPAR_DIR, "runtime", "agreement.py"),  # a check across ranks: bounded, with its own errors
+)
+
+
+def _compiling() -> bool:
+    """Whether the main thread is compiling a graph or at a check across ranks (one of ``_COMPILE_FRAMES``
+    on its stack)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_filename in _COMPILE_FRAMES:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def watch(store: dist.Store, me: int, world_size: int) -> None:
     """Run by the daemon thread once a second: end this process if it is stuck while a rank is silent."""
     now = time.monotonic()
-    if _progress.step == 0 or now - _progress.changed_at < WATCH_AFTER_S or _left:
+    if _progress.step == 0 or now - _progress.changed_at < WATCH_AFTER_S or _left or _compiling():
         _watched.clear()
         _issued_since.clear()
         return

@@ -219,14 +219,6 @@ def _blocked_in_wait() -> str:
         return ""
     line = linecache.getline(frame.f_code.co_filename, frame.f_lineno, frame.f_globals).strip()
     return line[:_QUOTED] if "wait_tensor" in line else ""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    for _ in range(_WAIT_FRAMES):
-        if frame is None:
-            return False
-        if "wait_tensor" in linecache.getline(frame.f_code.co_filename, frame.f_lineno, frame.f_globals):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def mark_left(store: dist.Store, rank: int, why: str) -> None:
@@ -254,7 +246,7 @@ def _others(rank: int, world_size: int) -> list[int]:
 
 _DPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _COMPILE_FRAMES = tuple(
-    os.path.join(os.path.dirname(os.path.dirname(dist.__file__)), *path)
+    os.path.join(_TORCH_DIR, *path)
     for path in (("_dynamo", "convert_frame.py"), ("_functorch", "_aot_autograd", "graph_compile.py"))
 ) + (
     os.path.join(_DPAR_DIR, "compiler", "pipeline.py"),  # dpar's passes, a backward variant built on first use

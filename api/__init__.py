@@ -11,8 +11,8 @@ from dpar.placement import parallelize
 from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
-    BatchMismatchError, CheckpointError, CollectiveMismatchError, DivergedRanksError, DparError, NonFiniteGradientError,
-    OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError, ScheduleError,
+    BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
+    NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError, ScheduleError,
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
@@ -25,6 +25,7 @@ __all__ = [
     "BatchMismatchError",
     "CheckpointError",
     "CollectiveMismatchError",
+    "CollectiveStallError",
     "DivergedRanksError",
     "DparError",
     "NonFiniteGradientError",

@@ -32,6 +32,11 @@ class DivergedRanksError(CollectiveMismatchError):
     """Another rank waits inside collectives this rank will not issue: it runs a graph this rank does not."""
 
 
+class CollectiveStallError(CollectiveMismatchError):
+    """Every rank is alive, yet one waits for a collective that every peer has issued and none completes:
+    it was paired with another collective (issued in another order, or on some ranks only) or lost."""
+
+
 class BatchMismatchError(DparError):
     """Ranks that the user said are fed the same rows were fed different ones."""
 

@@ -25,10 +25,38 @@ or about to enter, a collective with it. What a survivor sees depends on how it 
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. Bound: ``WATCH_AFTER_S + SILENT_AFTER_S`` plus one beat,
   about 14 s; ``SILENT_AFTER_S`` is longer than ``LOST_AFTER_S`` because ending a process is final,
   and a live rank whose threads are starved (swapping, a C call holding the GIL) must not be taken
-  for dead.
+  for dead. Nor does the thread watch while this rank compiles (Dynamo's or AOTAutograd's compile,
+  dpar's passes or a check across ranks on its main thread's stack): a compiling rank is blocked
+  in no transport, its checks wait with their own bounds and named errors, and its peers compile
+  the same graph, holding the GIL for long stretches (Python's compile() of a large generated
+  graph, a full garbage collection). On a machine with ten runnable threads per core that silenced
+  a live peer's heartbeat for 10 s while both compiled, and the rank that watched ended itself
+  with a RankLostError naming a rank that was alive.
 * A survivor blocked on a live rank that is itself blocked on the vanished one is released when
   that rank leaves by either path (its sockets close), so every survivor is out within the bounds
   above; each also watches the vanished rank's heartbeat itself.
+
+[Note: ranks alive but stuck in different collectives]
+Every rank alive and beating, yet one blocked for good in a collective wait: the collective it waits
+for was paired with another one on a peer (gloo pairs a group's collectives by the order they are
+issued, so a collective issued on some ranks only, or two issued in another order, shifts every
+later pairing; a pair of different sizes never completes), or its transport lost it. Gloo alone
+would wait the process group's timeout (30 min by default), spinning or not, with no error.
+
+The heartbeat tells it: it carries this rank's collectives issued per group (c10d's sequence
+numbers, as in peer_progress.py) and whether the main thread is blocked in a graph's
+``wait_tensor``. A rank blocked in such a wait inside a dpar graph, whose counts have not moved for
+``STALLED_AFTER_S``, while every other rank is alive and has issued at least as many collectives on
+every group they share and none since, waits for a collective every member of its group has issued:
+nothing it waits for can still be on its way, so the pairing is wrong. It prints
+``CollectiveStallError`` with the counts and where each rank is, marks itself as left, and ends its
+process (a blocked wait cannot be interrupted); its peers' collectives then fail and they raise
+``RankLostError`` naming it and why. A rank behind a peer never declares (the peer is waiting for
+it: it may be late), so a slow rank is never taken for a stuck one; the rank furthest behind is the
+one that declares. Bound: ``WATCH_AFTER_S + STALLED_AFTER_S`` plus two beats, about 34 s; longer
+than ``SILENT_AFTER_S`` because one collective of several GB on a slow link can legitimately take
+ten seconds or more. Not watched: pipeline steps (point-to-point transfers between two ranks leave
+the group counts of the others behind, legitimately), and NCCL, whose waits do not block the CPU.
 
 On NCCL the survivor's CPU does not block inside the graph (kernels wait on the GPU) but at its
 next synchronisation, outside dpar's graphs, where the same watchdog sees no graph progress and acts
@@ -47,8 +75,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import linecache
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -56,8 +86,8 @@ from typing import Any
 import torch.distributed as dist
 from functorch.compile import make_boxed_func
 
-from dpar.runtime.errors import RankLostError
-from dpar.runtime.world import default_store
+from dpar.runtime.errors import CollectiveStallError, RankLostError
+from dpar.runtime.world import collectives_issued, default_store
 
 _HEARTBEAT = "dpar/heartbeat"
 LOST_AFTER_S = 3.0
@@ -66,6 +96,10 @@ WATCH_AFTER_S = 3.0
 """This rank's graphs made no progress for this long: the daemon thread starts reading the others' heartbeats."""
 SILENT_AFTER_S = 10.0
 """While watching: a rank whose heartbeat stays still this long is declared lost, and this process ends."""
+STALLED_AFTER_S = 30.0
+"""While watching: blocked in a wait, every rank alive and past this rank's collectives, none issuing
+another for this long: the collectives are mismatched, and this process ends. See [Note: ranks alive
+but stuck in different collectives]."""
 
 
 NCCL_DEFAULTS = {
@@ -90,6 +124,7 @@ class _Progress:
     step: int = 0
     phase: str = "start"  # the role of the graph called last: forward, backward, inference
     changed_at: float = dataclasses.field(default_factory=time.monotonic)
+    inside: bool = False  # the main thread is inside a compiled graph now
 
     def where(self) -> str:
         if self.step == 0:
@@ -104,6 +139,9 @@ class _Progress:
 _progress = _Progress()
 _watched: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat count, when this rank saw it change)
 _left: list[str] = []  # why this rank left, once it has: the first reason stays
+# rank -> (its collectives issued, as a JSON string, and since when it has shown those); this rank's
+# own entry only while its main thread is blocked in a wait.
+_issued_since: dict[int, tuple[str, float]] = {}
 
 
 PIPELINE_STEP = "pipeline step"  # one call of dpar.pipeline's step: forward and backward of every micro-batch
@@ -133,6 +171,7 @@ class Watched:
 def watching(phase: str) -> Iterator[None]:
     """Count the step; a collective failing inside becomes ``RankLostError`` when a rank has vanished."""
     _enter(phase)
+    _progress.inside = True
     try:
         yield
     except RuntimeError as exc:  # gloo's and NCCL's failures (DistBackendError is one)
@@ -141,6 +180,7 @@ def watching(phase: str) -> Iterator[None]:
             raise
         raise error from exc
     finally:
+        _progress.inside = False
         _progress.changed_at = time.monotonic()
 
 
@@ -148,7 +188,37 @@ def watching(phase: str) -> Iterator[None]:
 
 
 def beat(store: dist.Store, rank: int, count: int) -> None:
-    store.set(f"{_HEARTBEAT}/{rank}", json.dumps({"beat": count, "step": _progress.step, "phase": _progress.phase}))
+    heartbeat = {"beat": count, "step": _progress.step, "phase": _progress.phase, "waiting": _blocked_in_wait()}
+    issued = _issued()
+    if issued is not None:
+        heartbeat["issued"] = issued
+    store.set(f"{_HEARTBEAT}/{rank}", json.dumps(heartbeat))
+
+
+def _issued() -> dict[str, int] | None:
+    """``collectives_issued()``; None while the main thread changes c10d's table of groups (new_group)."""
+    try:
+        return collectives_issued()
+    except RuntimeError:  # the table changed size while read
+        return None
+
+
+_TORCH_DIR = os.path.dirname(os.path.dirname(dist.__file__))
+
+
+def _blocked_in_wait() -> str:
+    """The graph's line at which the main thread waits for a collective (``wait_tensor``) inside a dpar
+    graph, "" if it does not: the source line of its innermost frame outside torch (the graph's
+    generated code, eager's or Inductor's; torch's op dispatch runs beneath it)."""
+    if not _progress.inside or _progress.phase == PIPELINE_STEP:
+        return ""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno, frame.f_globals).strip()
+    return line[:_QUOTED] if "wait_tensor" in line else ""
 
 
 def mark_left(store: dist.Store, rank: int, why: str) -> None:
@@ -174,19 +244,43 @@ def _others(rank: int, world_size: int) -> list[int]:
     return [r for r in range(world_size) if r != rank]
 
 
+_DPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_COMPILE_FRAMES = tuple(
+    os.path.join(_TORCH_DIR, *path)
+    for path in (("_dynamo", "convert_frame.py"), ("_functorch", "_aot_autograd", "graph_compile.py"))
+) + (
+    os.path.join(_DPAR_DIR, "compiler", "pipeline.py"),  # dpar's passes, a backward variant built on first use
+    os.path.join(_DPAR_DIR, "runtime", "agreement.py"),  # a check across ranks: bounded, with its own errors
+)
+
+
+def _compiling() -> bool:
+    """Whether the main thread is compiling a graph or at a check across ranks (one of ``_COMPILE_FRAMES``
+    on its stack)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_filename in _COMPILE_FRAMES:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def watch(store: dist.Store, me: int, world_size: int) -> None:
     """Run by the daemon thread once a second: end this process if it is stuck while a rank is silent."""
     now = time.monotonic()
-    if _progress.step == 0 or now - _progress.changed_at < WATCH_AFTER_S or _left:
+    if _progress.step == 0 or now - _progress.changed_at < WATCH_AFTER_S or _left or _compiling():
         _watched.clear()
+        _issued_since.clear()
         return
-    for rank, heartbeat in _heartbeats(store, _others(me, world_size)).items():
+    heartbeats = _heartbeats(store, _others(me, world_size))
+    for rank, heartbeat in heartbeats.items():
         if "left" in heartbeat:
             _watched.pop(rank, None)
         elif rank not in _watched or _watched[rank][0] != heartbeat["beat"]:
             _watched[rank] = (heartbeat["beat"], now)
     silent = sorted(r for r, (_, since) in _watched.items() if now - since >= SILENT_AFTER_S)
     if not silent:
+        _watch_for_stall(store, me, world_size, heartbeats, now)
         return
     message = (
         f"rank {me} lost rank(s) {silent} {_progress.where()}: they have sent no heartbeat for "
@@ -196,6 +290,53 @@ def watch(store: dist.Store, me: int, world_size: int) -> None:
     )
     mark_left(store, me, f"lost rank(s) {silent}")
     print(f"dpar.RankLostError: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _watch_for_stall(store: dist.Store, me: int, world_size: int, heartbeats: dict[int, dict[str, Any]], now: float) -> None:
+    """End this process with ``CollectiveStallError`` if it waits for a collective that can no longer come.
+    See [Note: ranks alive but stuck in different collectives]."""
+    mine = _issued()
+    if mine is None or dist.get_backend() != "gloo":  # NCCL's waits do not block the CPU; its watchdog times out
+        return
+    waiting = _blocked_in_wait()
+    issued = {me: mine} if waiting else {}
+    issued.update({r: h["issued"] for r, h in heartbeats.items() if "issued" in h})
+    for rank in list(_issued_since):
+        if rank not in issued:
+            del _issued_since[rank]
+    for rank, counts in issued.items():
+        key = json.dumps(counts, sort_keys=True)
+        if rank not in _issued_since or _issued_since[rank][0] != key:
+            _issued_since[rank] = (key, now)
+    others = _others(me, world_size)
+    if me not in issued or any(r not in issued or "left" in heartbeats.get(r, {}) for r in others):
+        return
+    if any(now - since < STALLED_AFTER_S for since in (_issued_since[r][1] for r in (me, *others))):
+        return
+    shared = {r: {g: (n, mine[g]) for g, n in issued[r].items() if g in mine} for r in others}
+    if any(theirs < ours for groups in shared.values() for theirs, ours in groups.values()):
+        return  # a peer is behind this rank: it is the one to tell (or it is late)
+    lines = [
+        f"  rank {r} ({_Progress(step=heartbeats[r]['step'], phase=heartbeats[r]['phase']).where()}, "
+        + (f"blocked at `{heartbeats[r]['waiting']}`" if heartbeats[r].get("waiting") else "not in a wait") + "): "
+        + ", ".join(f"{theirs} collectives issued on group {g}, this rank {ours}" for g, (theirs, ours) in groups.items())
+        for r, groups in shared.items()
+    ]
+    stalled_s = now - max(since for _, since in _issued_since.values())
+    message = (
+        f"rank {me} is blocked in a collective {_progress.where()} (at `{waiting}`), and no rank has issued another for "
+        f"{stalled_s:.0f} s, though every rank is alive and has issued at least the collectives this rank has:\n"
+        + "\n".join(lines)
+        + "\nThe collective this rank waits for was paired with a different one on another rank (gloo pairs a "
+        "group's collectives in the order they are issued: one issued on some ranks only, or two issued in "
+        "another order, mismatches every later pair), or its transport lost it. A collective blocked in the "
+        "transport cannot be interrupted, so dpar ends this process. Look for collectives the program issues "
+        "outside the compiled model on some ranks only (a stray dist.all_reduce, an evaluation on rank 0), "
+        f"or a graph that differs between ranks. {_RESTART}"
+    )
+    mark_left(store, me, f"CollectiveStallError: blocked in a collective {_progress.where()}, every rank past it")
+    print(f"dpar.{CollectiveStallError.__name__}: {message}", file=sys.stderr, flush=True)
     os._exit(1)
 
 

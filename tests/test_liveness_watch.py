@@ -1,0 +1,40 @@
+"""The heartbeat watcher in one process (runtime/liveness.py, [Note: a rank that vanishes]): a silent
+peer ends this rank only while it waits, never while it compiles."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch.distributed as dist
+
+from dpar.runtime import liveness
+
+
+def _silent_peer_seen_from(monkeypatch, call) -> list[int]:
+    """Exit codes ``liveness.watch`` asked for, called through ``call``, with rank 1 silent since 60 s."""
+    store = dist.HashStore()
+    store.set("dpar/heartbeat/1", json.dumps({"beat": 5, "step": 3, "phase": "forward"}))
+    exits: list[int] = []
+    monkeypatch.setattr(liveness.os, "_exit", exits.append)
+    monkeypatch.setattr(liveness, "SILENT_AFTER_S", 0.0)
+    monkeypatch.setattr(liveness, "_progress", liveness._Progress(step=3, phase="backward", changed_at=time.monotonic() - 60))
+    monkeypatch.setattr(liveness, "_left", [])
+    monkeypatch.setattr(liveness, "_watched", {})
+    call(lambda: liveness.watch(store, 0, 2))
+    return exits
+
+
+def test_a_silent_peer_ends_a_rank_that_waits(monkeypatch, capsys) -> None:
+    assert _silent_peer_seen_from(monkeypatch, lambda watch: watch()) == [1]
+    assert "dpar.RankLostError: rank 0 lost rank(s) [1] in the backward of step 3" in capsys.readouterr().err
+
+
+def test_a_silent_peer_does_not_end_a_rank_that_compiles(monkeypatch, capsys) -> None:
+    """Both compile the same graph, and a peer holding the GIL (a large compile(), a full collection)
+    on a loaded machine is silent for seconds while alive: this rank waits at its checks instead."""
+    for compile_frame in liveness._COMPILE_FRAMES:
+        namespace: dict = {}
+        exec(compile("def compiling(watch):\n    watch()\n", compile_frame, "exec"), namespace)
+        assert _silent_peer_seen_from(monkeypatch, namespace["compiling"]) == [], compile_frame
+    assert "RankLostError" not in capsys.readouterr().err

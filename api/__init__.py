@@ -12,7 +12,7 @@ from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, DivergedRanksError, DparError, NonFiniteGradientError,
-    OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError, ScheduleError,
+    OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError, ScheduleError, TensorParallelPlanError,
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
@@ -36,6 +36,7 @@ __all__ = [
     "ProcessGroupError",
     "RankLostError",
     "ScheduleError",
+    "TensorParallelPlanError",
     "checkpoint",
     "dpar_backend",
     "explain",

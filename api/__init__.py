@@ -13,6 +13,7 @@ from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
     NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError, ScheduleError,
+    TensorParallelPlanError,
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
@@ -37,6 +38,7 @@ __all__ = [
     "ProcessGroupError",
     "RankLostError",
     "ScheduleError",
+    "TensorParallelPlanError",
     "checkpoint",
     "dpar_backend",
     "explain",

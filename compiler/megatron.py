@@ -188,6 +188,16 @@ RULES: dict[Any, Rule] = {
 _ANY_OPERAND = {_pointwise, _joined, _attention, _batched_product}
 
 
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, *args: Any, out_dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
+    """``torch._grouped_mm``'s fake kernel takes bf16 only, while its CPU kernel also runs float32
+    (Hugging Face Mixtral's experts call it so, eagerly): planning needs only the result's shape."""
+    return torch._grouped_mm(a.bfloat16(), b.bfloat16(), *args, **kwargs).to(out_dtype or a.dtype)
+
+
+# Ops whose fake kernel refuses inputs the real one takes: what computes their fake result instead.
+_FAKE_STAND_INS: dict[Any, Callable[..., Any]] = {torch._grouped_mm: _grouped_mm_shape}
+
+
 def _linear(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
     """(input, weight, bias, weight's output dim) of a Linear: ``F.linear`` or GPT-2's ``Conv1D``
     (``addmm(bias, x, weight)`` with the weight stored (in, out))."""
@@ -209,7 +219,7 @@ class _Follow(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _FAKE_STAND_INS.get(func, func)(*args, **kwargs)
         linear = _linear(func, tuple(args), kwargs)
         if linear is not None and id(linear[1]) in self.names:
             self._classify(out, *linear)

@@ -20,6 +20,11 @@ class OptionsError(DparError, ValueError):
     """An option or argument has a value dpar cannot use."""
 
 
+class TensorParallelPlanError(OptionsError):
+    """A tensor-parallel plan splits a parameter that an op reads whole: sharding propagation has no
+    rule that keeps its block there (a convolution, BatchNorm, a grouped expert matmul)."""
+
+
 class ProcessGroupError(DparError):
     """torch.distributed is not set up the way the launch or the model needs."""
 

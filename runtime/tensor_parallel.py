@@ -50,7 +50,9 @@ def tensor_parallel_spec_of(param: torch.Tensor) -> TensorParallelSpec | None:
 
 def gather_blocks(block: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
     """The full parameter from every rank's block (call on every rank of the group)."""
-    return tensor_parallel_weight(block.detach(), spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim])
+    return tensor_parallel_weight(
+        block.detach(), spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim], spec.name
+    )
 
 
 def local_block(size: int, tp_size: int, rank: int) -> tuple[int, int]:
@@ -71,9 +73,11 @@ def can_split(size: int, tp_size: int) -> bool:
 
 
 @torch.library.custom_op("dpar::tensor_parallel_weight", mutates_args=())
-def tensor_parallel_weight(block: torch.Tensor, dim: int, tp_size: int, group_name: str, size: int) -> torch.Tensor:
+def tensor_parallel_weight(
+    block: torch.Tensor, dim: int, tp_size: int, group_name: str, size: int, name: str = ""
+) -> torch.Tensor:
     """The full parameter (``size`` units along ``dim``) from this rank's block: an all-gather when run
-    eagerly, each block padded to the longest one first."""
+    eagerly, each block padded to the longest one first. ``name`` (the parameter's) is for messages."""
     group = _resolve_process_group(group_name)
     longest = local_block(size, tp_size, 0)[1]
     padded = torch.nn.functional.pad(block.movedim(dim, -1), (0, longest - block.shape[dim])).movedim(-1, dim)
@@ -83,7 +87,7 @@ def tensor_parallel_weight(block: torch.Tensor, dim: int, tp_size: int, group_na
 
 
 @tensor_parallel_weight.register_fake
-def _(block: torch.Tensor, dim: int, tp_size: int, group_name: str, size: int) -> torch.Tensor:
+def _(block: torch.Tensor, dim: int, tp_size: int, group_name: str, size: int, name: str = "") -> torch.Tensor:
     shape = list(block.shape)
     shape[dim] = size
     return block.new_empty(shape)
@@ -106,12 +110,12 @@ def _(grad: torch.Tensor, dim: int, tp_size: int, group_name: str) -> torch.Tens
     return grad.new_empty(shape)
 
 
-def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-    return tensor_parallel_grad(grad, ctx.dim, ctx.tp_size, ctx.group_name), None, None, None, None
+def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
+    return tensor_parallel_grad(grad, ctx.dim, ctx.tp_size, ctx.group_name), None, None, None, None, None
 
 
 def _setup(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
-    _, ctx.dim, ctx.tp_size, ctx.group_name, _ = inputs
+    _, ctx.dim, ctx.tp_size, ctx.group_name, *_ = inputs
 
 
 tensor_parallel_weight.register_autograd(_backward, setup_context=_setup)
@@ -129,7 +133,9 @@ def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) 
 
         def read(self: nn.Module) -> torch.Tensor:
             block = inner.fget(self) if isinstance(inner, property) else self._parameters[name]
-            return tensor_parallel_weight(block, spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim])
+            return tensor_parallel_weight(
+                block, spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim], spec.name
+            )
 
         return property(read)
 

@@ -13,7 +13,12 @@ The model is a stack of layers over ``dims = (inputs, *widths, outputs)``; layer
 - ``frozen``: layers whose parameters do not train (no gradient, left out of every bucket);
 - ``unused``: a layer the forward never reads (DDP needs ``find_unused_parameters``);
 - ``norm``: LayerNorm or BatchNorm after layer 0 (BatchNorm: running statistics, buffers);
-- ``scale``: a constant buffer the forward multiplies by.
+- ``scale``: a constant buffer the forward multiplies by;
+- ``block``: after layer 0, ``"conv"`` (a 1-D convolution over the features, BatchNorm, its
+  channels summed back) or ``"moe"`` (a top-1 mixture of two experts: a router Linear, token
+  routing by argmax, the experts' weights one 3-D parameter read by a batched matmul). Tensor
+  parallel cannot split their weights (no rule keeps a convolution's or a routed expert's
+  block): its plan must keep them replicated, and the Linears around them still split.
 Widths are drawn from 1 to 12, so most do not divide the world size (uneven shards, empty
 shards at width 1, tensor-parallel blocks of unequal size).
 
@@ -54,6 +59,7 @@ class ModelSpec:
     norm: str = "none"  # "none", "layer" or "batch", after layer 0
     scale: bool = False
     seed: int = 0  # the initial weights
+    block: str = "none"  # "none", "conv" or "moe", after layer 0 (and its norm)
 
     def __repr__(self) -> str:
         """The fields that differ from their defaults: a short literal that builds the same model."""
@@ -86,6 +92,11 @@ class FuzzNet(nn.Module):
             self.register_buffer("scale", torch.linspace(0.5, 1.5, d[1]))
         if spec.unused:
             self.unused = nn.Linear(3, 2)
+        if spec.block == "conv":  # no bias: BatchNorm removes it, its gradient would be rounding noise
+            self.conv = nn.Sequential(nn.Conv1d(1, 2, 3, padding=1, bias=False), nn.BatchNorm1d(2))
+        if spec.block == "moe":
+            self.router = nn.Linear(d[1], 2)
+            self.experts = nn.Parameter(torch.randn(2, d[1], d[1]) / d[1] ** 0.5)
         for i in spec.frozen:
             self.layers[i].requires_grad_(False)
 
@@ -101,7 +112,16 @@ class FuzzNet(nn.Module):
                 x = self.norm(x)
             if i == 0 and self.spec.scale:
                 x = x * self.scale
+            if i == 0 and self.spec.block != "none":
+                x = self._block(x)
         return x
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.block == "conv":
+            return x + torch.tanh(self.conv(x.unsqueeze(1))).sum(1)
+        gates = torch.softmax(self.router(x), -1)
+        weight, expert = gates.max(-1)  # each row goes to one expert, scaled by its gate (so the router trains)
+        return x + weight.unsqueeze(-1) * torch.bmm(self.experts[expert], x.unsqueeze(-1)).squeeze(-1)
 
 
 def build(spec: ModelSpec) -> FuzzNet:
@@ -164,4 +184,7 @@ def model_specs(draw: st.DrawFn) -> ModelSpec:
         scale=draw(st.booleans()) if layers > 1 else False,
         seed=draw(st.integers(0, 3)),
     )
+    # Drawn last, so the fields above are drawn as before. Not after ReLU: see the Note.
+    if layers > 1 and dims[1] >= 3 and activation != "relu" and not tokens:
+        spec = dataclasses.replace(spec, block=draw(st.sampled_from(["none", "conv", "moe"])))
     return spec if trains_something(spec) else dataclasses.replace(spec, frozen=())

@@ -184,8 +184,10 @@ def problems(case: FuzzCase, world_size: int, per_rank: list[dict]) -> list[tupl
     return found
 
 
-def fuzz_cases() -> st.SearchStrategy[FuzzCase]:
-    return st.builds(FuzzCase, model_specs(), st.sampled_from(["sgd", "adamw"]))
+def fuzz_cases(blocks: bool = False) -> st.SearchStrategy[FuzzCase]:
+    """``blocks``: only models with a convolution + BatchNorm or a mixture of experts (``ModelSpec.block``)."""
+    specs = model_specs().filter(lambda spec: spec.block != "none") if blocks else model_specs()
+    return st.builds(FuzzCase, specs, st.sampled_from(["sgd", "adamw"]))
 
 
 def examples(world_size: int) -> int:
@@ -196,14 +198,14 @@ def draw_seed(world_size: int) -> int:
     return int(os.environ.get("DPAR_FUZZ_SEED", 0)) * 10 + world_size
 
 
-def drawn_cases(world_size: int) -> list[FuzzCase]:
+def drawn_cases(world_size: int, blocks: bool = False) -> list[FuzzCase]:
     """The cases for ``world_size``: hypothesis's draws under a fixed seed (no database, no shrinking)."""
     drawn: list[FuzzCase] = []
 
     @seed(draw_seed(world_size))
     @settings(max_examples=examples(world_size), database=None, phases=[Phase.generate], deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(fuzz_cases())
+    @given(fuzz_cases(blocks))
     def collect(case: FuzzCase) -> None:
         if case not in drawn:
             drawn.append(case)
@@ -284,6 +286,15 @@ def test_every_strategy_trains_random_models_as_torch_ddp(world_size: int) -> No
         if first is not None:
             print(f"minimised under {first[1]}: {shrunk(first[0], world_size, first[1])!r}")
     assert not wrong, report(wrong, world_size)
+
+
+def test_tensor_parallel_trains_random_models_with_convolutions_and_experts_as_torch_ddp() -> None:
+    """Tensor parallel's plan on models with a layer it cannot split (a convolution and BatchNorm,
+    routed experts): those stay replicated and train as DDP would, the Linears around them split."""
+    cases = drawn_cases(2, blocks=True)
+    print(f"{len(cases)} models with blocks: {[case.spec.block for case in cases]}")
+    wrong = failures([(case, ("tp",)) for case in cases], 2)
+    assert not wrong, report(wrong, 2)
 
 
 @pytest.mark.parametrize("world_size, case, strategies", REGRESSIONS)

@@ -18,6 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 import dpar.runtime.tensor_parallel  # noqa: F401  (registers the marker ops)
+from dpar.runtime.errors import TensorParallelPlanError
 from dpar.compiler.propagation.redistribute import SLICE_COST, cost, nbytes_of, redistribute
 from dpar.compiler.propagation.rules import (
     TRANSPOSES,
@@ -114,6 +115,7 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
     graph = gm.graph
     move = _Redistributor(graph, mesh)
     wanted = _wanted_by_gradients(graph)
+    read_whole: dict[fx.Node, fx.Node] = {}  # split parameter -> the first op that needs all of it
     for node in list(graph.nodes):
         if node.op == "placeholder":
             node.meta["placement"] = Replicate()  # data, replicated parameters, tangents, and local blocks
@@ -137,11 +139,42 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
                     candidates += sequence_shard(node, mesh.size)
                 chosen = _choose(node, candidates, mesh.size, wanted.get(node))
             for value, want in zip(tensor_inputs(node), chosen.inputs):
+                if value.target is WEIGHT_MARKER and want == Replicate():
+                    read_whole.setdefault(value, node)
                 node.replace_input_with(value, move.to(value, want, node))
             node.meta["placement_inputs"] = chosen.inputs
             if isinstance(node.meta.get("val"), (tuple, list)):
                 node.meta["placement_outputs"] = chosen.outputs
             else:
                 node.meta["placement"] = chosen.outputs[0]
+    if read_whole:
+        raise _unproven_split(read_whole)
     graph.lint()
     return gm
+
+
+def _parameter_name(marker: fx.Node) -> str:
+    return marker.args[5] if len(marker.args) > 5 else marker.kwargs.get("name", str(marker.args[0]))
+
+
+def _unproven_split(read_whole: dict[fx.Node, fx.Node]) -> TensorParallelPlanError:
+    """[Note: a split no rule keeps]
+    A split parameter whose consumer has no rule that takes its block (a
+    convolution, BatchNorm, a grouped expert matmul, anything ``rules.RULES``
+    does not list) would be all-gathered whole before that op on every step: the
+    numbers stay right, but the split saves nothing and costs a gather per use,
+    and it means the plan asked for a layout the graph does not have. So the
+    plan is refused, naming the parameter and the op; the automatic plan never
+    splits such a parameter (``megatron.py`` splits Linears and tied embeddings only)."""
+    lines = [
+        f"{_parameter_name(marker)} (split along dim {marker.args[1]}) is read whole by "
+        f"{getattr(consumer.target, '__name__', consumer.target)}"
+        for marker, consumer in read_whole.items()
+    ]
+    names = ", ".join(f"{_parameter_name(marker)!r}: None" for marker in read_whole)
+    return TensorParallelPlanError(
+        "the tensor-parallel plan splits parameters that an op reads whole, which sharding propagation has no "
+        "rule to keep split (convolutions, BatchNorm, grouped expert matmuls and ops without a rule run "
+        "replicated): " + "; ".join(lines) + f". Keep them replicated (tp_plan={{{names}, ...}}), or leave "
+        "tp_plan out: the automatic plan splits only the Linears it can pair"
+    )

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 import dpar.runtime.tensor_parallel  # noqa: F401  (registers the marker ops)
@@ -79,6 +79,29 @@ def _choose(node: fx.Node, candidates: list[Candidate], size: int, wanted: Place
         return reach + cost(candidate.outputs[0], wanted, nbytes_of(node), size) + WASTED_WORK
 
     return min(candidates, key=price)  # min keeps the first of equals
+
+
+_CONTRACTIONS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
+LOW_PRECISION = {torch.bfloat16, torch.float16}
+
+
+def _accumulate_in_fp32(graph: fx.Graph, node: fx.Node) -> None:
+    """A low-precision product that is a partial sum is computed in fp32 and rounded after: its
+    reduction then takes the fp32 sum (``redistribute`` reduces before the casts), and the
+    rounding happens once, on the whole sum, as on one device. See [Note: partial sums in low precision]."""
+    val = node.meta["val"]
+    if val.dtype not in LOW_PRECISION:
+        return
+    with graph.inserting_before(node):
+        for value, placement in zip(tensor_inputs(node), node.meta["placement_inputs"]):
+            wide = graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": torch.float32})
+            wide.meta["val"], wide.meta["placement"] = value.meta["val"].to(torch.float32), placement
+            node.replace_input_with(value, wide)
+    with graph.inserting_after(node):
+        narrow = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": val.dtype})
+    narrow.meta["val"], narrow.meta["placement"] = val, node.meta["placement"]
+    node.replace_all_uses_with(narrow, delete_user_cb=lambda user: user is not narrow)
+    node.meta["val"] = val.to(torch.float32)
 
 
 class _Redistributor:
@@ -147,6 +170,8 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
                 node.meta["placement_outputs"] = chosen.outputs
             else:
                 node.meta["placement"] = chosen.outputs[0]
+                if node.target in _CONTRACTIONS and chosen.outputs[0] == Partial():
+                    _accumulate_in_fp32(graph, node)
     if read_whole:
         raise _unproven_split(read_whole)
     graph.lint()

@@ -19,6 +19,27 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dpar.runtime.tensor_parallel import local_block
 
+# [Note: partial sums in low precision]
+# One device computes a bf16 product (autocast's mm, addmm, bmm) by accumulating in fp32 and
+# rounding once, after the bias where there is one. Split over tp ranks, the same contraction
+# is a partial sum per rank: rounded to bf16 on each rank, reduced in bf16 and the bias added
+# in bf16 (Megatron's way, and DTensor's), each value is rounded two or three times, and the
+# differences, a bf16 ulp here and there, grow over training (nanoGPT under CPU bf16 autocast,
+# 5 AdamW steps at lr 1e-2: 7.1e-2 from torch DDP, where dpar's ddp gives 0). So tensor
+# parallel rounds where the single-device program does:
+# - ``split_addmm`` computes a low-precision addmm as an fp32 product plus the bias, rounded
+#   once after the bias (the product is reduced before the bias where it is a partial sum);
+# - propagation computes any other low-precision mm/bmm that becomes a partial sum in fp32
+#   (``_accumulate_in_fp32``), rounded by a cast right after it;
+# - reducing a partial sum reached through such casts (and views and transposes between
+#   them: a backward's ``_to_copy`` to fp32 after a bf16 product) reduces the sum before the
+#   first cast and replays the casts and views on the whole sum (``_before_rounding``).
+# The result is the single-device rounding: dpar's tp then gives the same bits as DDP on that
+# model (0.0 after 5 steps). The cost is the reduction's bytes: an fp32 partial sum moves
+# twice a bf16 one's (row-parallel outputs; the backward's were fp32 already), and the
+# products that are partial sums run on fp32 inputs (on CPU, the same bf16 products
+# accumulated the same way).
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
@@ -85,9 +106,39 @@ def redistribute(
 
     The result carries ``value``'s global fake value, as propagation reads global shapes.
     """
+    replay: list[fx.Node] = []
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        value, replay = _before_rounding(value)
     result = _redistribute(graph, value, src, dst, tp=tp, rank=rank, group_name=group_name)
     result.meta["val"] = value.meta["val"]
+    for step in replay:  # what the single-device program does to the whole sum, after it
+        result = _call(graph, step.target, (result, *step.args[1:]), dst)
+        result.kwargs = dict(step.kwargs)
+        result.meta["val"] = step.meta["val"]
     return result
+
+
+_REARRANGES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+               aten.transpose.int, aten.permute.default, aten.clone.default, aten.alias.default}
+
+
+def _before_rounding(value: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """For a partial sum that was cast to another dtype on the way (through views and transposes):
+    the partial sum before the first cast, and the ops from there to ``value`` (first applied first);
+    else ``value`` and nothing. See [Note: partial sums in low precision]."""
+    chain, source = [], value
+    while (
+        (source.target in _REARRANGES or source.target is aten._to_copy.default)
+        and isinstance(source.args[0], fx.Node)
+        and isinstance(source.args[0].meta.get("placement"), Partial)
+    ):
+        chain.append(source)
+        source = source.args[0]
+    casts = [i for i, n in enumerate(chain) if n.target is aten._to_copy.default]
+    if not casts:
+        return value, []
+    first = casts[-1]  # chain runs from value back to the source
+    return chain[first].args[0], chain[: first + 1][::-1]
 
 
 def _collective(graph: fx.Graph, target: object, args: tuple[object, ...]) -> fx.Node:

@@ -14,7 +14,10 @@ returns the gathered full tensor (runtime/sharding.py): each call all-gathers ev
 about three times, eagerly, outside the graph (86 gathers for the 28 parameters of the tiny
 GPT; as many again in ``set_state_dict``). So the model goes through ``model.state_dict()``,
 and the optimizer through ``optimizer.state_dict()`` keyed by parameter name, as torch's
-``get_state_dict`` keys it.
+``get_state_dict`` keys it. A parameter tensor parallel splits is a block in ``module._parameters``;
+its module writes it to state dicts as the DTensor of the whole parameter (see [Note: a split
+parameter in a state dict] in ``tensor_parallel.py``), and its optimizer state goes to DCP the same
+way, so a tp checkpoint loads into any other strategy or a plain model, and back.
 """
 
 from __future__ import annotations
@@ -267,8 +270,7 @@ def full_state_dict(model: nn.Module) -> dict[str, Any] | None:
     """The whole ``model.state_dict()`` as full CPU tensors on rank 0, ``None`` on the other ranks.
 
     Call it on every rank: each DTensor of ``model.state_dict()`` (shards, tensor-parallel blocks) is all-gathered,
-    one at a time. The names are
-    the original ones, so a fresh, plain model loads the result with ``load_state_dict``;
+    one at a time. The names are the original ones, so a fresh, plain model loads the result with ``load_state_dict``;
     a tied weight is gathered once and is one tensor under each of its names, as in a plain
     model's state dict.
     """

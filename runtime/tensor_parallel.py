@@ -70,11 +70,6 @@ def tensor_parallel_spec_of(param: torch.Tensor) -> TensorParallelSpec | None:
     return _specs.get(param)
 
 
-def gather_blocks(block: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
-    """The full parameter from every rank's block (call on every rank of the group)."""
-    return tensor_parallel_weight(block.detach(), spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim])
-
-
 def local_block(size: int, tp_size: int, rank: int) -> tuple[int, int]:
     """(start, length) of ``rank``'s block of ``size`` units split over ``tp_size`` ranks.
 

@@ -98,11 +98,40 @@ def layout(state: dict) -> dict:
     return {k: (type(v).__name__, tuple(v.shape), tuple(map(repr, getattr(v, "placements", ())))) for k, v in state.items()}
 
 
+def embedding_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(VOCAB, 48), nn.Linear(48, 36), nn.ReLU(), nn.Linear(36, 48))
+
+
+SPLITS = {"0.weight": 0, "1.weight": 0, "1.bias": 0, "3.weight": 1, "3.bias": None}
+
+
+def two_dimensional(strategy: str, directory: str) -> dict:
+    """ddp+tp / fsdp+tp on a (dp 1, tp 2) mesh, untrained: the state dict's layout, its whole values, a plain
+    model's load of its DCP checkpoint, and its load of a plain state dict (4-rank meshes need 4 processes)."""
+    import dpar
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    want = embedding_mlp().state_dict()
+    model = dpar.parallelize(
+        embedding_mlp(), strategy=strategy, tp_plan=SPLITS,
+        mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")),
+    )
+    out = {"want": want, "state_dict": layout(model.state_dict()), "whole": whole(model.state_dict())}
+    path = os.path.join(directory, strategy.replace("+", "_"))
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    out["plain_loaded"] = embedding_mlp(seed=1).state_dict()
+    dcp.load(out["plain_loaded"], checkpoint_id=path)
+    model.load_state_dict(embedding_mlp(seed=2).state_dict())
+    return {**out, "reloaded": dpar.checkpoint.full_state_dict(model), "reloaded_want": embedding_mlp(seed=2).state_dict()}
+
+
 def on_two_ranks(rank: int, world_size: int, directory: str, names: tuple[str, ...]) -> dict:
     import dpar
     import torch.distributed as dist
 
-    results = {}
+    results = {strategy: two_dimensional(strategy, directory) for strategy in ("ddp+tp", "fsdp+tp")}
     for name in names:
         ref, _ = trained(name, "torch_ddp", rank, world_size, range(STEPS))
         model, opt = trained(name, "tp", rank, world_size, range(STEPS))
@@ -205,3 +234,14 @@ def test_ddp_checkpoint_resumes_a_tp_run(results: dict) -> None:
     out = results["gpt2_vocab101"]
     assert max_abs_diff(out["tp_resumed"], out["full"]) == 0.0
     assert max_abs_diff(out["tp_resumed_trained"], out["tp_uninterrupted"]) == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["ddp+tp", "fsdp+tp"])
+def test_two_dimensional_state_dicts_are_dtensors_dcp_and_plain_load(results: dict, strategy: str) -> None:
+    out = results[strategy]
+    data = "Shard(dim=0)" if strategy == "fsdp+tp" else "Replicate()"
+    assert out["state_dict"]["0.weight"] == ("DTensor", (VOCAB, 48), ("Shard(dim=0)", data))  # ("tp", "dp") mesh
+    assert out["state_dict"]["3.weight"] == ("DTensor", (48, 36), ("Shard(dim=1)", data))
+    assert max_abs_diff(out["whole"], out["want"]) == 0.0
+    assert max_abs_diff(out["plain_loaded"], out["want"]) == 0.0
+    assert max_abs_diff(out["reloaded"], out["reloaded_want"]) == 0.0

@@ -370,7 +370,7 @@ def _parallelize_tensor_parallel(
     buckets = _bucket_table(model, bucket_cap_mb) if chosen.shards_parameters else ()
     if chosen.shards_parameters:
         sharding.shard_parameters(model, dp_mesh)
-    tensor_parallel.install_markers(splits)
+    tensor_parallel.install_markers(splits, tensor_parallel.state_dict_mesh(tp_mesh, dp_mesh, mesh))
     if dp_mesh is None:
         axes = _axes(tp_mesh, (AxisRole.TENSOR,))
     else:

@@ -14,7 +14,10 @@ returns the gathered full tensor (runtime/sharding.py): each call all-gathers ev
 about three times, eagerly, outside the graph (86 gathers for the 28 parameters of the tiny
 GPT; as many again in ``set_state_dict``). So the model goes through ``model.state_dict()``,
 and the optimizer through ``optimizer.state_dict()`` keyed by parameter name, as torch's
-``get_state_dict`` keys it.
+``get_state_dict`` keys it. A parameter tensor parallel splits is a block in ``module._parameters``;
+its module writes it to state dicts as the DTensor of the whole parameter (see [Note: a split
+parameter in a state dict] in ``tensor_parallel.py``), and its optimizer state goes to DCP the same
+way, so a tp checkpoint loads into any other strategy or a plain model, and back.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dpar.runtime.checkpoint_files import publish, published, read_manifest, rea
 from dpar.runtime.errors import CheckpointError, OptionsError
 from dpar.runtime import zero1
 from dpar.runtime.local_sgd import Period, period_of
-from dpar.runtime.tensor_parallel import gather_blocks, tensor_parallel_spec_of
+from dpar.runtime.tensor_parallel import as_block, as_dtensor
 
 CheckpointDir = str | os.PathLike[str]  # a directory: DCP writes one file per rank and a metadata file
 
@@ -163,13 +166,6 @@ def _checkpoint_group() -> dist.ProcessGroup | None:
 def _fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """What a checkpoint must agree on with the model that loads it: every tensor's name, global shape
     and dtype, and where ranks hold state of their own, the strategy and world size."""
-    split = [name for name, p in module.named_parameters() if (s := tensor_parallel_spec_of(p)) is not None and s.dim is not None]
-    if split:
-        raise CheckpointError(
-            f"parameters split by tensor parallelism ({split[0]}, ...) cannot be checkpointed yet: each rank holds "
-            "a block under the parameter's name, which DCP would write once. Export the whole model with "
-            "dpar.checkpoint.full_state_dict(model) on every rank and torch.save it on rank 0"
-        )
     from dpar.compiler.plan import plan_of_parameters  # the plan parallelize attached (runtime never imports compiler at import time)
 
     plan = plan_of_parameters(dict(module.named_parameters()))
@@ -273,8 +269,8 @@ def _replica_prefix(module: nn.Module, path: CheckpointDir) -> str:
 def full_state_dict(model: nn.Module) -> dict[str, Any] | None:
     """The whole ``model.state_dict()`` as full CPU tensors on rank 0, ``None`` on the other ranks.
 
-    Call it on every rank: each shard (and tensor-parallel block) is all-gathered, one parameter at a time. The names are
-    the original ones, so a fresh, plain model loads the result with ``load_state_dict``;
+    Call it on every rank: each DTensor of ``model.state_dict()`` (shards, tensor-parallel blocks) is all-gathered,
+    one at a time. The names are the original ones, so a fresh, plain model loads the result with ``load_state_dict``;
     a tied weight is gathered once and is one tensor under each of its names, as in a plain
     model's state dict.
     """
@@ -283,18 +279,21 @@ def full_state_dict(model: nn.Module) -> dict[str, Any] | None:
     if pipelined is not None:  # dpar.pipeline: each parameter lives on the rank of its stage
         return pipelined.full_state_dict()
     keep = not dist.is_initialized() or dist.get_rank() == 0
-    full_of: dict[int, torch.Tensor] = {}  # id(parameter or buffer) -> its full CPU copy
+    # A tied weight is one parameter under several names: gathered once, one tensor under each name.
+    owner = {name: id(t) for name, t in module.named_parameters(remove_duplicate=False)}
+    owner.update({name: id(t) for name, t in module.named_buffers(remove_duplicate=False)})
+    full_of: dict[int, torch.Tensor] = {}  # id(parameter, buffer or entry) -> its full CPU copy
     full: dict[str, Any] = {}
-    for name, value in module.state_dict(keep_vars=True).items():  # keep_vars: tied weights keep one identity
+    # Sharded and tensor-parallel parameters are DTensors of their whole shape in model.state_dict(), also after
+    # a module's own state-dict hooks rewrote them (torchtitan's fused QKV split into wq/wk/wv).
+    for name, value in module.state_dict().items():
         if isinstance(value, torch.Tensor):
-            if id(value) not in full_of:
+            key = owner.get(name, id(value))
+            if key not in full_of:
                 tensor = value.detach()
                 tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                split = tensor_parallel_spec_of(value)
-                if split is not None and split.dim is not None:
-                    tensor = gather_blocks(tensor, split)
-                full_of[id(value)] = tensor.to("cpu", copy=True)
-            value = full_of[id(value)]
+                full_of[key] = tensor.to("cpu", copy=True)
+            value = full_of[key]
         full[name] = value
     return full if keep else None
 
@@ -328,21 +327,39 @@ def _optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer
     loads into them in place.
     """
     names = _parameter_names(module, optimizer)
+    params = _optimizer_parameters(optimizer)
     by_position = optimizer.state_dict()
     return {
-        "state": {names[index]: state for index, state in by_position["state"].items()},
+        "state": {
+            names[index]: {key: _as_dtensor(value, params[index]) for key, value in state.items()}
+            for index, state in by_position["state"].items()
+        },
         "param_groups": [
             {**group, "params": [names[index] for index in group["params"]]} for group in by_position["param_groups"]
         ],
     }
 
 
+def _optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def _as_dtensor(value: object, param: torch.Tensor) -> object:
+    """A tensor-parallel parameter's optimizer state (a block, like it) as the DTensor of the whole: DCP writes
+    each rank's block once, where a plain tensor under one name would be written once for all of them."""
+    return as_dtensor(value, param) if isinstance(value, torch.Tensor) else value
+
+
 def _optimizer_state_by_position(
     module: nn.Module, optimizer: torch.optim.Optimizer, by_name: dict[str, Any]
 ) -> dict[str, Any]:
     position = {name: index for index, name in enumerate(_parameter_names(module, optimizer))}
+    params = _optimizer_parameters(optimizer)
     return {
-        "state": {position[name]: state for name, state in by_name["state"].items()},
+        "state": {
+            position[name]: {key: as_block(value, params[position[name]]) for key, value in state.items()}
+            for name, state in by_name["state"].items()
+        },
         "param_groups": [
             {**group, "params": [position[name] for name in group["params"]]} for group in by_name["param_groups"]
         ],

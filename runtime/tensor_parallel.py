@@ -14,6 +14,25 @@ what they say, an all-gather and a local slice, so the numbers stay right.
 
 With fsdp+tp the block is itself the "full" tensor of an fsdp shard over the
 data-parallel dimension: ``tensor_parallel_weight(shard.full_tensor())``.
+
+[Note: a split parameter in a state dict]
+The block sits in ``module._parameters`` under the parameter's name, so a plain
+``state_dict`` would hold one rank's block with nothing saying so (``torch.save``
+on rank 0 wrote half a model, DCP one block for every rank's). The marking class
+therefore writes each split parameter as a DTensor of its global shape whose
+local part is the block, no copy and no collective: ``Shard(dim)`` over the
+tensor-parallel mesh dimension, uneven blocks as ``torch.chunk`` cuts them (the
+layout of ``local_block``), which is torch's own TP convention and what DCP
+reads. Under zero2/fsdp+tp the block is itself sharded on dim 0 over the data
+dimension, tensor parallel first: the DTensor lives on a ("tp", "dp") mesh built
+from the two existing groups, where ``[Shard(dim), Shard(0)]`` read left to right
+is that nesting exactly, even when dim is 0 and the sizes are uneven (on the
+("dp", "tp") order it would take ``_StridedShard``, whose uneven splits differ).
+Under ddp+tp the data dimension is ``Replicate()``. Hooks that rewrite a state
+dict (torchtitan's fused QKV splits ``wqkv`` into ``wq``/``wk``/``wv``) then see
+the global tensor and redistribute it themselves. ``load_state_dict`` takes such
+DTensors back, or DTensors of any other layout, or plain full tensors, which each
+rank cuts to its own block (no collective: every rank passes the full tensor).
 """
 
 from __future__ import annotations
@@ -23,7 +42,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dpar.runtime.errors import OptionsError
@@ -42,17 +63,11 @@ class TensorParallelSpec:
 
 
 _specs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_meshes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # split parameter -> the mesh its state-dict DTensor lives on
 
 
 def tensor_parallel_spec_of(param: torch.Tensor) -> TensorParallelSpec | None:
     return _specs.get(param)
-
-
-def gather_blocks(block: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
-    """The full parameter from every rank's block (call on every rank of the group)."""
-    return tensor_parallel_weight(
-        block.detach(), spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim], spec.name
-    )
 
 
 def local_block(size: int, tp_size: int, rank: int) -> tuple[int, int]:
@@ -121,8 +136,69 @@ def _setup(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> Non
 tensor_parallel_weight.register_autograd(_backward, setup_context=_setup)
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _placements(spec: TensorParallelSpec, mesh: DeviceMesh) -> list[object]:
+    """Mesh dim 0 is tensor parallel; a second one ("dp") shards dim 0 of the block (zero2/fsdp+tp) or replicates it."""
+    return [Shard(spec.dim)] + [Replicate()] * (mesh.ndim - 1)
+
+
+def as_dtensor(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``value`` (``param``'s block or a tensor shaped like it: its optimizer state) as the DTensor of the whole
+    parameter whose local part it is; ``value`` itself for a parameter tensor parallel does not split.
+
+    See [Note: a split parameter in a state dict]. The DTensor is a view of ``value``: DCP loads into it in place.
+    """
+    spec, mesh = _specs.get(param), _meshes.get(param)
+    if spec is None or mesh is None or spec.dim is None or value.shape != param.shape:
+        return value
+    placements = _placements(spec, mesh)
+    if isinstance(value, DTensor):  # zero2/fsdp+tp: the block's Shard(0) over the data-parallel mesh
+        placements[1] = Shard(0)
+        value = value.to_local()
+    return DTensor.from_local(
+        value, mesh, placements, run_check=False, shape=torch.Size(spec.global_shape),
+        stride=_contiguous_strides(spec.global_shape),
+    )
+
+
+def as_block(value: object, param: torch.Tensor) -> object:
+    """What ``param`` loads from ``value``: the inverse of ``as_dtensor``, and for a DTensor of another layout
+    or a plain full tensor, this rank's block of it (as a Shard(0) DTensor over the data-parallel mesh where
+    ``param`` is one); anything else is left for ``load_state_dict`` to judge."""
+    spec, mesh = _specs.get(param), _meshes.get(param)
+    if spec is None or mesh is None or spec.dim is None or not isinstance(value, torch.Tensor):
+        return value
+    if tuple(value.shape) != spec.global_shape:
+        return value  # load_state_dict names the mismatch (or strict=False skips it)
+    sharded = isinstance(param, DTensor)
+    expected = _placements(spec, mesh)
+    if sharded:
+        expected[1] = Shard(0)
+    if isinstance(value, DTensor) and value.device_mesh == mesh and list(value.placements) == expected:
+        local = value.to_local()
+    else:
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        rank = mesh.get_coordinate()
+        local = full.narrow(spec.dim, *local_block(full.shape[spec.dim], spec.tp_size, rank[0]))
+        if sharded:
+            local = local.narrow(0, *local_block(local.shape[0], mesh.size(1), rank[1]))
+    if not sharded:
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
 def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) -> type[nn.Module]:
-    """A subclass of ``cls`` whose split parameters read as marked full tensors.
+    """A subclass of ``cls`` whose split parameters read as marked full tensors, and are written to (and read
+    from) state dicts as DTensors of their whole shape (see [Note: a split parameter in a state dict]).
 
     Where ``cls`` already reads a parameter through a property (fsdp's gather
     over the data-parallel dimension), the marker wraps what that returns.
@@ -139,7 +215,21 @@ def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) 
 
         return property(read)
 
-    members = {name: marked(name, spec) for name, spec in splits.items()}
+    def _save_to_state_dict(self: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
+        cls._save_to_state_dict(self, destination, prefix, keep_vars)
+        for name in splits:
+            if prefix + name in destination:
+                destination[prefix + name] = as_dtensor(destination[prefix + name], self._parameters[name])
+
+    def _load_from_state_dict(self: nn.Module, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:
+        for name in splits:  # before cls's pre-hooks (fsdp's, which shards full tensors)
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = as_block(state_dict[prefix + name], self._parameters[name])
+        cls._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
+
+    members: dict[str, object] = {name: marked(name, spec) for name, spec in splits.items()}
+    members["_save_to_state_dict"] = _save_to_state_dict
+    members["_load_from_state_dict"] = _load_from_state_dict
     return type(f"TensorParallel{cls.__name__}", (cls,), members)
 
 
@@ -196,11 +286,25 @@ def split_parameters(
     return splits
 
 
-def install_markers(splits: Splits) -> None:
-    """Swap each module's class so split parameters read as marked full tensors, and register their blocks."""
+def state_dict_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, mesh: DeviceMesh | None) -> DeviceMesh:
+    """The mesh split parameters' state-dict DTensors live on: the tensor-parallel one, or ("tp", "dp") over the
+    two existing groups of a 2-D ``mesh`` (tensor parallel first: see [Note: a split parameter in a state dict])."""
+    if dp_mesh is None:
+        return tp_mesh
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("tp"), 0)
+    return DeviceMesh.from_group(
+        [tp_mesh.get_group(), dp_mesh.get_group()], tp_mesh.device_type, ranks, mesh_dim_names=("tp", "dp")
+    )
+
+
+def install_markers(splits: Splits, mesh: DeviceMesh | None = None) -> None:
+    """Swap each module's class so split parameters read as marked full tensors, and register their blocks
+    (with ``mesh``, from ``state_dict_mesh``, they enter state dicts as DTensors)."""
     for module, specs in splits.items():
         split = {n: s for n, s in specs.items() if s.dim is not None}
         for pname, spec in split.items():
             _specs[module._parameters[pname]] = spec
+            if mesh is not None:
+                _meshes[module._parameters[pname]] = mesh
         if split:
             module.__class__ = _marking_class(type(module), split)

@@ -222,13 +222,6 @@ def test_a_failed_async_save_is_raised_by_the_next_save(two_checkpoints, monkeyp
     assert_bitwise_equal(loaded(path), old)
 
 
-def test_tensor_parallel_blocks_are_refused_naming_the_export(world_of_four, tmp_path) -> None:
-    model = dpar.parallelize(MLP(), strategy="tp", example_inputs=(torch.randn(4, 16),))
-    with pytest.raises(dpar.CheckpointError, match=r"split by tensor parallelism.*dpar.checkpoint.full_state_dict"):
-        checkpoint.save(model, None, str(tmp_path / "tp"))
-    assert not os.path.exists(tmp_path / "tp")
-
-
 def on_two_ranks(rank: int, world_size: int, directory: str) -> dict:
     """ddp trains with an async save under way; its checkpoint loads into fsdp; fsdp's is kept for one
     process; a zero1 checkpoint is refused by ddp; a file one rank damaged is refused on both."""

@@ -50,7 +50,7 @@ from dpar.runtime.agreement import agree
 from dpar.runtime.gradient_sync import BackwardDispatch, ForwardDispatch, Variant
 from dpar.runtime.liveness import Watched
 from dpar.runtime.local_sgd import choose_variant, period_of
-from dpar.runtime.world import World, group_size
+from dpar.runtime.world import World, group_ranks
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
 
@@ -97,10 +97,20 @@ def lower_checked(
     found = collectives(gm)
     record(label, gm, found)
     if found and world.backend != "fake":  # a fake group simulates ranks that do not exist
-        # Sub-groups of a mesh have a different name on each rank: compare their sizes.
-        sizes = {c.group: group_size(c.group) for c in found}
-        lines = [c.fingerprint(f"over {sizes[c.group]} ranks") for c in found]
-        agree(world, label, lines, options.check_timeout_s)
+        # Sub-groups of a mesh have a different name on each rank: compare their sizes, and a sub-group
+        # collective's shape only between the ranks of its group ([Note: what only a sub-group agrees on]).
+        members = {c.group: group_ranks(c.group) for c in found}
+        lines, within = [], []
+        for c in found:
+            ranks = members[c.group]
+            shape = f"[{', '.join(c.shape)}]"
+            if len(ranks) == world.size:
+                lines.append(c.fingerprint(f"over {len(ranks)} ranks"))
+                within.append(None)
+            else:
+                lines.append(c.fingerprint(f"over {len(ranks)} ranks").replace(shape, "", 1))
+                within.append((f"shape {shape}", ranks))
+        agree(world, label, lines, options.check_timeout_s, within=within)
     compiled = lower(gm, example_inputs)
     return compiled if world.backend == "fake" else Watched(compiled, role.value)
 

@@ -28,11 +28,19 @@ _ASK_AFTER_S = 1.0
 
 
 def agree(
-    world: World, what: str, lines: list[str], timeout_s: float, *, subject: str = "collective sequences"
+    world: World,
+    what: str,
+    lines: list[str],
+    timeout_s: float,
+    *,
+    subject: str = "collective sequences",
+    within: list[tuple[str, list[int]] | None] | None = None,
 ) -> None:
     """Raise unless every rank of ``world`` passes the same ``lines`` for its n-th check.
 
     ``what`` names the graph being checked; ``subject`` what the lines describe.
+    ``within`` (one entry per line, or None) adds to a line a detail that only the
+    ranks listed with it must agree on: see [Note: what only a sub-group agrees on].
     """
     global _checks_started
     seq = _checks_started
@@ -40,7 +48,8 @@ def agree(
     start_answering(dist.get_rank(), lambda: _checks_started)
     store = default_store()
     prefix = f"dpar/agree/{world.group_name}/{seq}"
-    store.set(f"{prefix}/{world.rank}", json.dumps({"what": what, "lines": lines}))
+    within = within if within is not None else [None] * len(lines)
+    store.set(f"{prefix}/{world.rank}", json.dumps({"what": what, "lines": lines, "within": within}))
     keys = [f"{prefix}/{r}" for r in range(world.size)]
     _wait_for_ranks(store, keys, world, f"{what} (check #{seq})", timeout_s)
     for other in range(world.size):
@@ -53,6 +62,29 @@ def agree(
                     subject, world.rank, what, lines, other, theirs["what"], theirs["lines"]
                 )
             )
+        peer = global_rank(world, other)
+        shared = [w is not None and peer in w[1] for w in within]  # the lines agree, so the groups' sizes do
+        mine_in = [_with_detail(line, w, s) for line, w, s in zip(lines, within, shared)]
+        theirs_in = [_with_detail(line, w, s) for line, w, s in zip(theirs["lines"], theirs["within"], shared)]
+        if mine_in != theirs_in:
+            raise CollectiveMismatchError(
+                _describe_difference(subject, world.rank, what, mine_in, other, theirs["what"], theirs_in)
+            )
+
+
+# [Note: what only a sub-group agrees on]
+# A collective over a sub-group of a mesh (fsdp's gather over the dp axis of a
+# 2-D mesh) must have the same shape on the ranks of that group only. Ranks at
+# another position on the other axis run their own copy of it over their own
+# group, and where tensor parallel splits a dimension unevenly (a vocabulary of
+# 101 over 2 ranks: blocks of 51 and 50 rows) its shape legitimately differs
+# there. So every rank agrees on the sequence of kinds, dtypes and group sizes,
+# and a pair of ranks compares shapes where it shares the group.
+
+
+def _with_detail(line: str, within: list | None, shared: bool) -> str:
+    """``line`` with its sub-group detail where both ranks are in that group (the detail is then compared too)."""
+    return f"{line} {within[0]}" if shared and within is not None else line
 
 
 def _wait_for_ranks(store: dist.Store, keys: list[str], world: World, check: str, timeout_s: float) -> None:

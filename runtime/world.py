@@ -100,6 +100,11 @@ def group_size(group_name: str) -> int:
     return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
 
 
+def group_ranks(group_name: str) -> list[int]:
+    """The default group's ranks of the members of ``group_name``."""
+    return dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name))
+
+
 def default_store() -> dist.Store:
     """The rendezvous store every rank of the default group reaches."""
     return dist.distributed_c10d._get_default_store()

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from dpar.compiler.collectives import WAIT
 from dpar.compiler.lowering import flat_inputs
+from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -28,6 +29,17 @@ class ParameterGroup:
     name: str
     inputs: tuple[int, ...]
     gradients: tuple[int, ...]
+
+
+def is_parameter_gather(node: fx.Node) -> bool:
+    """An all-gather of a parameter's shards, not one tensor parallel inserted.
+
+    Under fsdp+tp a tensor-parallel gather can read a gathered parameter (the
+    propagation may gather a weight's blocks over the tp group rather than reduce
+    an activation), so its operand leads back to the same shard through the fsdp
+    gather: only the mark tells the two apart, never the shard they come from.
+    """
+    return node.target is c10d.all_gather_into_tensor.default and not node.meta.get(ACTIVATION_COLLECTIVE)
 
 
 def shard_source(node: fx.Node) -> fx.Node:
@@ -66,7 +78,7 @@ def bucket_all_gathers_pass(
     primals = flat_inputs(graph)
     gathers: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
-        if node.target is c10d.all_gather_into_tensor.default:
+        if is_parameter_gather(node):
             gathers.setdefault(shard_source(node.args[0]), []).append(node)
     for group in groups:
         members = [primals[i] for i in group.inputs if primals.get(i) in gathers]

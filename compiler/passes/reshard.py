@@ -9,7 +9,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from dpar.compiler.collectives import WAIT
 from dpar.compiler.lowering import flat_inputs
-from dpar.compiler.passes.all_gather import ParameterGroup, c10d, operand_chain, shard_source
+from dpar.compiler.passes.all_gather import ParameterGroup, is_parameter_gather, operand_chain, shard_source
 
 
 def tag_gathers(
@@ -36,7 +36,7 @@ def tag_gathers(
     # Gathers of parameter shards only: tensor parallel's activation gathers are computed values.
     gathers = [
         n for n in joint.graph.nodes
-        if n.target is c10d.all_gather_into_tensor.default and shard_source(n.args[0]) in group_of
+        if is_parameter_gather(n) and shard_source(n.args[0]) in group_of
     ]
     last = group_of[shard_source(gathers[-1].args[0])] if gathers else None
     resharded = [g for g in gathers if reshard_after_forward and group_of[shard_source(g.args[0])] != last]

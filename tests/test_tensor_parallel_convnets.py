@@ -9,15 +9,15 @@ wrong n would change the running statistics by tens of percent: both models belo
 layer, and the plan splits their classifier (the only Linear).
 
 [Note: a BatchNorm over two values amplifies rounding]
-The harness's ResNet at its own 32x32 images ends in BatchNorm over 2 values per channel per
+The harness's ResNet at 32x32 images would end in BatchNorm over 2 values per channel per
 rank. Normalising two values gives +-sqrt(v / (v + eps)) whatever they are, so the gradient
 through it is O(eps / v), computed by cancellation in BatchNorm's backward and so mostly fp32
 rounding; AdamW's first steps, lr * g / (|g| + eps), turn that noise into lr-sized steps of
 layer4's convolutions, and every entry follows. Torch DDP is not stable there against itself:
 computing only its classifier in float64 moves its parameters 1.1 after 5 AdamW steps at lr
 1e-2 (0.5 at lr 1e-3, 6e-3 at lr 1e-4), the size of tp's difference (0.87; tp rounds the
-classifier's input gradient as a sum of two partial sums). So the ResNet is compared at 64x64
-images, where its last stage sees 8 values per channel per rank: there the float64 classifier
+classifier's input gradient as a sum of two partial sums). So the harness's ResNet takes 64x64
+images (``third_party.IMAGE``), where its last stage sees 8 values per channel per rank: there the float64 classifier
 moves torch DDP 2.1e-5 and tp is 1.5e-5 from it. The small model runs SGD, which does not
 normalise the noise away from zero.
 """
@@ -31,9 +31,6 @@ import dpar
 import third_party
 from distributed import run_ranks
 from third_party import ROWS_PER_RANK, VOCAB, Run, global_batch, rank_slice, train
-
-RESNET_IMAGE = 64  # see [Note: a BatchNorm over two values amplifies rounding]
-
 
 class PooledBN(nn.Module):
     """The ResNet's last stage in miniature: a strided 3x3 convolution from 2x2 to 1x1, BatchNorm over
@@ -54,14 +51,13 @@ class PooledBN(nn.Module):
 
 CASES = (  # (model, optimizer, lr)
     ("pooled_bn", "sgd", 0.05),
-    ("resnet", "adamw", 1e-2),  # the harness's optimizer and the issue's lr
+    ("resnet", "adamw", 1e-2),  # the harness's optimizer and the issue's lr (also in test_tensor_parallel_refusals.py)
 )
 
 
 def _train_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     """Each case under torch DDP and tp in these processes; rank 0 returns |difference| per entry."""
     third_party.OTHER_MODELS["pooled_bn"] = PooledBN
-    third_party.IMAGE = RESNET_IMAGE  # the harness's ResNet reads it at every forward
     results = {}
     for model, optimizer, lr in CASES:
         reference = train(rank, world_size, Run(model, "torch_ddp", optimizer=optimizer, lr=lr))

@@ -25,7 +25,9 @@ from dpar.compiler.propagation.rules import candidates_for
 
 MODEL = "titan_llama3"
 STRATEGIES = ("fsdp+tp", "zero2+tp", "ddp+tp")
-LR = 1e-2
+# At the lr 1e-2 AdamW amplifies tp's reordering to 8.1e-5 (ddp+tp alike), close to the bound;
+# at 1e-3 the scrambled norm gradients this guards against still move parameters by ~1e-2.
+LR = 1e-3
 TOLERANCE = 1e-4
 
 

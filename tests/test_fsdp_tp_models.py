@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distributed import run_ranks
+from third_party import assert_figures
 
 STEPS = 5
 LR = 1e-2
@@ -187,11 +188,7 @@ def _every_case(rank: int, world_size: int) -> dict[str, float | str]:
 
 def test_two_dimensional_strategies_on_other_models_match_torch_ddp() -> None:
     found = run_ranks(_every_case, 4, timeout_s=1500)[0]
-    for label, diff in found.items():
-        print(f"(2, 2) mesh, 5 AdamW steps at lr {LR}, max |parameter - torch DDP|: {label}: {diff}")
-    failed = {label: diff for label, diff in found.items() if isinstance(diff, str) or diff > TOLERANCE}
-    assert not failed, failed
-    assert len(found) == len(CASES)
+    assert_figures(found, f"(2, 2) mesh, 5 AdamW steps at lr {LR}, max |parameter - torch DDP|", TOLERANCE, len(CASES))
 
 
 if __name__ == "__main__":

@@ -71,11 +71,8 @@ def _every_strategy(rank: int, world_size: int) -> dict[str, float | str] | None
 def test_titan_llama3_two_dimensional_strategies_match_torch_ddp() -> None:
     third_party.needs_torchtitan(MODEL)
     found = run_ranks(_every_strategy, 4, timeout_s=1500)[0]
-    for strategy, diff in found.items():
-        print(f"{MODEL} (2, 2) mesh, 5 AdamW steps at lr {LR}, max |parameter - torch DDP|: {strategy}: {diff}")
-    failed = {s: d for s, d in found.items() if isinstance(d, str) or d > TOLERANCE}
-    assert not failed, failed
-    assert len(found) == len(STRATEGIES)
+    what = f"{MODEL} (2, 2) mesh, 5 AdamW steps at lr {LR}, max |parameter - torch DDP|"
+    third_party.assert_figures(found, what, TOLERANCE, len(STRATEGIES))
 
 
 if __name__ == "__main__":

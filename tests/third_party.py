@@ -290,3 +290,13 @@ def train(rank: int, world_size: int, run: Run, prepare: Callable[[nn.Module], N
 def max_abs_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+
+
+def assert_figures(found: dict[str, float | str], what: str, tolerance: float, cases: int) -> None:
+    """Print each case's max |difference| from torch DDP (or the error it raised), then fail on any error
+    or difference over ``tolerance``, and unless all ``cases`` reported."""
+    for label, diff in found.items():
+        print(f"{what}: {label}: {diff}")
+    failed = {label: diff for label, diff in found.items() if isinstance(diff, str) or diff > tolerance}
+    assert not failed, failed
+    assert len(found) == cases

@@ -42,10 +42,12 @@ class Collective:
     wait_node: str
     compute_between: int
 
-    def fingerprint(self, group: str | None = None) -> str:
-        """One line per collective; ``group`` replaces the group name where names are per rank."""
+    def fingerprint(self, group: str | None = None, *, shape: bool = True) -> str:
+        """One line per collective; ``group`` replaces the group name where names are per rank; ``shape=False``
+        leaves the shape out (for ranks that share no group: [Note: what only a sub-group agrees on])."""
         where = group if group is not None else f"group={self.group}"
-        return f"{self.kind} {str(self.dtype).removeprefix('torch.')}[{', '.join(self.shape)}] {where}"
+        dims = f"[{', '.join(self.shape)}]" if shape else ""
+        return f"{self.kind} {str(self.dtype).removeprefix('torch.')}{dims} {where}"
 
 
 def _group_arg(node: fx.Node) -> str:

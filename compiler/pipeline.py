@@ -103,13 +103,9 @@ def lower_checked(
         lines, within = [], []
         for c in found:
             ranks = members[c.group]
-            shape = f"[{', '.join(c.shape)}]"
-            if len(ranks) == world.size:
-                lines.append(c.fingerprint(f"over {len(ranks)} ranks"))
-                within.append(None)
-            else:
-                lines.append(c.fingerprint(f"over {len(ranks)} ranks").replace(shape, "", 1))
-                within.append((f"shape {shape}", ranks))
+            whole_world = len(ranks) == world.size
+            lines.append(c.fingerprint(f"over {len(ranks)} ranks", shape=whole_world))
+            within.append(None if whole_world else (f"shape [{', '.join(c.shape)}]", ranks))
         agree(world, label, lines, options.check_timeout_s, within=within)
     compiled = lower(gm, example_inputs)
     return compiled if world.backend == "fake" else Watched(compiled, role.value)

@@ -60,10 +60,11 @@ class TensorParallelSpec:
     global_shape: tuple[int, ...]
     group_name: str
     tp_size: int
+    # The mesh its state-dict DTensor lives on (``state_dict_mesh``), set when its marker is installed.
+    state_dict_mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False)
 
 
 _specs: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_meshes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # split parameter -> the mesh its state-dict DTensor lives on
 
 
 def tensor_parallel_spec_of(param: torch.Tensor) -> TensorParallelSpec | None:
@@ -155,9 +156,10 @@ def as_dtensor(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
     See [Note: a split parameter in a state dict]. The DTensor is a view of ``value``: DCP loads into it in place.
     """
-    spec, mesh = _specs.get(param), _meshes.get(param)
-    if spec is None or mesh is None or spec.dim is None or value.shape != param.shape:
+    spec = _specs.get(param)
+    if spec is None or spec.state_dict_mesh is None or spec.dim is None or value.shape != param.shape:
         return value
+    mesh = spec.state_dict_mesh
     placements = _placements(spec, mesh)
     if isinstance(value, DTensor):  # zero2/fsdp+tp: the block's Shard(0) over the data-parallel mesh
         placements[1] = Shard(0)
@@ -172,9 +174,10 @@ def as_block(value: object, param: torch.Tensor) -> object:
     """What ``param`` loads from ``value``: the inverse of ``as_dtensor``, and for a DTensor of another layout
     or a plain full tensor, this rank's block of it (as a Shard(0) DTensor over the data-parallel mesh where
     ``param`` is one); anything else is left for ``load_state_dict`` to judge."""
-    spec, mesh = _specs.get(param), _meshes.get(param)
-    if spec is None or mesh is None or spec.dim is None or not isinstance(value, torch.Tensor):
+    spec = _specs.get(param)
+    if spec is None or spec.state_dict_mesh is None or spec.dim is None or not isinstance(value, torch.Tensor):
         return value
+    mesh = spec.state_dict_mesh
     if tuple(value.shape) != spec.global_shape:
         return value  # load_state_dict names the mismatch (or strict=False skips it)
     sharded = isinstance(param, DTensor)
@@ -303,8 +306,6 @@ def install_markers(splits: Splits, mesh: DeviceMesh | None = None) -> None:
     for module, specs in splits.items():
         split = {n: s for n, s in specs.items() if s.dim is not None}
         for pname, spec in split.items():
-            _specs[module._parameters[pname]] = spec
-            if mesh is not None:
-                _meshes[module._parameters[pname]] = mesh
+            _specs[module._parameters[pname]] = dataclasses.replace(spec, state_dict_mesh=mesh)
         if split:
             module.__class__ = _marking_class(type(module), split)

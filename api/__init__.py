@@ -12,8 +12,8 @@ from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
-    NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError, ScheduleError,
-    TensorParallelPlanError,
+    NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
+    SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError,
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
@@ -37,6 +37,7 @@ __all__ = [
     "Plan",
     "ProcessGroupError",
     "RankLostError",
+    "SafetensorsCheckpointError",
     "ScheduleError",
     "TensorParallelPlanError",
     "checkpoint",

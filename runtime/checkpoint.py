@@ -36,6 +36,7 @@ from dpar.runtime.checkpoint_files import publish, published, read_manifest, rea
 from dpar.runtime.errors import CheckpointError, OptionsError
 from dpar.runtime import zero1
 from dpar.runtime.local_sgd import Period, period_of
+from dpar.runtime.safetensors_io import load_safetensors, save_safetensors
 from dpar.runtime.tensor_parallel import as_block, as_dtensor
 
 CheckpointDir = str | os.PathLike[str]  # a directory: DCP writes one file per rank and a metadata file
@@ -409,4 +410,4 @@ def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         param.grad = grad
 
 
-__all__ = ["async_save", "full_state_dict", "load", "save"]
+__all__ = ["async_save", "full_state_dict", "load", "load_safetensors", "save", "save_safetensors"]

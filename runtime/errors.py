@@ -50,6 +50,11 @@ class CheckpointError(DparError, ValueError):
     """A checkpoint cannot be used as asked: unpublished, damaged, another model's, or another layout's."""
 
 
+class SafetensorsCheckpointError(CheckpointError):
+    """A Hugging Face safetensors checkpoint does not fit the model it is loaded into (a tensor missing or
+    unexpected, another shape or dtype, a shard file absent or unreadable), or could not be written."""
+
+
 class ScheduleError(DparError):
     """A pipeline schedule would hang or compute the wrong thing: an action that can never run."""
 

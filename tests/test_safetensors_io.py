@@ -42,6 +42,15 @@ def source_model(name: str) -> nn.Module:
     return model
 
 
+ODD_SPLITS = {"0.weight": 0, "1.weight": 0, "1.bias": 0, "3.weight": 1, "3.bias": None}
+
+
+def odd_model(seed: int) -> nn.Module:
+    """Dimensions 2 ranks split unevenly (torch.chunk's 51/50 and 19/18 blocks) under fsdp and tp."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(101, 48), nn.Linear(48, 37), nn.ReLU(), nn.Linear(37, 48))
+
+
 def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
     from third_party import ROWS_PER_RANK, global_batch, rank_slice
 
@@ -173,6 +182,14 @@ def on_two_ranks(rank: int, world_size: int, sources: dict[str, str], bad: str, 
             results["trained"][strategy] = dpar.checkpoint.full_state_dict(model)
             results["exported"][strategy] = exported(model, os.path.join(out, strategy.replace("+", "_")), rank)
         dist.barrier()
+    for strategy in ("fsdp", "tp"):  # uneven blocks
+        plan = {"tp_plan": ODD_SPLITS} if strategy == "tp" else {}
+        model = dpar.parallelize(odd_model(seed=0), strategy=strategy, **plan)
+        recorder.read = {}
+        dpar.checkpoint.load_safetensors(model, sources["odd"])
+        label = f"uneven {strategy}"
+        results["read"][label], results["local"][label] = recorder.read, local_sizes(model)
+        results["loaded"][label] = dpar.checkpoint.full_state_dict(model)
     # Tied LM head (GPT-2): the file holds the embedding only.
     model = parallelized("gpt2", "tp", rank, world_size)
     recorder.read = {}
@@ -193,11 +210,21 @@ def sources(tmp_path_factory) -> dict[str, str]:
         source_model(name).inner.save_pretrained(paths[name], max_shard_size=SHARD)
         assert os.path.isfile(os.path.join(paths[name], "model.safetensors.index.json"))
         assert len([f for f in os.listdir(paths[name]) if f.endswith(".safetensors")]) >= 3
+    from safetensors.torch import save_file
+
+    paths["odd"] = str(root / "odd.safetensors")  # one file, not a directory
+    save_file(odd_model(seed=3).state_dict(), paths["odd"])
     return paths
 
 
 def source_state(name: str) -> dict[str, torch.Tensor]:
+    if name.startswith("uneven"):
+        return dict(odd_model(seed=3).state_dict())
     return {k: v.detach() for k, v in source_model(name).state_dict().items()}  # a fresh model: no copy needed
+
+
+def source_of(case: str) -> str:
+    return "gpt2" if case.startswith("gpt2") else case if case.startswith("uneven") else "llama"
 
 
 def rewritten(source: str, directory: str, change) -> str:
@@ -231,21 +258,21 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
 
 
-@pytest.mark.parametrize("strategy", [*STRATEGIES, "gpt2 tp"])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "gpt2 tp", "uneven fsdp", "uneven tp"])
 def test_every_parameter_loads_exactly(results, strategy: str) -> None:
     loaded = results[0]["loaded"][strategy]
-    want = source_state("gpt2" if strategy.startswith("gpt2") else "llama")
+    want = source_state(source_of(strategy))
     assert loaded.keys() == want.keys()
     for key in want:
         assert torch.equal(loaded[key], want[key]), key
 
 
-@pytest.mark.parametrize("strategy", [*STRATEGIES, "gpt2 tp"])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "gpt2 tp", "uneven fsdp", "uneven tp"])
 def test_each_rank_reads_only_its_own_block(results, strategy: str) -> None:
     per_rank = [(r["read"][strategy], r["local"][strategy]) for r in results[1]]
     for read, local in per_rank:
         assert read == local  # every tensor read once, exactly the elements this rank holds
-    unique = {v.data_ptr(): v.numel() for v in source_state("gpt2" if strategy.startswith("gpt2") else "llama").values()}
+    unique = {v.data_ptr(): v.numel() for v in source_state(source_of(strategy)).values()}
     full = sum(unique.values())  # what the file holds: a tied weight once
     read = [sum(r.values()) for r, _ in per_rank]
     print(f"{strategy}: elements read per rank {read}, of {full} in the file")

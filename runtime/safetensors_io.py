@@ -300,6 +300,9 @@ def _validated(
         )
     if problems:
         hint = "check prefix=/key_map= and the model's configuration"
+        wrapper = _wrapper_prefix(missing, unexpected)
+        if wrapper:
+            hint = f"the model's names are the file's under {wrapper!r}: pass prefix={wrapper!r}"
         if strict and (missing or unexpected):
             hint += "; strict=False loads the tensors both hold and leaves the rest"
         raise SafetensorsCheckpointError(
@@ -307,6 +310,16 @@ def _validated(
             f"{'; '.join(problems)}. Fix: {hint}"
         )
     return plan
+
+
+def _wrapper_prefix(missing: list[str], unexpected: list[str]) -> str | None:
+    """The module path the file's names sit under in this model, when that explains a missing name."""
+    names = set(unexpected)
+    for name in missing:
+        for cut in range(1, len(name)):
+            if name[cut - 1] == "." and name[cut:] in names:
+                return name[:cut]
+    return None
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)

@@ -306,14 +306,14 @@ def test_a_bad_file_is_refused_on_every_rank_before_any_write(results) -> None:
 # Bad input, one process, a plain model.
 
 
-def expect_refusal(directory: str, *needles: str, **kwargs) -> None:
+def expect_refusal(directory: str, *needles: str, prefix: str = "inner.", **kwargs) -> None:
     import dpar
     import third_party
 
     model = third_party.build("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(dpar.SafetensorsCheckpointError) as caught:
-        dpar.checkpoint.load_safetensors(model, directory, prefix="inner.", **kwargs)
+        dpar.checkpoint.load_safetensors(model, directory, prefix=prefix, **kwargs)
     for needle in needles:
         assert needle in str(caught.value), (needle, str(caught.value))
     assert max_abs_diff(model.state_dict(), before) == 0
@@ -362,3 +362,7 @@ def test_wrong_dtype_is_refused_unless_cast(sources, tmp_path) -> None:
     model = third_party.build("llama")
     dpar.checkpoint.load_safetensors(model, directory, prefix="inner.", cast=True)
     assert max_abs_diff(model.state_dict(), source_state("llama")) == 0
+
+
+def test_names_without_the_wrapper_prefix_say_which_prefix(sources) -> None:
+    expect_refusal(sources["llama"], "not in the checkpoint: inner.model.embed_tokens.weight", "prefix='inner.'", prefix="")

@@ -16,6 +16,8 @@ import json
 import os
 import shutil
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn as nn
@@ -28,6 +30,7 @@ pytest.importorskip("safetensors")
 LR, STEPS, SHARD = 1e-3, 5, "40KB"
 STRATEGIES = {"ddp": None, "fsdp": None, "tp": None, "fsdp+tp": (1, 2), "zero2": None}
 TRAINED = ("fsdp", "tp", "fsdp+tp")
+HAS_TITAN = importlib.util.find_spec("torchtitan") is not None
 
 
 def source_model(name: str) -> nn.Module:
@@ -190,6 +193,16 @@ def on_two_ranks(rank: int, world_size: int, sources: dict[str, str], bad: str, 
         label = f"uneven {strategy}"
         results["read"][label], results["local"][label] = recorder.read, local_sizes(model)
         results["loaded"][label] = dpar.checkpoint.full_state_dict(model)
+    if HAS_TITAN:  # a state-dict hook splits the fused wqkv: loaded through load_state_dict as well
+        source = third_party.build("titan_llama3")
+        with torch.no_grad():
+            for p in source.parameters():
+                p.add_(0.01)
+        dpar.checkpoint.save_safetensors(source, os.path.join(out, "titan"), max_shard_size="2MB")
+        model = parallelized("titan_llama3", "tp", rank, world_size)
+        recorder.read = {}
+        dpar.checkpoint.load_safetensors(model, os.path.join(out, "titan"))
+        results["titan"] = (dpar.checkpoint.full_state_dict(model), dict(source.state_dict()))
     # Tied LM head (GPT-2): the file holds the embedding only.
     model = parallelized("gpt2", "tp", rank, world_size)
     recorder.read = {}
@@ -295,6 +308,15 @@ def test_export_opens_with_from_pretrained(results, strategy: str) -> None:
     assert out["opened"].keys() == out["model"].keys()
     for key in out["model"]:
         assert torch.equal(out["opened"][key], out["model"][key]), key
+
+
+def test_torchtitan_fused_qkv_hook_loads_under_tp(results) -> None:
+    if not HAS_TITAN:
+        pytest.skip("torchtitan is not installed")
+    loaded, want = results[0]["titan"]
+    assert loaded.keys() == want.keys()
+    for key in want:
+        assert torch.equal(loaded[key], want[key]), key
 
 
 def test_a_bad_file_is_refused_on_every_rank_before_any_write(results) -> None:

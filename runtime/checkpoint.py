@@ -18,6 +18,9 @@ and the optimizer through ``optimizer.state_dict()`` keyed by parameter name, as
 its module writes it to state dicts as the DTensor of the whole parameter (see [Note: a split
 parameter in a state dict] in ``tensor_parallel.py``), and its optimizer state goes to DCP the same
 way, so a tp checkpoint loads into any other strategy or a plain model, and back.
+
+Hugging Face safetensors checkpoints (``load_safetensors`` / ``save_safetensors``) live in
+``safetensors_io.py``: the same state-dict DTensors tell each rank which block of each tensor to read.
 """
 
 from __future__ import annotations

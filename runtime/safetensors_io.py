@@ -250,7 +250,7 @@ def load_safetensors(
             local = _local(entry.value)
             if local.numel():
                 local.copy_(source.read(file_name, _block_of(entry.value)))
-            rebuilt = rebuilt or local.untyped_storage().data_ptr() not in aliases
+                rebuilt = rebuilt or local.untyped_storage().data_ptr() not in aliases
     if rebuilt:  # a state-dict hook built new tensors: hand them to the module (see the module's Note)
         module.load_state_dict({n: e.value for e, _ in plan for n in e.names}, strict=False)
 

@@ -64,7 +64,8 @@ def _even(size: int, tp: int) -> bool:
 
 # Partial sums pass through these unchanged (they are linear in every tensor input) ...
 _LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default, aten.detach.default,
-           aten.alias.default, aten._to_copy.default}
+           aten.alias.default, aten._to_copy.default, aten._conj.default, aten.conj_physical.default,
+           aten.resolve_conj.default}
 # ... and through these when only one input is partial (scaling by a replicated factor).
 _SCALING = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
 
@@ -232,6 +233,18 @@ def view(node: fx.Node, tp: int) -> list[Candidate]:
     here = source.meta.get("placement", R)
     dim = view_dim(shape_of(source), shape_of(node), here.dim, tp) if isinstance(here, Shard) else None
     return _carried(here, dim)
+
+
+def complex_view(node: fx.Node, tp: int) -> list[Candidate]:
+    """``view_as_complex`` folds the last dimension (real, imaginary) into the dtype, ``view_as_real``
+    unfolds it: every other dimension keeps its shard (torchtitan's RoPE rotates each head's pairs
+    in place, so its heads stay split), and a partial sum stays one (both are linear)."""
+    source = tensor_inputs(node)[0]
+    here = source.meta.get("placement", R)
+    last = len(shape_of(source)) - 1
+    if isinstance(here, Shard) and node.target is aten.view_as_complex.default and here.dim == last:
+        return [Candidate((R,), (R,))]
+    return _carried(here, here.dim if isinstance(here, Shard) else None)
 
 
 def expand(node: fx.Node, tp: int) -> list[Candidate]:
@@ -474,6 +487,8 @@ RULES: dict[object, Rule] = {
     aten._unsafe_view.default: view,
     aten.reshape.default: view,
     aten.expand.default: expand,
+    aten.view_as_complex.default: complex_view,
+    aten.view_as_real.default: complex_view,
     aten.slice.Tensor: along,
     aten.slice_backward.default: along,
     aten.split.Tensor: along,

@@ -6,12 +6,14 @@
 from dpar.compiler.backend import dpar_backend, register
 from dpar.inspect.explain import explain
 from dpar.compiler.logs import configure as _configure_logs
+from dpar.initialization import init_weights
 from dpar.pipelining import pipeline
 from dpar.placement import parallelize
 from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
+    InitializationError,
     NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError, ScheduleError,
     TensorParallelPlanError,
 )
@@ -29,6 +31,7 @@ __all__ = [
     "CollectiveStallError",
     "DivergedRanksError",
     "DparError",
+    "InitializationError",
     "NonFiniteGradientError",
     "OptionsError",
     "OuterSGD",
@@ -42,6 +45,7 @@ __all__ = [
     "checkpoint",
     "dpar_backend",
     "explain",
+    "init_weights",
     "no_sync",
     "parallelize",
     "pipeline",

@@ -204,36 +204,42 @@ def _full_size(model: nn.Module) -> Iterator[tuple[_StandIns, _RefuseLostWrites]
             module.__dict__["_parameters"] = original
 
 
-def _own_initializer(model: nn.Module) -> tuple[Callable[[nn.Module], None], bool] | None:
-    """The model's own initializer as (fn, per module): Hugging Face ``_init_weights`` of each module's nearest
-    ``PreTrainedModel``, a root ``init_weights()`` (torchtitan), or each module's ``reset_parameters()``."""
+def _own_initializer(model: nn.Module) -> Callable[[nn.Module], None]:
+    """The model's own initializer, as one call per module in ``apply`` order: Hugging Face's ``_init_weights`` of
+    the module's nearest ``PreTrainedModel``; else, at the topmost modules with an ``init_weights()`` (torchtitan),
+    that method (their descendants do nothing: it recurses itself); else the module's ``reset_parameters()``."""
     try:
         from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is optional
-        PreTrainedModel = ()  # type: ignore[assignment]
-    owner: dict[int, nn.Module] = {}
+    except ImportError:  # transformers is optional
+        PreTrainedModel = None  # type: ignore[assignment,misc]
+    hf_owner: dict[int, nn.Module] = {}
+    holders: set[int] = set()
+    inside_holder: set[int] = set()
 
-    def find_owners(module: nn.Module, hf: nn.Module | None) -> None:
-        if PreTrainedModel and isinstance(module, PreTrainedModel):
+    def visit(module: nn.Module, hf: nn.Module | None, held: bool) -> None:
+        if PreTrainedModel is not None and isinstance(module, PreTrainedModel):
             hf = module
         if hf is not None:
-            owner[id(module)] = hf
+            hf_owner[id(module)] = hf
+        elif held:
+            inside_holder.add(id(module))
+        elif callable(getattr(module, "init_weights", None)):
+            holders.add(id(module))
+            held = True
         for child in module.children():
-            find_owners(child, hf)
+            visit(child, hf, held)
 
-    find_owners(model, None)
-    if owner:
-        def hf_or_reset(module: nn.Module) -> None:
-            hf = owner.get(id(module))
-            if hf is not None:
-                hf._init_weights(module)
-            elif callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
+    visit(model, None, False)
 
-        return hf_or_reset, True
-    if callable(getattr(model, "init_weights", None)):
-        return (lambda root: root.init_weights()), False
-    return (lambda m: m.reset_parameters() if callable(getattr(m, "reset_parameters", None)) else None), True
+    def own(module: nn.Module) -> None:
+        if id(module) in hf_owner:
+            hf_owner[id(module)]._init_weights(module)
+        elif id(module) in holders:
+            module.init_weights()
+        elif id(module) not in inside_holder and callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+
+    return own
 
 
 def _hf_guard() -> contextlib.AbstractContextManager:
@@ -273,8 +279,8 @@ def init_weights(
 
     ``init`` is applied to every module in ``nn.Module.apply``'s order (children first), or with
     ``each_module=False`` called once on the root. ``None`` is the model's own initializer: Hugging Face's
-    ``_init_weights`` in ``apply`` order (ignoring the "already initialized" marks a built model carries), else a
-    root ``init_weights()`` (torchtitan), else every ``reset_parameters()``. Seed first, the same on every rank:
+    ``_init_weights`` in ``apply`` order (ignoring the "already initialized" marks a built model carries), a
+    topmost ``init_weights()`` (torchtitan's, one call that recurses itself), every other ``reset_parameters()``. Seed first, the same on every rank:
     ``torch.manual_seed(s); dpar.init_weights(model)`` gives the parameters of ``torch.manual_seed(s)`` and the
     same initializer on one device, at any world size and under every strategy (see
     [Note: replaying an initializer on full-size stand-ins]). Works after ``model.to_empty(device=...)``, and on a
@@ -283,7 +289,7 @@ def init_weights(
     """
     module = getattr(model, "_orig_mod", model)
     if init is None:
-        init, each_module = _own_initializer(module)
+        init = _own_initializer(module)
         guard = _hf_guard()
     else:
         guard = contextlib.nullcontext()

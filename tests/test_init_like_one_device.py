@@ -41,13 +41,26 @@ def _build(name: str) -> nn.Module:
     return Stack() if name == "stack" else third_party.build(name)
 
 
+def _custom(module: nn.Module) -> None:
+    """A user's initializer, applied per module: reads the config-like shape, draws, writes part of a weight."""
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=module.weight.shape[1] ** -0.5)
+        module.weight[:, 0].zero_()
+    elif isinstance(module, nn.Embedding):
+        module.weight.uniform_(-1.0, 1.0)
+
+
 @torch.no_grad()
 def _one_device(name: str) -> dict[str, torch.Tensor]:
     """The model's own initializer on the whole model in one process, called as its library calls it."""
-    model = _build(name)
+    model = _build(name.removesuffix("+custom"))
     torch.manual_seed(SEED)
-    if name == "stack":
+    if name.endswith("+custom"):
+        model.apply(_custom)
+    elif name == "stack":
         model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    elif name.startswith("titan_"):
+        model.inner.init_weights(buffer_device=None)
     else:
         from transformers.initialization import guard_torch_init_functions
 
@@ -65,9 +78,10 @@ def _parallelized(rank: int, world_size: int, model: nn.Module, strategy: str, m
     import dpar
     from torch.distributed.device_mesh import init_device_mesh
 
-    kwargs = {}
+    kwargs = {"sync_every": 2} if strategy == "local_sgd" else {}
     if mesh_shape is not None:
-        kwargs["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+        names = ("replicate", "shard") if strategy == "hsdp" else ("dp", "tp")
+        kwargs["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     rows = third_party.ROWS_PER_RANK * world_size
     example = third_party.rank_slice(third_party.global_batch(0, rows), rank, world_size)
     dpar.parallelize(model, strategy=strategy, example_inputs=example, **kwargs)
@@ -81,9 +95,9 @@ def _cases(rank: int, world_size: int, cases: list[tuple[str, str, tuple[int, ..
     found: dict[str, object] = {}
     references = {name: _one_device(name) for name in {c[0] for c in cases}}
     for name, strategy, mesh_shape in cases:
-        model = _parallelized(rank, world_size, _build(name), strategy, mesh_shape)
+        model = _parallelized(rank, world_size, _build(name.removesuffix("+custom")), strategy, mesh_shape)
         torch.manual_seed(SEED)
-        dpar.init_weights(model)
+        dpar.init_weights(model, _custom if name.endswith("+custom") else None)
         state = dpar.checkpoint.full_state_dict(model)
         if rank == 0:
             found[f"{name}/{strategy}"] = _differences(state, references[name])
@@ -106,16 +120,35 @@ def _cases(rank: int, world_size: int, cases: list[tuple[str, str, tuple[int, ..
     return found
 
 
-TWO_RANKS = [
-    (name, strategy, (1, 2) if strategy == "fsdp+tp" else None)
-    for name in ("stack", *HF)
-    for strategy in ("ddp", "fsdp", "zero2", "tp", "fsdp+tp")
-]
-
-
-@pytest.mark.timeout(300)
-def test_init_weights_equals_one_device_at_two_ranks() -> None:
-    found = run_ranks(_cases, 2, TWO_RANKS, timeout_s=240)[0]
+def _check(found: dict[str, object], world_size: int) -> None:
     assert {k: v for k, v in found.items() if isinstance(v, list) and v} == {}
     assert found["stale reference"].startswith("the initializer of module fc1 wrote in place"), found["stale reference"]
-    assert "ranks [1] differ" in found["seeds"], found["seeds"]
+    assert f"ranks {list(range(1, world_size))} differ" in found["seeds"], found["seeds"]
+
+
+# fsdp+tp at 2 ranks: a (1, 2) mesh; the 4-rank test has the (2, 2) one.
+TWO_RANKS = [
+    (name, strategy, (1, 2) if strategy == "fsdp+tp" else None)
+    for name in ("stack", "stack+custom", *HF)
+    for strategy in ("ddp", "fsdp", "zero2", "tp", "fsdp+tp")
+]
+FOUR_RANKS = [
+    ("gpt2", "fsdp", None), ("gpt2", "hsdp", (2, 2)), ("gpt2", "ddp+tp", (2, 2)), ("gpt2", "fsdp+tp", (2, 2)),
+    ("stack", "zero1", None), ("stack", "local_sgd", None), ("stack", "zero2+tp", (2, 2)),
+]
+TORCHTITAN = [("titan_llama3", "fsdp+tp", (1, 2))]
+
+
+def test_init_weights_equals_one_device_at_two_ranks() -> None:
+    _check(run_ranks(_cases, 2, TWO_RANKS, timeout_s=240)[0], 2)
+
+
+def test_init_weights_equals_one_device_at_four_ranks() -> None:
+    """The same numbers at 4 ranks as at 2 and on one device: the 2-D meshes, replicated and local-SGD strategies."""
+    _check(run_ranks(_cases, 4, FOUR_RANKS, timeout_s=240)[0], 4)
+
+
+def test_init_weights_torchtitan_model() -> None:
+    """torchtitan's own ``init_weights()``: one call from the model's root, tied-style reassignments, buffers."""
+    third_party.needs_torchtitan("titan_llama3")
+    _check(run_ranks(_cases, 2, TORCHTITAN, timeout_s=240)[0], 2)

@@ -22,14 +22,14 @@ HF = ("llama", "gpt2", "bert")
 
 
 class Stack(nn.Module):
-    """Layers whose initializer is ``reset_parameters``."""
+    """Layers whose initializer is ``reset_parameters``; 67 and 31 split unevenly over 2 and 4 ranks."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.emb = nn.Embedding(third_party.VOCAB, 32)
-        self.fc1 = nn.Linear(32, 64)
-        self.norm = nn.LayerNorm(64)
-        self.fc2 = nn.Linear(64, third_party.VOCAB)
+        self.emb = nn.Embedding(third_party.VOCAB, 31)
+        self.fc1 = nn.Linear(31, 67)
+        self.norm = nn.LayerNorm(67)
+        self.fc2 = nn.Linear(67, third_party.VOCAB)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         logits = self.fc2(self.norm(self.fc1(self.emb(ids)).relu()))

@@ -174,7 +174,8 @@ class _RefuseLostWrites(TorchFunctionMode):
                 what = self.storages.get(local.untyped_storage().data_ptr())
                 if what is not None:
                     raise InitializationError(
-                        f"the initializer of module {self.module_name or '(root)'} wrote in place ({name}) into {what}: "
+                        f"the initializer of module {self.module_name or '(root)'} wrote in place ({name}) into "
+                        f"{what}: "
                         "that write would miss the parameter or give every rank's shard the same numbers. Reach "
                         "parameters through their module inside the initializer (module.weight, "
                         "module.parameters()), not through references taken before dpar.parallelize, so dpar can "
@@ -183,9 +184,31 @@ class _RefuseLostWrites(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _check_still_parallelized(model: nn.Module) -> None:
+    """A module dpar parallelized whose parameter is no longer a shard or block dpar knows (replaced since, e.g. by
+    ``to_empty`` without swapping tensors) would be initialized as if it were whole: refuse it by name."""
+    for module_name, module in model.named_modules():
+        cls = type(module)
+        while cls.__module__ in _DPAR_CLASS_MODULES:
+            for name, member in vars(cls).items():
+                param = module._parameters.get(name)
+                if isinstance(member, property) and param is not None and not _is_parallelized(param):
+                    qualified = f"{module_name}.{name}" if module_name else name
+                    raise InitializationError(
+                        f"{qualified} was parallelized by dpar.parallelize, but its parameter has since been "
+                        "replaced by one dpar does not know as a shard or block (model.to_empty or another "
+                        "nn.Module._apply that makes new parameter objects), so this rank's part of the "
+                        "initialization cannot be found: materialize the model before dpar.parallelize, or make "
+                        "to_empty keep the parameters' identity "
+                        "(torch.__future__.set_swap_module_params_on_conversion(True))"
+                    )
+            cls = cls.__mro__[1]
+
+
 @contextlib.contextmanager
 def _full_size(model: nn.Module) -> Iterator[tuple[_StandIns, _RefuseLostWrites]]:
     """While inside, every parallelized module reads its parameters at full size (see the Note above)."""
+    _check_still_parallelized(model)
     stand_ins = _StandIns()
     guard = _RefuseLostWrites(model)
     swapped: list[tuple[nn.Module, type[nn.Module], dict]] = []
@@ -280,10 +303,11 @@ def init_weights(
     ``init`` is applied to every module in ``nn.Module.apply``'s order (children first), or with
     ``each_module=False`` called once on the root. ``None`` is the model's own initializer: Hugging Face's
     ``_init_weights`` in ``apply`` order (ignoring the "already initialized" marks a built model carries), a
-    topmost ``init_weights()`` (torchtitan's, one call that recurses itself), every other ``reset_parameters()``. Seed first, the same on every rank:
-    ``torch.manual_seed(s); dpar.init_weights(model)`` gives the parameters of ``torch.manual_seed(s)`` and the
-    same initializer on one device, at any world size and under every strategy (see
-    [Note: replaying an initializer on full-size stand-ins]). Works after ``model.to_empty(device=...)``, and on a
+    topmost ``init_weights()`` (torchtitan's, one call that recurses itself), every other ``reset_parameters()``.
+    Seed first, the same on every rank: ``torch.manual_seed(s); dpar.init_weights(model)`` gives the parameters
+    that ``torch.manual_seed(s)`` and the same initializer give the whole model on one device, at any world size
+    and under every strategy (see [Note: replaying an initializer on full-size stand-ins]). Works after
+    ``model.to_empty(device=...)`` where that kept dpar's parameters (a replaced one is refused by name), and on a
     model ``torch.compile`` wrapped. Buffers are initialized as the initializer writes them (HF's rotary
     ``inv_freq`` is recomputed by HF's own init); ones it does not write keep their values.
     """

@@ -117,6 +117,14 @@ def _cases(rank: int, world_size: int, cases: list[tuple[str, str, tuple[int, ..
         found["seeds"] = "not refused"
     except dpar.InitializationError as exc:
         found["seeds"] = str(exc)
+    # A parameter replaced since parallelize (to_empty without swapping) is no shard dpar knows: refused by name.
+    model.fc1._parameters["weight"] = nn.Parameter(torch.empty(67, 31))
+    torch.manual_seed(SEED)
+    try:
+        dpar.init_weights(model)
+        found["replaced"] = "not refused"
+    except dpar.InitializationError as exc:
+        found["replaced"] = str(exc)
     return found
 
 
@@ -124,6 +132,7 @@ def _check(found: dict[str, object], world_size: int) -> None:
     assert {k: v for k, v in found.items() if isinstance(v, list) and v} == {}
     assert found["stale reference"].startswith("the initializer of module fc1 wrote in place"), found["stale reference"]
     assert f"ranks {list(range(1, world_size))} differ" in found["seeds"], found["seeds"]
+    assert found["replaced"].startswith("fc1.weight was parallelized by dpar.parallelize"), found["replaced"]
 
 
 # fsdp+tp at 2 ranks: a (1, 2) mesh; the 4-rank test has the (2, 2) one.

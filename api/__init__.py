@@ -6,13 +6,14 @@
 from dpar.compiler.backend import dpar_backend, register
 from dpar.inspect.explain import explain
 from dpar.compiler.logs import configure as _configure_logs
+from dpar.initialization import init_weights
 from dpar.pipelining import pipeline
 from dpar.placement import parallelize
 from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
-    NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
+    InitializationError, NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
     SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError,
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
@@ -29,6 +30,7 @@ __all__ = [
     "CollectiveStallError",
     "DivergedRanksError",
     "DparError",
+    "InitializationError",
     "NonFiniteGradientError",
     "OptionsError",
     "OuterSGD",
@@ -43,6 +45,7 @@ __all__ = [
     "checkpoint",
     "dpar_backend",
     "explain",
+    "init_weights",
     "no_sync",
     "parallelize",
     "pipeline",

@@ -69,3 +69,8 @@ class NonFiniteGradientError(DparError, FloatingPointError):
 
 class PipelineMemoryError(OptionsError):
     """No pipeline degree fits the model's state and activations in the memory budget."""
+
+
+class InitializationError(DparError):
+    """``dpar.init_weights`` cannot replay an initializer as on one device: it writes where the full-size
+    stand-ins cannot reach (a reference taken before ``parallelize``), or the ranks' random generators differ."""

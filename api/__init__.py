@@ -13,7 +13,7 @@ from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
     NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError, ScheduleError,
-    TensorParallelPlanError,
+    TensorParallelPlanError, UnmaterializedStateError,
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
@@ -39,6 +39,7 @@ __all__ = [
     "RankLostError",
     "ScheduleError",
     "TensorParallelPlanError",
+    "UnmaterializedStateError",
     "checkpoint",
     "dpar_backend",
     "explain",

@@ -20,6 +20,7 @@ from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.runtime.errors import OptionsError
 from dpar.runtime.finite_gradients import FiniteGradients
 from dpar.runtime.local_sgd import period_of
+from dpar.runtime.model_state import check_materialized
 from dpar.runtime.optimizer_graph import step_in_graph
 from dpar.runtime.replicate import synchronize_replicas
 from dpar.runtime.same_rows import checking_same_rows
@@ -61,6 +62,7 @@ def dpar_backend(
         parsed = dataclasses.replace(parsed, broadcast_buffers=False)
     inputs = classify_inputs(gm, example_inputs)
     state = [(i.kind.value, i.name, i.tensor()) for i in inputs if i.kind is not InputKind.DATA]
+    check_materialized(state)
     check_devices({name: t for kind, name, t in state if kind == "parameter"}, world)
     plan = plan_of_parameters({name: t for kind, name, t in state if kind == "parameter"})
     plan = plan if plan is not None else replicated(world.group_name, world.size)

@@ -64,3 +64,8 @@ class NonFiniteGradientError(DparError, FloatingPointError):
 
 class PipelineMemoryError(OptionsError):
     """No pipeline degree fits the model's state and activations in the memory budget."""
+
+
+class UnmaterializedStateError(DparError):
+    """A model built on the meta device reaches training with a parameter or buffer never given values:
+    still on meta, or left as ``to_empty``'s uninitialized memory."""

@@ -50,19 +50,19 @@ def dpar_backend(
             f"torch.compile(mode={mode!r}) is not supported with backend='dpar'; choose the inner "
             "compiler with options={'compiler': 'inductor' | 'aot_eager' | 'eager'}"
         )
+    inputs = classify_inputs(gm, example_inputs)
+    state = [(i.kind.value, i.name, i.tensor()) for i in inputs if i.kind is not InputKind.DATA]
+    check_materialized(state)
     world = current_world()
     if world is None:
         hook = _single_device_hook
         if parsed.check_finite:
-            hook = _checking_finite(hook, classify_inputs(gm, example_inputs), agree=False)
+            hook = _checking_finite(hook, inputs, agree=False)
         return compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook)
     if not torch.is_grad_enabled():
         # A no_grad forward (evaluation) reads local buffers, as DDP's does unless it directly follows a
         # training forward: its graph then has no collectives and may run on some ranks only.
         parsed = dataclasses.replace(parsed, broadcast_buffers=False)
-    inputs = classify_inputs(gm, example_inputs)
-    state = [(i.kind.value, i.name, i.tensor()) for i in inputs if i.kind is not InputKind.DATA]
-    check_materialized(state)
     check_devices({name: t for kind, name, t in state if kind == "parameter"}, world)
     plan = plan_of_parameters({name: t for kind, name, t in state if kind == "parameter"})
     plan = plan if plan is not None else replicated(world.group_name, world.size)

@@ -178,7 +178,7 @@ def parallelize(
         if strategy == "zero1":  # each rank's optimizer steps and keeps state for its range of each parameter
             zero1.shard_optimizer_state(model.parameters(), placed.get_group())
         else:  # where the model is in its averaging period, read by the backend and saved with checkpoints
-            local_sgd.attach(local_sgd.Period(sync_every, outer_optimizer), model.parameters())
+            local_sgd.attach(local_sgd.Period(sync_every, outer_optimizer), model)
         return model
     if strategy in TENSOR_PARALLEL:
         if param_dtype is not None or reduce_dtype is not None:

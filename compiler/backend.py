@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
@@ -27,6 +28,7 @@ from dpar.runtime.same_rows import checking_same_rows
 from dpar.runtime.sharding import uneven_shards_padded_once
 from dpar.runtime.tensor_parallel import tensor_parallel_spec_of
 from dpar.runtime.world import check_devices, current_world
+from dpar.runtime.zero1 import shard_optimizer_state
 
 
 def _single_device_hook(
@@ -67,6 +69,9 @@ def dpar_backend(
     plan = plan_of_parameters({name: t for kind, name, t in state if kind == "parameter"})
     plan = plan if plan is not None else replicated(world.group_name, world.size)
     _check_bucket_cap(plan, parsed)
+    if plan.strategy is Strategy.ZERO1:  # a model materialized after parallelize (to_empty, assign=True) has new tensors
+        group = dist.distributed_c10d._resolve_process_group(plan.axes[0].group_name)
+        shard_optimizer_state((t for kind, _, t in state if kind == "parameter"), group)
     # Shards and tensor-parallel blocks were placed by parallelize (from rank 0's values); every
     # whole tensor still starts from rank 0's.
     whole = [s for s in state if not isinstance(s[2], DTensor) and tensor_parallel_spec_of(s[2]) is None]

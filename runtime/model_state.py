@@ -47,6 +47,13 @@ class ModelState:
         # Buffers on meta when parallelize ran, not yet seen written: id(owning module) -> leaf name -> qualified name.
         self._unwritten: dict[int, dict[str, str]] = {}
 
+    def set_model_fact(self, kind: str, fact: Any) -> None:
+        """A fact of the model as a whole that the runtime keeps for it (local SGD's period)."""
+        self._facts.setdefault(kind, {})[""] = fact
+
+    def model_fact(self, kind: str) -> Any:
+        return self.facts(kind).get("")
+
     def set_fact(self, kind: str, name: str, fact: Any) -> None:
         self._facts.setdefault(kind, {})[name] = fact
 
@@ -124,6 +131,12 @@ def fact_of(kind: str, tensor: torch.Tensor) -> Any:
     """The ``kind`` fact of the parameter ``tensor`` is, in whichever parallelized model holds it."""
     (state,) = owners_of([tensor])
     return None if state is None else state.fact_of(kind, tensor)
+
+
+def model_fact_of(kind: str, tensor: torch.Tensor) -> Any:
+    """The ``kind`` fact of the parallelized model that holds ``tensor``."""
+    (state,) = owners_of([tensor])
+    return None if state is None else state.model_fact(kind)
 
 
 # [Note: buffers of a model born on meta]

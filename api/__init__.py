@@ -14,7 +14,7 @@ from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
     InitializationError, NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
-    SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError,
+    SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError, UnmaterializedStateError,
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
@@ -42,6 +42,7 @@ __all__ = [
     "SafetensorsCheckpointError",
     "ScheduleError",
     "TensorParallelPlanError",
+    "UnmaterializedStateError",
     "checkpoint",
     "dpar_backend",
     "explain",

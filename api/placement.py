@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -14,8 +13,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dpar.compiler.megatron import megatron_dims
-from dpar.compiler.plan import AxisRole, MeshAxis, ParallelPlan, Strategy, attach
-from dpar.runtime import local_sgd, sharding, tensor_parallel, zero1
+from dpar.compiler.plan import AxisRole, MeshAxis, ParallelPlan, Strategy, attach, plan_of_model
+from dpar.runtime import local_sgd, model_state, sharding, tensor_parallel, zero1
 from dpar.runtime.errors import OptionsError, ProcessGroupError
 
 if TYPE_CHECKING:
@@ -23,9 +22,6 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "auto")
 TENSOR_PARALLEL = ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
-
-
-_parallelized: weakref.WeakKeyDictionary[nn.Module, ParallelPlan] = weakref.WeakKeyDictionary()
 
 
 def _sharded_buckets(model: nn.Module, bucket_cap_mb: float | None) -> dict[str, str]:
@@ -129,7 +125,7 @@ def parallelize(
         close = difflib.get_close_matches(str(strategy), STRATEGIES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise OptionsError(f"unknown strategy {strategy!r}{hint}; choose one of {list(STRATEGIES)}")
-    if model in _parallelized or sharding.is_sharded(model):
+    if plan_of_model(model) is not None or sharding.is_sharded(model):
         raise OptionsError(
             "parallelize was already called on this model; build a fresh model to choose another strategy"
         )
@@ -141,6 +137,7 @@ def parallelize(
         )
     _check_bucket_cap(strategy, bucket_cap_mb)
     _check_sync_every(strategy, sync_every)
+    model_state.record_meta_buffers(model)  # see [Note: buffers of a model born on meta]
     if outer_optimizer is not None and (strategy != "local_sgd" or not isinstance(outer_optimizer, local_sgd.OuterSGD)):
         raise OptionsError(
             f"outer_optimizer is local SGD's outer step (DiLoCo): pass strategy='local_sgd', sync_every=H, "
@@ -169,7 +166,7 @@ def parallelize(
             "initialized: call torch.distributed.init_process_group() before dpar.parallelize"
         )
     world = dist.get_world_size()
-    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    device_type = _mesh_device_type(model)
     if plan is not None and mesh is None:
         mesh = _mesh_of_plan(model, plan)
     if strategy == "auto":
@@ -181,7 +178,7 @@ def parallelize(
         if strategy == "zero1":  # each rank's optimizer steps and keeps state for its range of each parameter
             zero1.shard_optimizer_state(model.parameters(), placed.get_group())
         else:  # where the model is in its averaging period, read by the backend and saved with checkpoints
-            local_sgd.attach(local_sgd.Period(sync_every, outer_optimizer), model.parameters())
+            local_sgd.attach(local_sgd.Period(sync_every, outer_optimizer), model)
         return model
     if strategy in TENSOR_PARALLEL:
         if param_dtype is not None or reduce_dtype is not None:
@@ -216,6 +213,15 @@ def parallelize(
     ))
     sharding.guard_optimizers_built_too_early()
     return model
+
+
+def _mesh_device_type(model: nn.Module) -> str:
+    """The device type of the meshes ``parallelize`` builds: the parameters', or for a model still on the meta
+    device (materialized later with ``to_empty``) the one the default process group's backend serves."""
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    if device_type == "meta":
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    return device_type
 
 
 def _check_sync_every(strategy: str, sync_every: int | None) -> None:
@@ -274,9 +280,8 @@ def _axes(mesh: DeviceMesh, roles: tuple[AxisRole, ...]) -> tuple[MeshAxis, ...]
 
 
 def _record_plan(model: nn.Module, plan: ParallelPlan) -> None:
-    """The plan the backend reads, reachable from every parameter of ``model`` (as it is now)."""
-    _parallelized[model] = plan
-    attach(plan, model.parameters())
+    """The plan the backend reads, kept in ``model``'s ModelState (see [Note: facts keyed by name, not by tensor])."""
+    attach(plan, model)
 
 
 def _tensor_parallel_mesh(strategy: str, mesh: DeviceMesh | None, world: int, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh]:
@@ -310,7 +315,7 @@ def _mesh_of_plan(model: nn.Module, plan: Plan, ranks: torch.Tensor | None = Non
     ``ranks`` (default: ranks in order, ``plan.mesh_shape``) places every rank on the plan's
     axes, so the tp group is the one the plan priced on the tp axis's links.
     """
-    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    device_type = _mesh_device_type(model)
     ranks = ranks if ranks is not None else torch.arange(math.prod(plan.mesh_shape)).reshape(plan.mesh_shape)
     if "tp" not in plan.mesh_dim_names or plan.data_parallel_degree == 1:  # the other axes have size 1
         return DeviceMesh(device_type, ranks.flatten())
@@ -370,7 +375,7 @@ def _parallelize_tensor_parallel(
     buckets = _bucket_table(model, bucket_cap_mb) if chosen.shards_parameters else ()
     if chosen.shards_parameters:
         sharding.shard_parameters(model, dp_mesh)
-    tensor_parallel.install_markers(splits, tensor_parallel.state_dict_mesh(tp_mesh, dp_mesh, mesh))
+    tensor_parallel.install_markers(model, splits, tensor_parallel.state_dict_mesh(tp_mesh, dp_mesh, mesh))
     if dp_mesh is None:
         axes = _axes(tp_mesh, (AxisRole.TENSOR,))
     else:
@@ -386,7 +391,7 @@ def _parallelize_tensor_parallel(
 
 def plan_of(model: nn.Module) -> ParallelPlan | None:
     """What ``parallelize`` decided for ``model`` (None: it was not called, or chose ddp)."""
-    return _parallelized.get(getattr(model, "_orig_mod", model))
+    return plan_of_model(model)
 
 
 __all__ = ["STRATEGIES", "parallelize", "plan_of"]

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
@@ -20,12 +21,14 @@ from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.runtime.errors import OptionsError
 from dpar.runtime.finite_gradients import FiniteGradients
 from dpar.runtime.local_sgd import period_of
+from dpar.runtime.model_state import check_materialized
 from dpar.runtime.optimizer_graph import step_in_graph
 from dpar.runtime.replicate import synchronize_replicas
 from dpar.runtime.same_rows import checking_same_rows
 from dpar.runtime.sharding import uneven_shards_padded_once
 from dpar.runtime.tensor_parallel import tensor_parallel_spec_of
 from dpar.runtime.world import check_devices, current_world
+from dpar.runtime.zero1 import shard_optimizer_state
 
 
 def _single_device_hook(
@@ -49,22 +52,26 @@ def dpar_backend(
             f"torch.compile(mode={mode!r}) is not supported with backend='dpar'; choose the inner "
             "compiler with options={'compiler': 'inductor' | 'aot_eager' | 'eager'}"
         )
+    inputs = classify_inputs(gm, example_inputs)
+    state = [(i.kind.value, i.name, i.tensor()) for i in inputs if i.kind is not InputKind.DATA]
+    check_materialized(state)
     world = current_world()
     if world is None:
         hook = _single_device_hook
         if parsed.check_finite:
-            hook = _checking_finite(hook, classify_inputs(gm, example_inputs), agree=False)
+            hook = _checking_finite(hook, inputs, agree=False)
         return compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook)
     if not torch.is_grad_enabled():
         # A no_grad forward (evaluation) reads local buffers, as DDP's does unless it directly follows a
         # training forward: its graph then has no collectives and may run on some ranks only.
         parsed = dataclasses.replace(parsed, broadcast_buffers=False)
-    inputs = classify_inputs(gm, example_inputs)
-    state = [(i.kind.value, i.name, i.tensor()) for i in inputs if i.kind is not InputKind.DATA]
     check_devices({name: t for kind, name, t in state if kind == "parameter"}, world)
     plan = plan_of_parameters({name: t for kind, name, t in state if kind == "parameter"})
     plan = plan if plan is not None else replicated(world.group_name, world.size)
     _check_bucket_cap(plan, parsed)
+    if plan.strategy is Strategy.ZERO1:  # a model materialized after parallelize (to_empty, assign=True) has new tensors
+        group = dist.distributed_c10d._resolve_process_group(plan.axes[0].group_name)
+        shard_optimizer_state((t for kind, _, t in state if kind == "parameter"), group)
     # Shards and tensor-parallel blocks were placed by parallelize (from rank 0's values); every
     # whole tensor still starts from rank 0's.
     whole = [s for s in state if not isinstance(s[2], DTensor) and tensor_parallel_spec_of(s[2]) is None]

@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-from collections.abc import Iterable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+import torch.nn as nn
 
+from dpar.runtime import model_state
 from dpar.runtime.errors import OptionsError
 
 
@@ -107,14 +107,15 @@ def replicated(group_name: str, size: int) -> ParallelPlan:
     return ParallelPlan(Strategy.DDP, (MeshAxis("dp", AxisRole.REPLICATE, size, group_name),))
 
 
-# Identity-keyed: parameters compare elementwise.
-_plans: WeakIdKeyDictionary = WeakIdKeyDictionary()
+def attach(plan: ParallelPlan, model: nn.Module) -> None:
+    """Make ``plan`` the one the backend reads for a graph that takes ``model``'s parameters (kept in its
+    ModelState, found from the parameters however they are materialized or loaded later)."""
+    model_state.state_of(model, create=True).plan = plan
 
 
-def attach(plan: ParallelPlan, parameters: Iterable[torch.Tensor]) -> None:
-    """Make ``plan`` the one the backend reads for a graph that takes these parameters."""
-    for p in parameters:
-        _plans[p] = plan
+def plan_of_model(model: nn.Module) -> ParallelPlan | None:
+    state = model_state.state_of(model)
+    return None if state is None else state.plan
 
 
 def plan_of_parameters(parameters: dict[str, torch.Tensor]) -> ParallelPlan | None:
@@ -123,7 +124,8 @@ def plan_of_parameters(parameters: dict[str, torch.Tensor]) -> ParallelPlan | No
     One graph may hold parameters of one parallelized model only: the rest would
     get no gradient synchronisation, which is silent, so it is refused.
     """
-    planned = {name: _plans.get(p) for name, p in parameters.items()}
+    owners = model_state.owners_of(parameters.values())
+    planned = {name: (s.plan if s is not None else None) for name, s in zip(parameters, owners)}
     plans = {id(p): p for p in planned.values() if p is not None}
     if not plans:
         return None

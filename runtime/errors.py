@@ -74,3 +74,8 @@ class PipelineMemoryError(OptionsError):
 class InitializationError(DparError):
     """``dpar.init_weights`` cannot replay an initializer as on one device: it writes where the full-size
     stand-ins cannot reach (a reference taken before ``parallelize``), or the ranks' random generators differ."""
+
+
+class UnmaterializedStateError(DparError):
+    """A model built on the meta device reaches training with a parameter or buffer never given values:
+    still on meta, or left as ``to_empty``'s uninitialized memory."""

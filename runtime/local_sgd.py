@@ -17,12 +17,13 @@ one would.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+import torch.nn as nn
 
+from dpar.runtime import model_state
 from dpar.runtime.gradient_sync import inside_no_sync
 
 
@@ -72,16 +73,16 @@ class Period:
         self.steps, self.averaged_at = int(state["steps"]), int(state["averaged_at"])
 
 
-_periods: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its model's Period
+_KIND = "local_sgd_period"  # the model's Period, in its ModelState
 
 
-def attach(period: Period, parameters: Iterable[torch.Tensor]) -> None:
-    for p in parameters:
-        _periods[p] = period
+def attach(period: Period, model: nn.Module) -> None:
+    model_state.state_of(model, create=True).set_model_fact(_KIND, period)
 
 
 def period_of(parameter: torch.Tensor) -> Period | None:
-    return _periods.get(parameter)
+    """The Period of the model ``parameter`` belongs to (see [Note: facts keyed by name, not by tensor])."""
+    return model_state.model_fact_of(_KIND, parameter)
 
 
 def choose_variant(

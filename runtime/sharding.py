@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._collective_utils import pad_tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dpar.runtime import model_state
 from dpar.runtime.errors import OptionsError
 
 
@@ -40,9 +41,10 @@ class ShardSpec:
     global_shape: tuple[int, ...]
 
 
-# Identity-keyed: parameters compare elementwise.
-_specs: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_retired: WeakIdKeyDictionary = WeakIdKeyDictionary()  # full parameters replaced by shards
+# Full parameters replaced by shards: no longer in any model, so this table never holds a parameter that
+# to_empty or load_state_dict could swap (see [Note: facts keyed by name, not by tensor]).
+_retired: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_KIND = "shard"  # ShardSpec facts in the model's ModelState
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
@@ -54,7 +56,7 @@ def block_of(name: str) -> str:
 
 
 def spec_of(param: torch.Tensor) -> ShardSpec | None:
-    return _specs.get(param)
+    return model_state.fact_of(_KIND, param)
 
 
 def is_retired(param: torch.Tensor) -> bool:
@@ -102,6 +104,7 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtyp
     # 1-D: shard over the mesh. 2-D (hsdp): replicate over dim 0, shard over dim 1.
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
     specs = []
+    state = model_state.state_of(model, create=True)
     shard_of: dict[int, nn.Parameter] = {}  # tied weights: one shard, read by every owner
     for module_name, module in model.named_modules(remove_duplicate=False):
         names = [n for n, p in module._parameters.items() if p is not None]
@@ -118,7 +121,7 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtyp
             )
             spec = ShardSpec(name=qualified, global_shape=tuple(full.shape))
             module._parameters[name] = shard_of[id(full)] = shard
-            _specs[shard] = spec
+            state.set_fact(_KIND, qualified, spec)
             _retired[full] = True
             specs.append(spec)
         module.__class__ = _gathering_class(type(module), names, param_dtype)
@@ -142,7 +145,8 @@ def _shard_full_tensors(
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) and p in _specs for p in model.parameters())
+    state = model_state.state_of(model)
+    return state is not None and bool(state.facts(_KIND))
 
 
 _guard_installed = False

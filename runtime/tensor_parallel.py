@@ -45,8 +45,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils.weak import WeakIdKeyDictionary
-
+from dpar.runtime import model_state
 from dpar.runtime.errors import OptionsError
 
 
@@ -64,11 +63,11 @@ class TensorParallelSpec:
     state_dict_mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False)
 
 
-_specs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_KIND = "tensor_parallel"  # TensorParallelSpec facts of split parameters in the model's ModelState
 
 
 def tensor_parallel_spec_of(param: torch.Tensor) -> TensorParallelSpec | None:
-    return _specs.get(param)
+    return model_state.fact_of(_KIND, param)
 
 
 def local_block(size: int, tp_size: int, rank: int) -> tuple[int, int]:
@@ -156,7 +155,7 @@ def as_dtensor(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
     See [Note: a split parameter in a state dict]. The DTensor is a view of ``value``: DCP loads into it in place.
     """
-    spec = _specs.get(param)
+    spec = tensor_parallel_spec_of(param)
     if spec is None or spec.state_dict_mesh is None or spec.dim is None or value.shape != param.shape:
         return value
     mesh = spec.state_dict_mesh
@@ -174,7 +173,7 @@ def as_block(value: object, param: torch.Tensor) -> object:
     """What ``param`` loads from ``value``: the inverse of ``as_dtensor``, and for a DTensor of another layout
     or a plain full tensor, this rank's block of it (as a Shard(0) DTensor over the data-parallel mesh where
     ``param`` is one); anything else is left for ``load_state_dict`` to judge."""
-    spec = _specs.get(param)
+    spec = tensor_parallel_spec_of(param)
     if spec is None or spec.state_dict_mesh is None or spec.dim is None or not isinstance(value, torch.Tensor):
         return value
     mesh = spec.state_dict_mesh
@@ -300,12 +299,13 @@ def state_dict_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, mesh: Devic
     )
 
 
-def install_markers(splits: Splits, mesh: DeviceMesh | None = None) -> None:
+def install_markers(model: nn.Module, splits: Splits, mesh: DeviceMesh | None = None) -> None:
     """Swap each module's class so split parameters read as marked full tensors, and register their blocks
     (with ``mesh``, from ``state_dict_mesh``, they enter state dicts as DTensors)."""
+    state = model_state.state_of(model, create=True)
     for module, specs in splits.items():
         split = {n: s for n, s in specs.items() if s.dim is not None}
-        for pname, spec in split.items():
-            _specs[module._parameters[pname]] = dataclasses.replace(spec, state_dict_mesh=mesh)
+        for spec in split.values():
+            state.set_fact(_KIND, spec.name, dataclasses.replace(spec, state_dict_mesh=mesh))
         if split:
             module.__class__ = _marking_class(type(module), split)

@@ -81,7 +81,8 @@ def shard_optimizer_state(parameters: Iterable[nn.Parameter], group: dist.Proces
     global _hooks_installed
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     for p in parameters:
-        if p.requires_grad and p not in _owned:
+        # A parameter on meta gets its range when a graph first reads it materialized (compiler/backend.py).
+        if p.requires_grad and not p.is_meta and p not in _owned:
             lo, hi = owned_range(p.numel(), world_size, rank)
             owned = Owned(p, nn.Parameter(p.detach().view(-1)[lo:hi]), lo, hi, group)
             _owned[p] = _views[owned.view] = owned

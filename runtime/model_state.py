@@ -1,0 +1,208 @@
+"""What dpar knows about one parallelized model, kept on the model and keyed by parameter name.
+
+[Note: facts keyed by name, not by tensor]
+A model born on the meta device is parallelized first and materialized after:
+``model.to_empty(device=...)`` (which swaps DTensor parameters in place with
+``torch.utils.swap_tensors``), then weights loaded, possibly with
+``load_state_dict(assign=True)`` (which puts new Parameter objects in place).
+``swap_tensors`` refuses a tensor that has any weak reference, so no table
+keyed by parameter tensors (``WeakIdKeyDictionary``) may hold a live parameter;
+and ``assign=True`` would orphan such a table's entries anyway. So the plan and
+the per-parameter facts (a shard's global shape, a tensor-parallel block's
+dimension) live in one ``ModelState`` stored as a plain attribute of the
+parallelized root module, keyed by qualified parameter name. Where only a
+tensor is at hand (the backend sees graph inputs), the owning model is found
+through a weak set of parallelized *modules* and each state's ``id(tensor) ->
+name`` map, checked by identity on every hit and rebuilt from
+``named_parameters()`` / ``named_buffers()`` on a miss (``swap_tensors`` keeps
+a parameter's Python identity, ``assign=True`` does not).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_buffer_registration_hook
+
+from dpar.runtime.errors import UnmaterializedStateError
+
+ATTRIBUTE = "_dpar_state"
+
+_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # roots that have a ModelState
+
+
+class ModelState:
+    """The plan ``parallelize`` chose for one model and its per-parameter facts, by qualified name."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)  # the model holds its state; the state must not hold the model
+        self.plan: Any = None  # compiler.plan.ParallelPlan; None: parallelize chose ddp
+        self._facts: dict[str, dict[str, Any]] = {}  # kind -> qualified name -> fact
+        self._names: dict[int, list[str]] = {}  # id(tensor) -> the qualified names it is reachable under (tied: several)
+        # Buffers on meta when parallelize ran, not yet seen written: id(owning module) -> leaf name -> qualified name.
+        self._unwritten: dict[int, dict[str, str]] = {}
+
+    def set_model_fact(self, kind: str, fact: Any) -> None:
+        """A fact of the model as a whole that the runtime keeps for it (local SGD's period)."""
+        self._facts.setdefault(kind, {})[""] = fact
+
+    def model_fact(self, kind: str) -> Any:
+        return self.facts(kind).get("")
+
+    def set_fact(self, kind: str, name: str, fact: Any) -> None:
+        self._facts.setdefault(kind, {})[name] = fact
+
+    def facts(self, kind: str) -> dict[str, Any]:
+        return self._facts.get(kind, {})
+
+    def _resolve(self, name: str) -> torch.Tensor | None:
+        model = self._model()
+        if model is None:
+            return None
+        module_name, _, leaf = name.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            return None
+        return module._parameters.get(leaf, module._buffers.get(leaf))
+
+    def rebuild(self) -> None:
+        """Map every parameter and buffer of the model, as it is now, to its names."""
+        model = self._model()
+        self._names = {}
+        if model is None:
+            return
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            self._names.setdefault(id(t), []).append(name)
+
+    def cached_names_of(self, tensor: torch.Tensor) -> list[str]:
+        """``tensor``'s qualified names if the map knows it and it is still that tensor (ids are reused)."""
+        names = self._names.get(id(tensor), [])
+        return names if names and self._resolve(names[0]) is tensor else []
+
+    def names_of(self, tensor: torch.Tensor) -> list[str]:
+        names = self.cached_names_of(tensor)
+        if not names:
+            self.rebuild()
+            names = self.cached_names_of(tensor)
+        return names
+
+    def fact_of(self, kind: str, tensor: torch.Tensor) -> Any:
+        facts = self.facts(kind)
+        return next((facts[n] for n in self.names_of(tensor) if n in facts), None)
+
+
+def state_of(model: nn.Module, create: bool = False) -> ModelState | None:
+    """``model``'s state (the one of ``torch.compile``'s wrapped module for an ``OptimizedModule``)."""
+    model = getattr(model, "_orig_mod", model)
+    state = model.__dict__.get(ATTRIBUTE)
+    if state is None and create:
+        state = ModelState(model)
+        model.__dict__[ATTRIBUTE] = state  # a plain attribute: not a submodule, not in state dicts
+        _models.add(model)
+    return state
+
+
+def owners_of(tensors: Iterable[torch.Tensor]) -> list[ModelState | None]:
+    """For each tensor, the state of the parallelized model that holds it (None: none does).
+
+    Every map is rebuilt at most once per call, and only when some tensor is not found.
+    """
+    tensors = list(tensors)
+    states = [s for m in list(_models) if (s := state_of(m)) is not None]
+
+    def find(t: torch.Tensor) -> ModelState | None:
+        return next((s for s in states if s.cached_names_of(t)), None)
+
+    found = [find(t) for t in tensors]
+    if any(f is None for f in found):
+        for s in states:
+            s.rebuild()
+        found = [f if f is not None else find(t) for f, t in zip(found, tensors)]
+    return found
+
+
+def fact_of(kind: str, tensor: torch.Tensor) -> Any:
+    """The ``kind`` fact of the parameter ``tensor`` is, in whichever parallelized model holds it."""
+    (state,) = owners_of([tensor])
+    return None if state is None else state.fact_of(kind, tensor)
+
+
+def model_fact_of(kind: str, tensor: torch.Tensor) -> Any:
+    """The ``kind`` fact of the parallelized model that holds ``tensor``."""
+    (state,) = owners_of([tensor])
+    return None if state is None else state.model_fact(kind)
+
+
+# [Note: buffers of a model born on meta]
+# ``to_empty`` gives every buffer uninitialized memory, and a state dict does not
+# hold non-persistent buffers (HF's rotary ``inv_freq``, torchtitan's
+# ``freqs_cis``): their values come from the model's own init, which the user
+# runs after ``to_empty`` (HF ``_init_weights``, torchtitan ``init_weights``).
+# Broadcasting rank 0's copy would only spread garbage, and dpar cannot compute
+# the values itself, so a buffer that was on meta at ``parallelize`` must have
+# been written since: in place (its ``_version`` moves off 0, which a fresh
+# ``to_empty`` tensor has) or assigned (the buffer-registration hook below).
+# Otherwise the first compile refuses it by name. A ``model.to(dtype)`` after
+# loading also makes fresh tensors: run it before loading.
+
+
+def _note_buffer_write(module: nn.Module, name: str, buffer: torch.Tensor | None) -> None:
+    for model in list(_models):
+        state = state_of(model)
+        if state is not None and id(module) in state._unwritten:
+            state._unwritten[id(module)].pop(name, None)
+
+
+_hook_installed = False
+
+
+def record_meta_buffers(model: nn.Module) -> None:
+    """Before ``model`` (some of whose buffers are on meta) is materialized: remember which must be written."""
+    global _hook_installed
+    unwritten: dict[int, dict[str, str]] = {}
+    for module_name, module in model.named_modules():
+        for leaf, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                unwritten.setdefault(id(module), {})[leaf] = f"{module_name}.{leaf}" if module_name else leaf
+    if not unwritten:
+        return
+    state_of(model, create=True)._unwritten = unwritten
+    if not _hook_installed:
+        register_module_buffer_registration_hook(_note_buffer_write)
+        _hook_installed = True
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return (t.to_local() if isinstance(t, DTensor) else t).is_meta
+
+
+def check_materialized(state: list[tuple[str, str, torch.Tensor]]) -> None:
+    """Refuse, by name, a graph whose parameters or buffers a meta-born model never got values for."""
+    meta = next((f"{kind} {name}" for kind, name, t in state if _is_meta(t)), None)
+    if meta is not None:
+        raise UnmaterializedStateError(
+            f"{meta} is still on the meta device: a model built under torch.device('meta') needs "
+            "model.to_empty(device=...) and its weights loaded (set_model_state_dict, dcp.load or "
+            "load_state_dict) before the first step"
+        )
+    owners = {id(s): s for s in owners_of([t for kind, _, t in state if kind == "parameter"]) if s is not None}
+    for owner in owners.values():
+        for module_id, leaves in list(owner._unwritten.items()):
+            for leaf, name in list(leaves.items()):
+                buffer = owner._resolve(name)
+                if buffer is not None and not buffer.is_meta and buffer._version > 0:
+                    del leaves[leaf]  # written in place since to_empty
+                    continue
+                raise UnmaterializedStateError(
+                    f"buffer {name} was on the meta device when dpar.parallelize ran and has not been written "
+                    "since model.to_empty(): it holds uninitialized memory, and a state dict does not carry it "
+                    "if it is non-persistent. Give it its values after to_empty with the model's own init "
+                    "(HF: model._init_weights(module) or module.inv_freq.copy_(...); torchtitan: "
+                    "model.init_weights(buffer_device=...)), or load it from the state dict"
+                )

@@ -64,3 +64,8 @@ class NonFiniteGradientError(DparError, FloatingPointError):
 
 class PipelineMemoryError(OptionsError):
     """No pipeline degree fits the model's state and activations in the memory budget."""
+
+
+class InspectionError(DparError):
+    """``dpar.explain`` / ``dpar inspect`` captured graphs that cannot be what training runs: a report
+    on them would be wrong (a data-parallel backward with no gradient reduction)."""

@@ -12,7 +12,8 @@ step on a device preset; ``dpar plan`` chooses placements for a mesh.
     dpar inspect examples/llama3_on_paper.py:llama3_70b -n 1024 --strategy fsdp --device h100
     dpar plan examples/llama3_on_paper.py:llama3_8b --per-rank --mesh-shape 64
     dpar plan examples/llama3_on_paper.py:llama3_8b --per-rank --mesh-shape 8,8
-    dpar plan examples/llama3_on_paper.py:llama3_8b --per-rank --mesh-shape 64 --pipeline --device h100
+    dpar plan examples/llama3_on_paper.py:llama3_8b_pipeline --per-rank --mesh-shape 64 --pipeline \
+        --device h100 --loss examples/llama3_on_paper.py:model_loss
     dpar plan examples/llama3_on_paper.py:llama3_70b --per-rank --mesh-shape 1024
 
 What to check the figures against, for AdamW in fp32 (P parameters, 4P bytes):
@@ -20,7 +21,10 @@ ddp holds 16P per rank and its ring all-reduce sends 2 (N - 1) / N * 4P bytes pe
 rank; fsdp holds 16P / N (plus the block gathered at the time) and sends
 (N - 1) / N * 4P in each of the forward's all-gathers, the backward's re-gathers
 (the layers; the root's embedding and head stay gathered from the forward) and
-the reduce-scatter. ``--per-rank``: the example input is one rank's rows.
+the reduce-scatter. ``--per-rank``: the example input is one rank's rows. ``dpar plan``
+prices mixed precision as ZeRO does (bf16 parameters and gradients, fp32 master and
+AdamW moments: 2 + 14 / N bytes a parameter under zero2), ``dpar inspect`` the model's
+own fp32.
 """
 
 from __future__ import annotations
@@ -63,3 +67,14 @@ def llama3_8b() -> tuple[nn.Module, tuple[torch.Tensor]]:
 
 def llama3_70b() -> tuple[nn.Module, tuple[torch.Tensor]]:
     return llama3("70b")
+
+
+def llama3_8b_pipeline() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """For ``--pipeline --loss ...:model_loss``: the pipeline takes (model inputs..., target)."""
+    model, (ids,) = llama3("8b")
+    return model, (ids, ids)
+
+
+def model_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``--loss`` for ``dpar plan --pipeline``: the model already returns its loss (``target`` unused)."""
+    return output

@@ -13,7 +13,7 @@ from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.runtime.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
-    InitializationError, NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
+    InitializationError, InspectionError, NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
     SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError, UnmaterializedStateError,
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
@@ -31,6 +31,7 @@ __all__ = [
     "DivergedRanksError",
     "DparError",
     "InitializationError",
+    "InspectionError",
     "NonFiniteGradientError",
     "OptionsError",
     "OuterSGD",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +20,7 @@ from dpar.inspect.costs import DeviceSpec, comm_time, device_spec, moved_bytes, 
 from dpar.inspect.fake_world import fake_world
 from dpar.compiler.logs import artifact
 from dpar.inspect.memory import per_rank_memory, step_peak
+from dpar.inspect.meta import differentiable_on_meta, is_meta
 from dpar.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
 from dpar.inspect.strategies import strategy as strategy_named
 from dpar.inspect.timeline import build_timeline
@@ -26,7 +28,7 @@ from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.compiler.registry import CompiledGraph, PassStage, record, recording
-from dpar.runtime.errors import OptionsError
+from dpar.runtime.errors import InspectionError, OptionsError
 from dpar.runtime.world import group_size
 
 if TYPE_CHECKING:
@@ -144,7 +146,8 @@ def explain(
     parsed = Options.parse(compile_options)
     # One knob: a sharded strategy's buckets are laid out by parallelize, ddp's when compiling.
     cap = compile_options.pop("bucket_cap_mb", None) if chosen.takes_bucket_cap else None
-    with fake_world(world_size), assumed_device(spec):  # ddp's buckets planned for ``device``, not this CPU
+    on_meta = differentiable_on_meta() if is_meta(model, example_inputs) else contextlib.nullcontext()
+    with fake_world(world_size), assumed_device(spec), on_meta:  # ddp's buckets planned for ``device``, not this CPU
         torch._dynamo.reset()
         try:
             work = chosen.prepare(copy.deepcopy(model), _positional(example_inputs), world_size, cap)
@@ -154,6 +157,31 @@ def explain(
     report = _report(type(model).__name__, work, captures, world_size, chosen.name, spec, parsed, optimizer, ranks_shown)
     artifact("explain_report", report.to_json, encoding="json")
     return report
+
+
+# Strategies whose backward must reduce gradients over data-parallel ranks (tp alone need not).
+_REDUCES_GRADIENTS = frozenset({"ddp", "zero2", "fsdp", "hsdp", "ddp+tp", "zero2+tp", "fsdp+tp"})
+
+
+def _check_gradients_reduced(name: str, strategy: str, params: Sequence[torch.Tensor], rows: Sequence[CollectiveRow]) -> None:
+    """A data-parallel report whose backward graphs reduce no gradient is refused, not printed.
+
+    Its step time and communication would be the compute alone, flat in N: the figures of
+    a model no rank trains (the backward returned no gradient; see [Note: meta models lose
+    their gradients under the python dispatcher] in ``meta.py`` for one way that happened).
+    """
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    if strategy not in _REDUCES_GRADIENTS or trainable == 0:
+        return
+    reduced = [r for r in rows if r.graph.split(": ")[-1].startswith("backward") and r.kind in ("all_reduce", "reduce_scatter")]
+    if not reduced:
+        raise InspectionError(
+            f"dpar.explain: {name} has {trainable:,} trainable parameter elements, but under {strategy!r} "
+            "its backward graphs reduce no gradient (no all_reduce or reduce_scatter): the captured "
+            "backward returned no gradient for them, so a report would price a step that trains "
+            "nothing. Check that the loss is differentiable in the parameters (requires_grad, no "
+            "detach or no_grad around the model) and that the inputs' device traces gradients."
+        )
 
 
 def _report(
@@ -208,6 +236,7 @@ def _report(
                     c.issue_node, c.wait_node, c.compute_between, comm_time(c.kind, nbytes, ranks, spec),
                 ))
     params = list({id(p): p for p in model.parameters()}.values())
+    _check_gradients_reduced(name, strategy, params, rows)
     memory = per_rank_memory(params, strategy_named(strategy), optimizer, step_peak(pairs), world_size)
     timeline = build_timeline(
         step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, group_sizes=group_sizes

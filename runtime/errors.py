@@ -79,3 +79,8 @@ class InitializationError(DparError):
 class UnmaterializedStateError(DparError):
     """A model built on the meta device reaches training with a parameter or buffer never given values:
     still on meta, or left as ``to_empty``'s uninitialized memory."""
+
+
+class InspectionError(DparError):
+    """``dpar.explain`` / ``dpar inspect`` captured graphs that cannot be what training runs: a report
+    on them would be wrong (a data-parallel backward with no gradient reduction)."""

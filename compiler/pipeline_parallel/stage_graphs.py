@@ -122,11 +122,15 @@ def trace_stage(stage: Stage, state: dict[str, torch.Tensor], last: bool, batch:
             ) if tracked else (None,) * len(differentiable)
         return outs, grads
 
+    # The carried activations and output gradients live where the state does (a meta model: on meta).
+    device = next((t.device for t in (*params, *buffers)), torch.device("cpu"))
     carried = [
-        torch.zeros(spec.shape, dtype=spec.dtype, requires_grad=spec.requires_grad) for spec in stage.carried_in
+        torch.zeros(spec.shape, dtype=spec.dtype, device=device, requires_grad=spec.requires_grad)
+        for spec in stage.carried_in
     ]
     output_grads = (
-        [torch.ones(())] if last else [torch.zeros(specs_out[i].shape, dtype=specs_out[i].dtype) for i in grad_outputs]
+        [torch.ones((), device=device)] if last
+        else [torch.zeros(specs_out[i].shape, dtype=specs_out[i].dtype, device=device) for i in grad_outputs]
     )
     batch_inputs = [batch[i] for i in stage.batch_inputs]
     traced = make_fx(joint, tracing_mode="fake")(params, buffers, batch_inputs, carried, output_grads)

@@ -1,0 +1,68 @@
+"""Tracing a model built on the meta device: no storage, and every gradient still in the graph.
+
+[Note: meta models lose their gradients under the python dispatcher]
+``torch._meta_registrations.activate_meta`` registers a Python ``Meta`` kernel for
+every operator in the decomposition tables, CompositeImplicitAutograd ones
+included (``aten.nll_loss``, ``aten.dropout``, ``aten.var``, ``aten.where`` ...).
+AOTAutograd traces the joint graph with the Python dispatcher on; there,
+``resolve_key(op, AutogradMeta)`` sees that Python ``Meta`` kernel as a backend
+kernel, skips the CompositeImplicitAutograd decomposition (which autograd would
+have differentiated) and falls to the autograd-not-implemented fallback. The op
+then has no ``grad_fn``, and everything before it gets no gradient: on a model
+that ends in ``cross_entropy`` the backward graph returns ``None`` for every
+parameter and data parallelism adds no collective, silently. On a real device
+(cpu, cuda) the backend kernel is the device's, not ``Meta``, and nothing is lost.
+
+``differentiable_on_meta`` lifts those Python ``Meta`` kernels for the time of
+one inspection: a CompositeImplicitAutograd op then decomposes before autograd
+as on any device, into ops that have meta kernels of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._C import DispatchKey
+
+
+def is_meta(model: torch.nn.Module, example_inputs: Any = ()) -> bool:
+    """Whether any parameter, buffer or input tensor lives on the meta device."""
+    tensors = [*model.parameters(), *model.buffers()]
+    inputs = example_inputs.values() if isinstance(example_inputs, dict) else (
+        example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    )
+    tensors += [t for t in inputs if isinstance(t, torch.Tensor)]
+    return any(t.is_meta for t in tensors)
+
+
+def _composite_ops_with_python_meta() -> list[torch._ops.OpOverload]:
+    import torch._decomp  # noqa: F401  (fills the tables and, through _meta_registrations, the Meta kernels)
+    import torch._meta_registrations  # noqa: F401
+
+    ops = {}
+    for table in torch._decomp.global_decomposition_table.values():
+        for op in table:
+            if (
+                isinstance(op, torch._ops.OpOverload)
+                and DispatchKey.Meta in op.py_kernels
+                and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+            ):
+                ops[str(op)] = op
+    return list(ops.values())
+
+
+@contextlib.contextmanager
+def differentiable_on_meta() -> Iterator[None]:
+    """See [Note: meta models lose their gradients under the python dispatcher]."""
+    lifted = [(op, op.py_kernels.pop(DispatchKey.Meta)) for op in _composite_ops_with_python_meta()]
+    for op, _ in lifted:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in lifted:
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()

@@ -261,7 +261,8 @@ def split_parameters(
             )
     with torch.no_grad():
         for param in model.parameters():
-            dist.broadcast(param.data, src=0)
+            if not param.is_meta:  # a model born on meta gets its values after to_empty, on every rank alike
+                dist.broadcast(param.data, src=0)
     splits: Splits = {}
     block_of: dict[int, tuple[nn.Parameter, TensorParallelSpec]] = {}  # tied weights: one block
     for module_name, module in model.named_modules(remove_duplicate=False):

@@ -117,17 +117,19 @@ class _FullSizeParameters(dict):
     def __init__(self, real: dict[str, torch.Tensor | None], stand_ins: _StandIns) -> None:
         super().__init__(real)
         self._real = dict(real)
+        # Decided before this dict is installed: looking a parameter's facts up reads the module's parameters.
+        self._split = {name for name, p in real.items() if p is not None and _is_parallelized(p)}
         self._stand_ins = stand_ins
 
     def __getitem__(self, name: str) -> torch.Tensor | None:
         real = self._real.get(name)
-        if real is not None and _is_parallelized(real) and dict.__getitem__(self, name) is real:
+        if name in self._split and dict.__getitem__(self, name) is real:
             return self._stand_ins.of(real)
         return dict.__getitem__(self, name)
 
     def __setitem__(self, name: str, value: torch.Tensor | None) -> None:
         real = self._real.get(name)
-        if real is not None and _is_parallelized(real) and value is not None:
+        if name in self._split and value is not None:
             self._stand_ins.replace(real, value)  # the initializer assigned a new parameter: its values go back
         dict.__setitem__(self, name, value)
 
@@ -278,6 +280,8 @@ def _check_same_generators(model: nn.Module) -> None:
     """Every rank must draw the same stream, or the ranks' parts come from different initializations."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
+    if not any(_is_parallelized(p) for p in model.parameters()):
+        return  # every rank initializes all of it: no collective, so a plain model may be initialized on one rank
     digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
     devices = {p.device for p in model.parameters() if p.device.type not in ("cpu", "meta")}
     for device in sorted(devices, key=str):

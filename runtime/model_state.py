@@ -69,7 +69,8 @@ class ModelState:
             module = model.get_submodule(module_name)
         except AttributeError:
             return None
-        return module._parameters.get(leaf, module._buffers.get(leaf))
+        # The dicts themselves, not a subclass's view of them (dpar.init_weights shows full-size stand-ins there).
+        return dict.get(module._parameters, leaf, dict.get(module._buffers, leaf))
 
     def rebuild(self) -> None:
         """Map every parameter and buffer of the model, as it is now, to its names."""

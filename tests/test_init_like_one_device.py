@@ -93,9 +93,14 @@ def _cases(rank: int, world_size: int, cases: list[tuple[str, str, tuple[int, ..
     import dpar
 
     found: dict[str, object] = {}
-    references = {name: _one_device(name) for name in {c[0] for c in cases}}
+    references = {name: _one_device(name.removeprefix("meta:")) for name in {c[0] for c in cases}}
     for name, strategy, mesh_shape in cases:
-        model = _parallelized(rank, world_size, _build(name.removesuffix("+custom")), strategy, mesh_shape)
+        born_on_meta = name.startswith("meta:")  # the recipe: meta, parallelize, to_empty, init
+        with torch.device("meta" if born_on_meta else "cpu"):
+            model = _build(name.removeprefix("meta:").removesuffix("+custom"))
+        model = _parallelized(rank, world_size, model, strategy, mesh_shape)
+        if born_on_meta:
+            model.to_empty(device="cpu")
         torch.manual_seed(SEED)
         dpar.init_weights(model, _custom if name.endswith("+custom") else None)
         state = dpar.checkpoint.full_state_dict(model)
@@ -140,7 +145,7 @@ TWO_RANKS = [
     (name, strategy, (1, 2) if strategy == "fsdp+tp" else None)
     for name in ("stack", "stack+custom", *HF)
     for strategy in ("ddp", "fsdp", "zero2", "tp", "fsdp+tp")
-]
+] + [("meta:llama", "fsdp", None), ("meta:llama", "tp", None), ("meta:llama", "fsdp+tp", (1, 2))]
 FOUR_RANKS = [
     ("gpt2", "fsdp", None), ("gpt2", "hsdp", (2, 2)), ("gpt2", "ddp+tp", (2, 2)), ("gpt2", "fsdp+tp", (2, 2)),
     ("stack", "zero1", None), ("stack", "local_sgd", None), ("stack", "zero2+tp", (2, 2)),

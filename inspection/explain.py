@@ -236,7 +236,8 @@ def _report(
                     c.issue_node, c.wait_node, c.compute_between, comm_time(c.kind, nbytes, ranks, spec),
                 ))
     params = list({id(p): p for p in model.parameters()}.values())
-    _check_gradients_reduced(name, strategy, params, rows)
+    if world_size > 1:  # one rank has nothing to reduce
+        _check_gradients_reduced(name, strategy, params, rows)
     memory = per_rank_memory(params, strategy_named(strategy), optimizer, step_peak(pairs), world_size)
     timeline = build_timeline(
         step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, group_sizes=group_sizes

@@ -27,23 +27,11 @@ P = 2 * VOCAB * HIDDEN + LAYERS * (2 * HIDDEN**2 + 2 * KV * HIDDEN + 3 * FFN * H
 N = 64
 
 
-class CausalLM(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner(input_ids=ids, labels=ids, use_cache=False).loss
-
-
 def meta_llama(seq: int = 256) -> tuple[nn.Module, tuple[torch.Tensor]]:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-    )
-    with torch.device("meta"):
-        model = CausalLM(transformers.LlamaForCausalLM(config))
-    return model, (torch.zeros(1, seq, dtype=torch.long, device="meta"),)
+    """examples/llama3_on_paper.py's Llama-3-8B at full width, LAYERS layers deep."""
+    from llama3_on_paper import llama3
+
+    return llama3("8b", seq=seq, num_hidden_layers=LAYERS)
 
 
 def test_parameter_count_is_the_hand_count():

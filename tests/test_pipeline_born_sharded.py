@@ -262,3 +262,24 @@ def test_a_pipeline_born_on_meta_trains_loads_saves_and_initializes(tmp_path) ->
     optimizer_state = {n: s for r in twos for n, s in r["optimizer"].items()}
     assert _exact(_optimizer_state(plain, opt), optimizer_state)
     print(f"max |diff| vs torch DDP: pp 2 {two['vs torch ddp']:.2e}, dp 2 x pp 2 fsdp {four['vs torch ddp']:.2e}")
+
+
+def test_a_step_before_the_state_is_materialized_is_refused_by_name() -> None:
+    """One process, no process group: a parameter left on meta, then a non-persistent buffer never written since
+    to_empty, are refused by name before any graph runs; once given values, the step is the plain model's."""
+    import pytest
+
+    warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
+    with torch.device("meta"):
+        model = build("llama", LAYERS)
+    x, y = _slice(0, 0, 1)
+    step = dpar.pipeline(model, token_loss, example_inputs=(x, y), stages=1, micro_batches=2)
+    with pytest.raises(dpar.UnmaterializedStateError, match=r"parameter inner\.model\.embed_tokens\.weight is still on the meta"):
+        step(x, y)
+    model.to_empty(device="cpu")
+    with pytest.raises(dpar.UnmaterializedStateError, match=r"buffer inner\.model\.rotary_emb\.inv_freq .* not been written"):
+        step(x, y)
+    _init_rotary(model)
+    model.load_state_dict(_weights())
+    plain = build("llama", LAYERS)
+    assert step(x, y).item() == pytest.approx(token_loss(plain(x), y).item(), rel=1e-6)

@@ -251,6 +251,7 @@ def _released_leaves(model: nn.Module) -> dict[int, dict[str, tuple[str, torch.S
     pipelined = model.__dict__.get("_dpar_pipeline")
     if pipelined is None:
         return {}
+    pipelined.retie()  # to_empty untied a tied weight: one parameter, initialized as on one device
     first = pipelined.first_names()
     leaves: dict[int, dict[str, tuple[str, torch.Size, torch.dtype]]] = {}
     for name, (shape, dtype) in pipelined.released().items():

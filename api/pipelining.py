@@ -67,7 +67,9 @@ def _groups(mesh: DeviceMesh | None) -> PipelineGroups:
 # ``dpar.parallelize``'s fsdp), so DCP, ``set_model_state_dict`` and ``dpar.checkpoint`` reshard it to and from
 # any strategy. A root load-state-dict pre-hook drops the entries of released parameters (a full state dict
 # loads on every rank, each keeping its stages) and cuts a full tensor given for a shard to this rank's rows.
-# The executor looks the parameters up by name at every step.
+# The executor looks the parameters up by name at every step. ``to_empty`` unties a tied weight (each module gets a
+# parameter of its own, as HF's ``tie_weights()`` after it is there to undo): the step, the loads, ``init_weights``
+# and ``full_state_dict`` tie the names ``dpar.pipeline`` found tied again first (``PipelineStep.retie``).
 _WHOLE = "pipeline_whole"  # state-dict name -> (shape, dtype), for the whole model
 _TIED = "pipeline_tied"  # state-dict name -> the first name of the same parameter or buffer
 _HOLDER = "pipeline_holder"  # parameter name -> the pipeline rank of the first stage that reads it
@@ -105,6 +107,7 @@ class PipelineStep:
                 "the stage graphs are captured at one micro-batch shape. Keep the per-rank batch shape fixed "
                 "(drop_last=True in the DataLoader), or build another step for the other shape."
             )
+        self.retie()
         if self._traced_on_meta:
             self._retarget()
         with watching(PIPELINE_STEP):  # a rank that vanishes mid-step is named: RankLostError
@@ -112,6 +115,20 @@ class PipelineStep:
             m = self.schedule.micro_batches
             micro_batches = [list(chunk) for chunk in zip(*(x.chunk(m) for x in batch))]
             return self.executor.run(micro_batches)
+
+    def retie(self) -> None:
+        """[Note: a pipelined model's state]: every name of a parameter that was tied when ``dpar.pipeline`` ran reads
+        the first name's parameter again. ``to_empty`` (``nn.Module._apply``) gives each module a new parameter of
+        its own; a tie the stages were cut for would silently train as two halves."""
+        for name, first in state_of(self.model).facts(_TIED).items():
+            if name == first:
+                continue
+            module_name, _, leaf = name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            first_module, _, first_leaf = first.rpartition(".")
+            target = self.model.get_submodule(first_module)._parameters.get(first_leaf)
+            if module._parameters.get(leaf) is not None and target is not None and module._parameters[leaf] is not target:
+                module._parameters[leaf] = target
 
     def _graph_modules(self) -> list[fx.GraphModule]:
         kinds = ("forward", "backward", "backward_input", "backward_weight")
@@ -181,6 +198,7 @@ class PipelineStep:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model on global rank 0 (None elsewhere): each parameter from the rank holding it, one at a time."""
         keep = not dist.is_initialized() or dist.get_rank() == 0
+        self.retie()
         local = self.model.state_dict()
         first = self.first_names()
         state: dict[str, torch.Tensor] = {}
@@ -235,6 +253,7 @@ def _accept_pipeline_state(module: nn.Module, state_dict: dict, prefix: str, *_)
     state = state_of(module)
     if state is None:
         return
+    module.__dict__[_ATTRIBUTE].retie()
     for name in state.facts(RELEASED):
         state_dict.pop(prefix + name, None)
     for name, param in module.named_parameters():

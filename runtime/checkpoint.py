@@ -206,6 +206,8 @@ def _own_parameter_lists(loaded: dict[str, Any], own: dict[str, Any]) -> dict[st
     stages' parameters only, so the saved lists are one rank's, and a checkpoint of another layout lists
     parameters this rank does not hold. The hyperparameters come from the checkpoint, the names from here.
     """
+    if len(loaded["param_groups"]) != len(own["param_groups"]):
+        return loaded  # optimizer.load_state_dict names the mismatch
     groups = [{**group, "params": mine["params"]} for group, mine in zip(loaded["param_groups"], own["param_groups"])]
     return {**loaded, "param_groups": groups}
 

@@ -26,12 +26,12 @@ LAYERS = 2
 SEED = 7
 
 
-def _weights() -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in build("llama", LAYERS).state_dict().items()}
+def _weights(name: str = "llama") -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in build(name, LAYERS).state_dict().items()}
 
 
-def _one_device_init() -> dict[str, torch.Tensor]:
-    model = build("llama", LAYERS)
+def _one_device_init(name: str = "llama") -> dict[str, torch.Tensor]:
+    model = build(name, LAYERS)
     torch.manual_seed(SEED)
     dpar.init_weights(model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -49,12 +49,12 @@ def _init_rotary(model: nn.Module) -> None:
             model.inner._init_weights(module)
 
 
-def _born_on_meta(rank: int, world_size: int, mesh_shape: tuple[int, int] | None) -> tuple[nn.Module, object]:
+def _born_on_meta(rank: int, world_size: int, mesh_shape: tuple[int, int] | None, name: str = "llama") -> tuple[nn.Module, object]:
     """A pipelined model built on meta and materialized on CPU: nothing but its stages was ever allocated."""
     warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
     torch._dynamo.reset()
     with torch.device("meta"):
-        model = build("llama", LAYERS)
+        model = build(name, LAYERS)
     mesh, dp_strategy = None, "ddp"
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -63,7 +63,8 @@ def _born_on_meta(rank: int, world_size: int, mesh_shape: tuple[int, int] | None
     step = dpar.pipeline(model, token_loss, example_inputs=_slice(0, rank, world_size), stages=2, micro_batches=4,
                          mesh=mesh, dp_strategy=dp_strategy)
     held = {n for s in step.graphs for n in step.split.stages[s].parameters}
-    assert {n for n, _ in model.named_parameters()} <= held  # another stage's parameters are not in the model
+    params = dict(model.named_parameters(remove_duplicate=False))  # another stage's parameters are not in the model
+    assert all(any(params.get(m) is p for m in held) for p in params.values())
     model.to_empty(device="cpu")
     return model, step
 
@@ -87,10 +88,11 @@ def _train(model: nn.Module, step, rank: int, world_size: int) -> torch.optim.Op
     return opt
 
 
-def _torch_ddp(weights: dict[str, torch.Tensor], rank: int, world_size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _torch_ddp(weights: dict[str, torch.Tensor], rank: int, world_size: int, name: str = "llama"
+               ) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.nn.parallel import DistributedDataParallel
 
-    model = build("llama", LAYERS)
+    model = build(name, LAYERS)
     model.load_state_dict(weights)
     ddp = DistributedDataParallel(model)
     opt = optimizer("adamw", model.parameters())
@@ -161,7 +163,8 @@ def _four(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init:
     return found
 
 
-def _two(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init: dict, four: dict) -> dict:
+def _two(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init: dict, four: dict,
+         gpt2_weights: dict, gpt2_init: dict) -> dict:
     """pp 2: broadcast load + train vs torch DDP, save; init; safetensors in and out; dcp.load; ddp 2 -> pp 2;
     pp 2 x dp 2 (fsdp) -> fsdp 2."""
     import torch.distributed.checkpoint as dcp
@@ -227,6 +230,20 @@ def _two(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init: 
     found["pp 2 x dp 2 -> fsdp 2 optimizer"] = _exact(mine, four["optimizer"])
     if rank == 0:
         found["pp 2 x dp 2 -> fsdp 2"] = _exact(got, four["trained"])
+
+    # GPT-2: the embedding and the LM head are one parameter, read by the first and the last stage.
+    model, step = _born_on_meta(rank, world_size, None, "gpt2")
+    torch.manual_seed(SEED)
+    dpar.init_weights(model)
+    got = dpar.checkpoint.full_state_dict(model)
+    if rank == 0:
+        found["gpt2 init"] = _exact(got, gpt2_init)
+    set_model_state_dict(model, dict(gpt2_weights) if rank == 0 else {}, options=options)
+    _train(model, step, rank, world_size)
+    want, _ = _torch_ddp(gpt2_weights, rank, world_size, "gpt2")
+    got = dpar.checkpoint.full_state_dict(model)
+    if rank == 0:
+        found["gpt2 vs torch ddp"] = _diff(got, want.state_dict())
     dist.barrier()
     return found
 
@@ -247,10 +264,12 @@ def test_a_pipeline_born_on_meta_trains_loads_saves_and_initializes(tmp_path) ->
     for case in ("safetensors out", "init", "safetensors in"):
         assert four[case] is True, f"dp 2 x pp 2: {case}"
 
-    twos = run_ranks(_two, 2, dirs, weights, init, four, timeout_s=300)
+    gpt2_weights, gpt2_init = _weights("gpt2"), _one_device_init("gpt2")
+    twos = run_ranks(_two, 2, dirs, weights, init, four, gpt2_weights, gpt2_init, timeout_s=300)
     two = twos[0]
     assert two["vs torch ddp"] <= TOLERANCE, two["vs torch ddp"]
-    for case in ("safetensors out", "init", "safetensors in", "dcp.load", "ddp 2 -> pp 2", "pp 2 x dp 2 -> fsdp 2"):
+    assert two["gpt2 vs torch ddp"] <= TOLERANCE, two["gpt2 vs torch ddp"]
+    for case in ("gpt2 init", "safetensors out", "init", "safetensors in", "dcp.load", "ddp 2 -> pp 2", "pp 2 x dp 2 -> fsdp 2"):
         assert two[case] is True, f"pp 2: {case}"
     for r in twos:
         assert r["ddp 2 -> pp 2 optimizer"] is True and r["pp 2 x dp 2 -> fsdp 2 optimizer"] is True
@@ -261,7 +280,8 @@ def test_a_pipeline_born_on_meta_trains_loads_saves_and_initializes(tmp_path) ->
     assert _exact({k: v for k, v in plain.state_dict().items()}, two["trained"])
     optimizer_state = {n: s for r in twos for n, s in r["optimizer"].items()}
     assert _exact(_optimizer_state(plain, opt), optimizer_state)
-    print(f"max |diff| vs torch DDP: pp 2 {two['vs torch ddp']:.2e}, dp 2 x pp 2 fsdp {four['vs torch ddp']:.2e}")
+    print(f"max |diff| vs torch DDP: pp 2 {two['vs torch ddp']:.2e}, gpt2 (tied) pp 2 {two['gpt2 vs torch ddp']:.2e}, "
+          f"dp 2 x pp 2 fsdp {four['vs torch ddp']:.2e}")
 
 
 def test_a_step_before_the_state_is_materialized_is_refused_by_name() -> None:

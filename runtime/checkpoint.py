@@ -194,6 +194,7 @@ def _pipeline_tensors(module: nn.Module) -> dict[str, list[Any]] | None:
     pipelined = getattr(module, "_dpar_pipeline", None)
     if pipelined is None:
         return None
+    pipelined.retie()  # before save and load read the state dict: to_empty untied a tied weight
     return {
         name: [list(shape), str(dtype).removeprefix("torch.")] for name, (shape, dtype) in pipelined.whole_model().items()
     }

@@ -262,6 +262,8 @@ def load_safetensors(
     Each raises ``dpar.SafetensorsCheckpointError`` naming the file and the tensor, and the model is unchanged.
     """
     module = _unwrap(model)
+    if getattr(module, "_dpar_pipeline", None) is not None:
+        module._dpar_pipeline.retie()  # to_empty untied a tied weight: one entry again (see api/pipelining.py)
     error, plan = None, []
     try:
         to_file = _mapper(prefix, key_map)

@@ -238,18 +238,21 @@ def _two(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init: 
     got = dpar.checkpoint.full_state_dict(model)
     if rank == 0:
         found["gpt2 init"] = _exact(got, gpt2_init)
-    set_model_state_dict(model, dict(gpt2_weights) if rank == 0 else {}, options=options)
+    dpar.checkpoint.load_safetensors(model, dirs["st_gpt2"])  # the tied weight: written once, read by both stages
     _train(model, step, rank, world_size)
     want, _ = _torch_ddp(gpt2_weights, rank, world_size, "gpt2")
     got = dpar.checkpoint.full_state_dict(model)
+    dpar.checkpoint.save_safetensors(model, dirs["st_gpt2_out"])
     if rank == 0:
         found["gpt2 vs torch ddp"] = _diff(got, want.state_dict())
+        out = load_file(os.path.join(dirs["st_gpt2_out"], "model.safetensors"))
+        found["gpt2 safetensors out"] = set(out) == set(got) - {"inner.lm_head.weight"} and _exact(out, {k: got[k] for k in out})
     dist.barrier()
     return found
 
 
 def test_a_pipeline_born_on_meta_trains_loads_saves_and_initializes(tmp_path) -> None:
-    names = ("pp", "pp_fsdp", "ddp", "dcp", "st_pp", "st_fsdp", "st_plain")
+    names = ("pp", "pp_fsdp", "ddp", "dcp", "st_pp", "st_fsdp", "st_plain", "st_gpt2", "st_gpt2_out")
     dirs = {name: str(tmp_path / name) for name in names}
     weights, init = _weights(), _one_device_init()
     assert not _exact(init, weights)  # the init cases compare against something other than the loaded weights
@@ -265,11 +268,14 @@ def test_a_pipeline_born_on_meta_trains_loads_saves_and_initializes(tmp_path) ->
         assert four[case] is True, f"dp 2 x pp 2: {case}"
 
     gpt2_weights, gpt2_init = _weights("gpt2"), _one_device_init("gpt2")
+    gpt2 = build("gpt2", LAYERS)
+    gpt2.load_state_dict(gpt2_weights)
+    dpar.checkpoint.save_safetensors(gpt2, dirs["st_gpt2"])
     twos = run_ranks(_two, 2, dirs, weights, init, four, gpt2_weights, gpt2_init, timeout_s=300)
     two = twos[0]
     assert two["vs torch ddp"] <= TOLERANCE, two["vs torch ddp"]
     assert two["gpt2 vs torch ddp"] <= TOLERANCE, two["gpt2 vs torch ddp"]
-    for case in ("gpt2 init", "safetensors out", "init", "safetensors in", "dcp.load", "ddp 2 -> pp 2", "pp 2 x dp 2 -> fsdp 2"):
+    for case in ("gpt2 init", "gpt2 safetensors out", "safetensors out", "init", "safetensors in", "dcp.load", "ddp 2 -> pp 2", "pp 2 x dp 2 -> fsdp 2"):
         assert two[case] is True, f"pp 2: {case}"
     for r in twos:
         assert r["ddp 2 -> pp 2 optimizer"] is True and r["pp 2 x dp 2 -> fsdp 2 optimizer"] is True

@@ -231,7 +231,8 @@ def _full_size(model: nn.Module) -> Iterator[tuple[_StandIns, _RefuseLostWrites]
     released = _released_leaves(model)
     try:
         for module in model.modules():
-            if any(p is not None and _is_parallelized(p) for p in module._parameters.values()) or id(module) in released:
+            split = any(p is not None and _is_parallelized(p) for p in module._parameters.values())
+            if split or id(module) in released:
                 original = module.__dict__["_parameters"]
                 swapped.append((module, type(module), original))
                 module.__dict__["_parameters"] = _FullSizeParameters(original, stand_ins, released.get(id(module)))

@@ -127,7 +127,8 @@ class PipelineStep:
             module = self.model.get_submodule(module_name)
             first_module, _, first_leaf = first.rpartition(".")
             target = self.model.get_submodule(first_module)._parameters.get(first_leaf)
-            if module._parameters.get(leaf) is not None and target is not None and module._parameters[leaf] is not target:
+            current = module._parameters.get(leaf)
+            if current is not None and target is not None and current is not target:
                 module._parameters[leaf] = target
 
     def _graph_modules(self) -> list[fx.GraphModule]:
@@ -138,10 +139,10 @@ class PipelineStep:
         ]
 
     def _retarget(self) -> None:
-        """[Note: a pipeline born on meta]: the first step after ``to_empty`` points the graphs at the state's device."""
+        """[Note: a pipeline born on meta]: the first step after ``to_empty`` points the graphs at the device."""
         self.executor.refresh_state()
-        parameters = self.executor.parameters
-        check_materialized([("parameter" if n in parameters else "buffer", n, t) for n, t in self.executor.state.items()])
+        parameters, state = self.executor.parameters, self.executor.state
+        check_materialized([("parameter" if n in parameters else "buffer", n, t) for n, t in state.items()])
         local = [t.to_local() if isinstance(t, DTensor) else t for t in self.executor.state.values()]
         device = next((t.device for t in local), torch.device("cpu"))
         for gm in self._graph_modules():
@@ -149,8 +150,8 @@ class PipelineStep:
                          and isinstance(getattr(gm, n.target, None), torch.Tensor) and getattr(gm, n.target).is_meta]
             if constants:
                 raise UnmaterializedStateError(
-                    f"pipeline: the graph traced on meta holds tensor constants with no values ({', '.join(constants)}); "
-                    "build the model on the device it trains on (not meta) to pipeline it."
+                    f"pipeline: the graph traced on meta holds tensor constants with no values "
+                    f"({', '.join(constants)}); build the model on the device it trains on (not meta) to pipeline it."
                 )
             retarget_device_pass(gm, device)
         self._traced_on_meta = False
@@ -227,7 +228,8 @@ def _record_whole_model(model: nn.Module, holders: dict[str, int]) -> None:
     """[Note: a pipelined model's state]: the whole model's names, shapes, dtypes, ties and holders, by name."""
     state = state_of(model, create=True)
     first: dict[int, str] = {}
-    tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
     for name, value in model.state_dict(keep_vars=True).items():
         if isinstance(value, torch.Tensor):
             state.set_fact(_WHOLE, name, (value.shape, value.dtype))
@@ -292,10 +294,10 @@ def _shard_over_dp(
             param = parameters[name]
             start, length = layout.rows(i, groups.dp_rank)
             local = param.detach().narrow(0, start, length).clone()
-            shard = nn.Parameter(
-                DTensor.from_local(local, dp_mesh, [Shard(0)], shape=param.shape, stride=param.stride(), run_check=False),
-                requires_grad=param.requires_grad,
+            shard = DTensor.from_local(
+                local, dp_mesh, [Shard(0)], shape=param.shape, stride=param.stride(), run_check=False
             )
+            shard = nn.Parameter(shard, requires_grad=param.requires_grad)
             for other, p in parameters.items():  # every name of it (a tied weight read on another rank's stage too)
                 if p is param:
                     module_name, _, leaf = other.rpartition(".")
@@ -325,6 +327,12 @@ def pipeline(
     ``dp``: ``dp_strategy="ddp"`` all-reduces them in buckets of ``bucket_cap_mb``, ``"fsdp"`` keeps
     1/dp of each stage's parameters, gradients and optimizer state per rank, gathered once per step.
     See ``[Note: the pipeline's data contract]`` in ``runtime/pipeline_parallel.py``.
+
+    ``model`` may be built on the meta device: cut it here, then ``model.to_empty(device=...)`` allocates this rank's
+    stages only (its ``dp`` shard of them under ``"fsdp"``); load weights (``set_model_state_dict``, ``dcp.load``,
+    ``dpar.checkpoint.load``, ``load_safetensors``) or ``dpar.init_weights`` before the first step. Each rank's
+    ``model.state_dict()`` holds its stages' tensors (DTensors under ``"fsdp"``). See ``[Note: a pipeline born on
+    meta]`` and ``[Note: a pipelined model's state]``.
     """
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise OptionsError("pipeline: this model is already cut into stages; call dpar.pipeline once per model.")

@@ -195,9 +195,8 @@ def _pipeline_tensors(module: nn.Module) -> dict[str, list[Any]] | None:
     if pipelined is None:
         return None
     pipelined.retie()  # before save and load read the state dict: to_empty untied a tied weight
-    return {
-        name: [list(shape), str(dtype).removeprefix("torch.")] for name, (shape, dtype) in pipelined.whole_model().items()
-    }
+    whole = pipelined.whole_model()
+    return {name: [list(shape), str(dtype).removeprefix("torch.")] for name, (shape, dtype) in whole.items()}
 
 
 def _own_parameter_lists(loaded: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:

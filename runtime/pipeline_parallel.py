@@ -57,8 +57,9 @@ class PipelineExecutor:
 
     def __init__(
         self, schedule: PipelineSchedule, graphs: dict[int, StageGraphs], model: nn.Module,
-        groups: PipelineGroups, shared: dict[str, tuple[torch.Size, torch.dtype]], sync: dict[int, SyncVariant] | None = None,
-        gather: dict[int, fx.GraphModule] | None = None, chunks: dict[str, int] | None = None,
+        groups: PipelineGroups, shared: dict[str, tuple[torch.Size, torch.dtype]],
+        sync: dict[int, SyncVariant] | None = None, gather: dict[int, fx.GraphModule] | None = None,
+        chunks: dict[str, int] | None = None,
     ) -> None:
         self.schedule = schedule
         self.graphs = graphs
@@ -272,7 +273,8 @@ class PipelineExecutor:
 
     def _count_held(self, stage: int, saved: dict[tuple[int, int], list]) -> None:
         held = [v for (s, _), v in saved.items() if s == stage]
-        state = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in self.state.values()}
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in self.state.values()]
+        state = {t.untyped_storage().data_ptr() for t in local}
         size = sum(  # activations only: a saved view of a weight (its transpose) costs nothing
             t.numel() * t.element_size() for v in held for t in torch.utils._pytree.tree_leaves(v)
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in state

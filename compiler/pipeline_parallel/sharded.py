@@ -60,7 +60,7 @@ class ShardLayout:
         return tuple(-(-s[0] // self.dp) * math.prod(s[1:]) for s in self.shapes)
 
     def rows(self, index: int, rank: int) -> tuple[int, int]:
-        """(first row, row count) of parameter ``index`` that ``rank`` holds: ``torch.chunk``'s cut, as ``Shard(0)``'s."""
+        """(first row, row count) of parameter ``index`` that ``rank`` holds (``torch.chunk``'s cut, ``Shard(0)``'s)."""
         return shard_rows(self.shapes[index][0], self.dp, rank)
 
     @property

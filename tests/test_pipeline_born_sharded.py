@@ -316,3 +316,25 @@ def test_a_step_before_the_state_is_materialized_is_refused_by_name() -> None:
     model.load_state_dict(_weights())
     plain = build("llama", LAYERS)
     assert step(x, y).item() == pytest.approx(token_loss(plain(x), y).item(), rel=1e-6)
+
+
+def test_an_fsdp_shard_is_the_shard0_block_of_its_rows() -> None:
+    """dp_strategy="fsdp"'s flat shard of a parameter is its Shard(0) rows (torch.chunk's cut, uneven included), then
+    zero padding: what the state dict's DTensor shows and what the all-gather puts back in order."""
+    from dpar.compiler.pipeline_parallel.sharded import ShardLayout
+
+    shapes = ((5, 3), (4,), (1, 2), (7, 2, 2))
+    for dp in (2, 3, 4):
+        layout = ShardLayout(shapes, torch.float32, dp)
+        for i, shape in enumerate(shapes):
+            full = torch.randn(shape)
+            shards = [layout.shard(full, i, r) for r in range(dp)]
+            assert all(s.numel() == layout.chunks[i] for s in shards)
+            assert torch.equal(torch.cat(shards)[: full.numel()], full.reshape(-1))
+            blocks = full.chunk(dp)
+            for r in range(dp):
+                start, length = layout.rows(i, r)
+                want = blocks[r] if r < len(blocks) else full[:0]
+                assert torch.equal(full.narrow(0, start, length), want)
+                assert torch.equal(shards[r][: want.numel()], want.reshape(-1))
+                assert not shards[r][want.numel():].any()

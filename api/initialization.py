@@ -91,6 +91,13 @@ class _StandIns:
 
     def __init__(self) -> None:
         self.made: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}  # id(real) -> (real, stand-in)
+        self.released: dict[str, nn.Parameter] = {}  # dpar.pipeline: first name -> stand-in of another rank's parameter
+
+    def of_released(self, key: str, shape: torch.Size, dtype: torch.dtype) -> nn.Parameter:
+        """A stand-in for a parameter another pipeline rank's stage holds: drawn into here, then dropped."""
+        if key not in self.released:
+            self.released[key] = nn.Parameter(torch.empty(shape, dtype=dtype))
+        return self.released[key]
 
     def of(self, real: torch.Tensor) -> nn.Parameter:
         if id(real) not in self.made:
@@ -109,13 +116,18 @@ class _StandIns:
             for real, stand_in in self.made.values():
                 _scatter_locally(stand_in, real)
         self.made.clear()
+        self.released.clear()
 
 
 class _FullSizeParameters(dict):
     """A module's ``_parameters`` while an initializer runs: parallelized entries read as their stand-ins."""
 
-    def __init__(self, real: dict[str, torch.Tensor | None], stand_ins: _StandIns) -> None:
+    def __init__(
+        self, real: dict[str, torch.Tensor | None], stand_ins: _StandIns,
+        released: dict[str, tuple[str, torch.Size, torch.dtype]] | None = None,
+    ) -> None:
         super().__init__(real)
+        self._released = released or {}  # dpar.pipeline: leaf -> (first name, shape, dtype) of another rank's parameter
         self._real = dict(real)
         # Decided before this dict is installed: looking a parameter's facts up reads the module's parameters.
         self._split = {name for name, p in real.items() if p is not None and _is_parallelized(p)}
@@ -123,6 +135,8 @@ class _FullSizeParameters(dict):
 
     def __getitem__(self, name: str) -> torch.Tensor | None:
         real = self._real.get(name)
+        if name in self._released and dict.__getitem__(self, name) is None:
+            return self._stand_ins.of_released(*self._released[name])
         if name in self._split and dict.__getitem__(self, name) is real:
             return self._stand_ins.of(real)
         return dict.__getitem__(self, name)
@@ -214,12 +228,14 @@ def _full_size(model: nn.Module) -> Iterator[tuple[_StandIns, _RefuseLostWrites]
     stand_ins = _StandIns()
     guard = _RefuseLostWrites(model)
     swapped: list[tuple[nn.Module, type[nn.Module], dict]] = []
+    released = _released_leaves(model)
     try:
         for module in model.modules():
-            if any(p is not None and _is_parallelized(p) for p in module._parameters.values()):
+            split = any(p is not None and _is_parallelized(p) for p in module._parameters.values())
+            if split or id(module) in released:
                 original = module.__dict__["_parameters"]
                 swapped.append((module, type(module), original))
-                module.__dict__["_parameters"] = _FullSizeParameters(original, stand_ins)
+                module.__dict__["_parameters"] = _FullSizeParameters(original, stand_ins, released.get(id(module)))
                 module.__class__ = _user_class(module)
         with guard:
             yield stand_ins, guard
@@ -227,6 +243,23 @@ def _full_size(model: nn.Module) -> Iterator[tuple[_StandIns, _RefuseLostWrites]
         for module, cls, original in swapped:
             module.__class__ = cls
             module.__dict__["_parameters"] = original
+
+
+def _released_leaves(model: nn.Module) -> dict[int, dict[str, tuple[str, torch.Size, torch.dtype]]]:
+    """dpar.pipeline: id(module) -> leaf -> (first name, shape, dtype) of each parameter another rank's stage holds
+    (``None`` in its module here). Every rank replays every module's init, these on stand-ins it then drops, so the
+    random stream is the one device's (see [Note: a pipelined model's state] in ``api/pipelining.py``)."""
+    pipelined = model.__dict__.get("_dpar_pipeline")
+    if pipelined is None:
+        return {}
+    pipelined.retie()  # to_empty untied a tied weight: one parameter, initialized as on one device
+    first = pipelined.first_names()
+    leaves: dict[int, dict[str, tuple[str, torch.Size, torch.dtype]]] = {}
+    for name, (shape, dtype) in pipelined.released().items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        leaves.setdefault(id(module), {})[leaf] = (first.get(name, name), shape, dtype)
+    return leaves
 
 
 def _own_initializer(model: nn.Module) -> Callable[[nn.Module], None]:
@@ -280,7 +313,7 @@ def _check_same_generators(model: nn.Module) -> None:
     """Every rank must draw the same stream, or the ranks' parts come from different initializations."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    if not any(_is_parallelized(p) for p in model.parameters()):
+    if not any(_is_parallelized(p) for p in model.parameters()) and "_dpar_pipeline" not in model.__dict__:
         return  # every rank initializes all of it: no collective, so a plain model may be initialized on one rank
     digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
     devices = {p.device for p in model.parameters() if p.device.type not in ("cpu", "meta")}

@@ -9,14 +9,17 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dpar.compiler.pipeline_parallel.data_parallel import SyncVariant, sync_variant
 from dpar.compiler.pipeline_parallel.sharded import gather_variant, layout_of, reduce_scatter_variant
 from dpar.compiler.pipeline_parallel.schedules import build_schedule, check_name, warn_if_bubble_large
 from dpar.compiler.pipeline_parallel.split import StageSplit, capture, split_stages
-from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs, trace_stage
+from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs, retarget_device_pass, trace_stage
 from dpar.runtime.agreement import agree
-from dpar.runtime.errors import OptionsError
+from dpar.runtime.errors import OptionsError, UnmaterializedStateError
+from dpar.runtime.model_state import check_materialized, record_meta_buffers, state_of
 from dpar.runtime.liveness import PIPELINE_STEP, watching
 from dpar.runtime.pipeline_parallel import PipelineExecutor, PipelineGroups
 from dpar.runtime.world import current_world
@@ -44,6 +47,35 @@ def _groups(mesh: DeviceMesh | None) -> PipelineGroups:
     )
 
 
+# [Note: a pipeline born on meta]
+# A model too big for one device is built under ``torch.device("meta")``, cut into stages there, and only then
+# materialized with ``model.to_empty(device=...)``, so that no rank ever holds more than its stages. The capture
+# and the stage traces run on meta (the example inputs are moved there: ``torch.export`` will not mix meta and
+# CPU tensors); they only need shapes. What a trace bakes in is the device of the tensors a forward creates
+# (``arange``'s positions, a causal mask's ``scalar_tensor``): ``device=meta`` in the graphs, which the first
+# step rewrites to the device the state was materialized on (``retarget_device_pass``), after checking that no
+# parameter is still on meta and every buffer that was on meta has been written since (``check_materialized``:
+# non-persistent buffers such as RoPE's ``inv_freq`` come from the model's own init, not from a state dict).
+#
+# [Note: a pipelined model's state]
+# torch.distributed.pipelining's convention: each rank's ``model.state_dict()`` holds its stages' parameters
+# (and every buffer), and the union over ranks is the whole model. Another stage's parameter is released: set to
+# ``None`` in its module's ``_parameters`` (``named_parameters``, ``state_dict``, ``to_empty`` and optimizers all
+# skip it), its name, shape and dtype kept in the model's ``ModelState`` (facts keyed by name, which survive
+# ``to_empty``, ``swap_tensors`` and ``load_state_dict(assign=True)``). Under ``dp_strategy="fsdp"`` a held
+# parameter is a ``Shard(0)`` DTensor over the mesh's ``dp`` dimension (torch's convention, as under
+# ``dpar.parallelize``'s fsdp), so DCP, ``set_model_state_dict`` and ``dpar.checkpoint`` reshard it to and from
+# any strategy. A root load-state-dict pre-hook drops the entries of released parameters (a full state dict
+# loads on every rank, each keeping its stages) and cuts a full tensor given for a shard to this rank's rows.
+# The executor looks the parameters up by name at every step. ``to_empty`` unties a tied weight (each module gets a
+# parameter of its own, as HF's ``tie_weights()`` after it is there to undo): the step, the loads, ``init_weights``
+# and ``full_state_dict`` tie the names ``dpar.pipeline`` found tied again first (``PipelineStep.retie``).
+_WHOLE = "pipeline_whole"  # state-dict name -> (shape, dtype), for the whole model
+_TIED = "pipeline_tied"  # state-dict name -> the first name of the same parameter or buffer
+_HOLDER = "pipeline_holder"  # parameter name -> the pipeline rank of the first stage that reads it
+RELEASED = "pipeline_released"  # parameter name -> (shape, dtype): another rank's stage holds it
+
+
 class PipelineStep:
     """``step(*inputs, target)``: forward and backward of the pipeline group's whole batch.
 
@@ -53,7 +85,7 @@ class PipelineStep:
 
     def __init__(
         self, model: nn.Module, split: StageSplit, graphs: dict[int, StageGraphs], executor: PipelineExecutor,
-        groups: PipelineGroups, example_shapes: tuple[tuple[int, ...], ...], full_shapes: dict[str, torch.Size],
+        groups: PipelineGroups, example_shapes: tuple[tuple[int, ...], ...], born_on_meta: bool = False,
     ) -> None:
         self.model = model
         self.split = split
@@ -61,7 +93,7 @@ class PipelineStep:
         self.executor = executor
         self.groups = groups
         self.example_shapes = example_shapes
-        self.full_shapes = full_shapes
+        self._traced_on_meta = born_on_meta
 
     @property
     def schedule(self):
@@ -75,11 +107,54 @@ class PipelineStep:
                 "the stage graphs are captured at one micro-batch shape. Keep the per-rank batch shape fixed "
                 "(drop_last=True in the DataLoader), or build another step for the other shape."
             )
+        self.retie()
+        if self._traced_on_meta:
+            self._retarget()
         with watching(PIPELINE_STEP):  # a rank that vanishes mid-step is named: RankLostError
             batch = [self._gather(x) for x in inputs]
             m = self.schedule.micro_batches
             micro_batches = [list(chunk) for chunk in zip(*(x.chunk(m) for x in batch))]
             return self.executor.run(micro_batches)
+
+    def retie(self) -> None:
+        """[Note: a pipelined model's state]: every name of a parameter that was tied when ``dpar.pipeline`` ran reads
+        the first name's parameter again. ``to_empty`` (``nn.Module._apply``) gives each module a new parameter of
+        its own; a tie the stages were cut for would silently train as two halves."""
+        for name, first in state_of(self.model).facts(_TIED).items():
+            if name == first:
+                continue
+            module_name, _, leaf = name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            first_module, _, first_leaf = first.rpartition(".")
+            target = self.model.get_submodule(first_module)._parameters.get(first_leaf)
+            current = module._parameters.get(leaf)
+            if current is not None and target is not None and current is not target:
+                module._parameters[leaf] = target
+
+    def _graph_modules(self) -> list[fx.GraphModule]:
+        kinds = ("forward", "backward", "backward_input", "backward_weight")
+        return [
+            *(getattr(g, k) for g in self.graphs.values() for k in kinds), *self.executor.gather.values(),
+            *(v.graph for v in self.executor.sync.values()),
+        ]
+
+    def _retarget(self) -> None:
+        """[Note: a pipeline born on meta]: the first step after ``to_empty`` points the graphs at the device."""
+        self.executor.refresh_state()
+        parameters, state = self.executor.parameters, self.executor.state
+        check_materialized([("parameter" if n in parameters else "buffer", n, t) for n, t in state.items()])
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in self.executor.state.values()]
+        device = next((t.device for t in local), torch.device("cpu"))
+        for gm in self._graph_modules():
+            constants = [n.target for n in gm.graph.nodes if n.op == "get_attr"
+                         and isinstance(getattr(gm, n.target, None), torch.Tensor) and getattr(gm, n.target).is_meta]
+            if constants:
+                raise UnmaterializedStateError(
+                    f"pipeline: the graph traced on meta holds tensor constants with no values "
+                    f"({', '.join(constants)}); build the model on the device it trains on (not meta) to pipeline it."
+                )
+            retarget_device_pass(gm, device)
+        self._traced_on_meta = False
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """The pipeline group's batch: every member's slice, in pipeline order."""
@@ -92,37 +167,114 @@ class PipelineStep:
     def measured_bubble(self) -> float:
         return self.executor.measured_bubble()
 
+    def whole_model(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Every tensor of the whole model's state dict (every rank's stages), by name: its shape and dtype."""
+        return dict(state_of(self.model).facts(_WHOLE))
+
+    def first_names(self) -> dict[str, str]:
+        """Each state-dict name -> the first name of the same tensor (a tied weight: one tensor, several names)."""
+        return dict(state_of(self.model).facts(_TIED))
+
+    def released(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """The parameters another rank's stages hold, by name: their shape and dtype."""
+        return dict(state_of(self.model).facts(RELEASED))
+
+    def full_tensor(self, name: str, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The whole of state-dict entry ``name`` on every rank of this rank's pipeline group, from the rank whose
+        stage holds it (``local``: this rank's ``model.state_dict()``). A collective: every rank calls it for the
+        same names in the same order."""
+        shape, dtype = state_of(self.model).facts(_WHOLE)[name]
+        holder = state_of(self.model).facts(_HOLDER).get(name)
+        if holder is None or self.groups.pp is None:  # a buffer, or read by no stage: every rank holds it
+            value = local[name].detach()
+            return (value.full_tensor() if isinstance(value, DTensor) else value).to("cpu", copy=True)
+        if holder == self.groups.pp_rank:
+            value = local[name].detach()
+            full = (value.full_tensor() if isinstance(value, DTensor) else value).to("cpu", copy=True)
+        else:
+            full = torch.empty(shape, dtype=dtype)
+        dist.broadcast(full, src=self.groups.pp_ranks[holder], group=self.groups.pp)
+        return full
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model on global rank 0 (None elsewhere): each parameter from the rank holding it."""
-        by_name = dict(self.model.named_parameters(remove_duplicate=False))
-        holder: dict[int, int] = {}  # id(parameter) -> the first stage reading it
-        for stage in reversed(self.split.stages):
-            holder.update({id(by_name[n]): stage.index for n in stage.parameters})
+        """The whole model on global rank 0 (None elsewhere): each parameter from the rank holding it, one at a time."""
+        keep = not dist.is_initialized() or dist.get_rank() == 0
+        self.retie()
+        local = self.model.state_dict()
+        first = self.first_names()
         state: dict[str, torch.Tensor] = {}
-        for name, value in self.model.state_dict(keep_vars=True).items():
-            stage = holder.get(id(value))
-            if stage is None or self.groups.pp is None:  # a buffer, or read by no stage: every rank holds it
-                state[name] = value.detach().clone()
-                continue
-            holder_rank = self.schedule.stage_rank(stage)
-            shape = self.full_shapes[name]
-            if holder_rank != self.groups.pp_rank:
-                full = torch.empty(shape, dtype=value.dtype)
-            elif value.shape == shape:
-                full = value.detach().clone()
-            else:  # a shard over dp (dp_strategy="fsdp"): gather it from the stage's dp group
-                gathered = value.new_empty(value.numel() * self.groups.dp_size)
-                dist.all_gather_into_tensor(gathered, value.detach(), group=self.groups.dp)
-                full = gathered[: shape.numel()].view(shape).clone()
-            dist.broadcast(full, src=self.groups.pp_ranks[holder_rank], group=self.groups.pp)
-            state[name] = full
-        return state if not dist.is_initialized() or dist.get_rank() == 0 else None
+        gathered: set[str] = set()
+        for name in self.whole_model():
+            key = first.get(name, name)
+            if key not in gathered:
+                gathered.add(key)
+                full = self.full_tensor(name, local)
+                if keep:
+                    state[key] = full
+            if keep:
+                state[name] = state[key]
+        return state if keep else None
+
+
+def _holders(split: StageSplit, parameters: dict[str, nn.Parameter], plan) -> dict[str, int]:  # noqa: ANN001
+    """Each parameter name a stage reads (under any of its tied names) -> the pipeline rank of the first such stage."""
+    first: dict[int, int] = {}  # id(parameter) -> the first stage reading it (ids of live parameters, this call only)
+    for stage in reversed(split.stages):
+        first.update({id(parameters[n]): stage.index for n in stage.parameters})
+    return {n: plan.stage_rank(first[id(p)]) for n, p in parameters.items() if id(p) in first}
+
+
+def _record_whole_model(model: nn.Module, holders: dict[str, int]) -> None:
+    """[Note: a pipelined model's state]: the whole model's names, shapes, dtypes, ties and holders, by name."""
+    state = state_of(model, create=True)
+    first: dict[int, str] = {}
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    for name, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            state.set_fact(_WHOLE, name, (value.shape, value.dtype))
+            state.set_fact(_TIED, name, first.setdefault(id(tensors.get(name, value)), name))
+    for name, rank in holders.items():
+        state.set_fact(_HOLDER, name, rank)
+
+
+def _release(model: nn.Module, names: set[str]) -> None:
+    """Another rank's stages' parameters: ``None`` in their modules, their shape and dtype kept by name."""
+    state = state_of(model, create=True)
+    for name in sorted(names):
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = module._parameters[leaf]
+        if param is not None:
+            state.set_fact(RELEASED, name, (param.shape, param.dtype))
+            module._parameters[leaf] = None
+
+
+def _accept_pipeline_state(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:  # noqa: ANN002
+    """``load_state_dict`` pre-hook of a pipelined root: see [Note: a pipelined model's state]."""
+    state = state_of(module)
+    if state is None:
+        return
+    module.__dict__[_ATTRIBUTE].retie()
+    for name in state.facts(RELEASED):
+        state_dict.pop(prefix + name, None)
+    for name, param in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                and value.shape == param.shape:
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            rows = value.narrow(0, offset[0], shape[0])
+            state_dict[prefix + name] = DTensor.from_local(
+                rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+            )
 
 
 def _shard_over_dp(
-    graphs: dict[int, StageGraphs], parameters: dict[str, nn.Parameter], groups: PipelineGroups, last: str
-) -> tuple[dict[int, SyncVariant], dict[int, fx.GraphModule]]:
-    """[Note: sharded data parallel across pipelines]: the variants, and each parameter replaced by its shard."""
+    model: nn.Module, graphs: dict[int, StageGraphs], parameters: dict[str, nn.Parameter], groups: PipelineGroups,
+    mesh: DeviceMesh, last: str,
+) -> tuple[dict[int, SyncVariant], dict[int, fx.GraphModule], dict[str, int]]:
+    """[Note: sharded data parallel across pipelines]: the variants, each parameter replaced by its ``Shard(0)``
+    DTensor over ``dp``, and each sharded name's padded chunk length."""
     names = [n for g in graphs.values() for n in g.parameter_names]
     twice = sorted({n for n in names if sum(parameters[m] is parameters[n] for m in names) > 1})
     if twice:
@@ -132,15 +284,26 @@ def _shard_over_dp(
             "untie it, place the stages so that each rank reads it once, or use dp_strategy='ddp'."
         )
     group_name = groups.dp.group_name
-    sync, gather = {}, {}
+    dp_mesh = mesh["dp"]
+    sync, gather, chunks = {}, {}, {}
     for s, g in graphs.items():
         layout = layout_of(g, groups.dp_size)
         gather[s] = gather_variant(g, layout, group_name)
         sync[s] = reduce_scatter_variant(g, last, layout, group_name)
         for i, name in enumerate(g.parameter_names):
             param = parameters[name]
-            param.data = layout.shard(param.data, i, groups.dp_rank)
-    return sync, gather
+            start, length = layout.rows(i, groups.dp_rank)
+            local = param.detach().narrow(0, start, length).clone()
+            shard = DTensor.from_local(
+                local, dp_mesh, [Shard(0)], shape=param.shape, stride=param.stride(), run_check=False
+            )
+            shard = nn.Parameter(shard, requires_grad=param.requires_grad)
+            for other, p in parameters.items():  # every name of it (a tied weight read on another rank's stage too)
+                if p is param:
+                    module_name, _, leaf = other.rpartition(".")
+                    model.get_submodule(module_name)._parameters[leaf] = shard
+                    chunks[other] = layout.chunks[i]
+    return sync, gather, chunks
 
 
 def pipeline(
@@ -164,6 +327,12 @@ def pipeline(
     ``dp``: ``dp_strategy="ddp"`` all-reduces them in buckets of ``bucket_cap_mb``, ``"fsdp"`` keeps
     1/dp of each stage's parameters, gradients and optimizer state per rank, gathered once per step.
     See ``[Note: the pipeline's data contract]`` in ``runtime/pipeline_parallel.py``.
+
+    ``model`` may be built on the meta device: cut it here, then ``model.to_empty(device=...)`` allocates this rank's
+    stages only (its ``dp`` shard of them under ``"fsdp"``); load weights (``set_model_state_dict``, ``dcp.load``,
+    ``dpar.checkpoint.load``, ``load_safetensors``) or ``dpar.init_weights`` before the first step. Each rank's
+    ``model.state_dict()`` holds its stages' tensors (DTensors under ``"fsdp"``). See ``[Note: a pipeline born on
+    meta]`` and ``[Note: a pipelined model's state]``.
     """
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise OptionsError("pipeline: this model is already cut into stages; call dpar.pipeline once per model.")
@@ -204,6 +373,10 @@ def pipeline(
         )
     warn_if_bubble_large(schedule, p, micro_batches, virtual)
     micro_batch = tuple(torch.cat([x] * p)[: total // micro_batches] for x in example_inputs)
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if on_meta:  # [Note: a pipeline born on meta]
+        micro_batch = tuple(x.to("meta") for x in micro_batch)
+        record_meta_buffers(model)
     split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points)
     world = current_world()
     if world is not None and world.backend != "fake":  # every rank must have cut the same stages and schedule
@@ -214,15 +387,12 @@ def pipeline(
     state = parameters | dict(model.named_buffers(remove_duplicate=False))
     mine = plan.stages_of(groups.pp_rank)
     graphs = {s: trace_stage(split.stages[s], state, s == stages - 1, micro_batch) for s in mine}
-    full_shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
-    read = {id(parameters[n]) for stage in split.stages for n in stage.parameters}
-    held = {id(parameters[n]) for s in mine for n in split.stages[s].parameters}
-    held |= {id(p) for p in parameters.values() if id(p) not in read}  # read by no stage: kept everywhere
-    for param in model.parameters():
-        if id(param) not in held:  # another rank's stage: release it
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-    shared = {name: full_shapes[name] for name in split.shared_parameters}
-    sync, gather = {}, {}
+    holders = _holders(split, parameters, plan)
+    _record_whole_model(model, holders)
+    held = {id(parameters[n]) for s in mine for n in split.stages[s].parameters}  # this call only
+    _release(model, {n for n, p in parameters.items() if n in holders and id(p) not in held})
+    shared = {name: (parameters[name].shape, parameters[name].dtype) for name in split.shared_parameters}
+    sync, gather, chunks = {}, {}, {}
     if groups.dp is not None and groups.dp_size > 1:
         last = "backward_weight" if schedule == "zb_h1" else "backward"
         if dp_strategy == "ddp":  # [Note: data parallel across pipelines]
@@ -232,9 +402,12 @@ def pipeline(
                 for s, g in graphs.items()
             }
         else:
-            sync, gather = _shard_over_dp(graphs, parameters, groups, last)
-            shared = {name: parameters[name].shape for name in shared}  # each rank sums its shard
-    executor = PipelineExecutor(plan, graphs, state, groups, shared, sync, gather)
-    step = PipelineStep(model, split, graphs, executor, groups, tuple(tuple(x.shape) for x in example_inputs), full_shapes)
+            sync, gather, chunks = _shard_over_dp(model, graphs, parameters, groups, mesh, last)
+            dp = groups.dp_size  # each rank sums its shard of a shared parameter (padded to whole rows)
+            shared = {n: ((-(-shape[0] // dp) * shape[1:].numel(),), dtype) for n, (shape, dtype) in shared.items()}
+    executor = PipelineExecutor(plan, graphs, model, groups, shared, sync, gather, chunks)
+    step = PipelineStep(model, split, graphs, executor, groups, tuple(tuple(x.shape) for x in example_inputs),
+                        born_on_meta=on_meta)
+    model.register_load_state_dict_pre_hook(_accept_pipeline_state)
     object.__setattr__(model, _ATTRIBUTE, step)
     return step

@@ -107,8 +107,11 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Checkp
     if optimizer is not None:
         _create_optimizer_state(optimizer)
         state["optimizer"] = _saved_part(_optimizer_state_by_name(module, optimizer), path, prefix)
+        own_lists = {"param_groups": [dict(g) for g in state["optimizer"]["param_groups"]]}
     wrapped = _per_rank(module, state)
     dcp.load(wrapped, checkpoint_id=path)
+    if optimizer is not None:
+        state["optimizer"] = _own_parameter_lists(state["optimizer"], own_lists)
     # DCP filled the tensors in place; these also restore what it replaces (extra state, hyperparameters).
     module.load_state_dict(state["model"])
     if optimizer is not None:
@@ -174,7 +177,7 @@ def _fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
 
     plan = plan_of_parameters(dict(module.named_parameters()))
     return {
-        "tensors": {
+        "tensors": _pipeline_tensors(module) or {
             name: [list(t.shape), str(t.dtype).removeprefix("torch.")]
             for name, t in module.state_dict().items() if isinstance(t, torch.Tensor)
         },
@@ -183,6 +186,30 @@ def _fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
     }
+
+
+def _pipeline_tensors(module: nn.Module) -> dict[str, list[Any]] | None:
+    """A ``dpar.pipeline`` model's fingerprint tensors: the whole model's, every rank's stages (each rank's
+    ``state_dict()`` holds its own stages only; see [Note: a pipelined model's state] in ``api/pipelining.py``)."""
+    pipelined = getattr(module, "_dpar_pipeline", None)
+    if pipelined is None:
+        return None
+    pipelined.retie()  # before save and load read the state dict: to_empty untied a tied weight
+    whole = pipelined.whole_model()
+    return {name: [list(shape), str(dtype).removeprefix("torch.")] for name, (shape, dtype) in whole.items()}
+
+
+def _own_parameter_lists(loaded: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """The loaded optimizer state with each group's parameter names this optimizer's own.
+
+    DCP keeps one copy of a value that is not a tensor; under ``dpar.pipeline`` each rank's optimizer holds its
+    stages' parameters only, so the saved lists are one rank's, and a checkpoint of another layout lists
+    parameters this rank does not hold. The hyperparameters come from the checkpoint, the names from here.
+    """
+    if len(loaded["param_groups"]) != len(own["param_groups"]):
+        return loaded  # optimizer.load_state_dict names the mismatch
+    groups = [{**group, "params": mine["params"]} for group, mine in zip(loaded["param_groups"], own["param_groups"])]
+    return {**loaded, "param_groups": groups}
 
 
 def _check_same_model(saved: dict[str, Any], mine: dict[str, Any], path: str) -> None:

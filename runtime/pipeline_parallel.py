@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from dpar.compiler.pipeline_parallel.data_parallel import SyncVariant
 from dpar.compiler.pipeline_parallel.schedules import Action, Op, PipelineSchedule
@@ -55,16 +56,22 @@ class PipelineExecutor:
     """One step of the schedule on this rank: forward and backward of the whole batch."""
 
     def __init__(
-        self, schedule: PipelineSchedule, graphs: dict[int, StageGraphs], state: dict[str, torch.Tensor],
-        groups: PipelineGroups, shared: dict[str, torch.Size], sync: dict[int, SyncVariant] | None = None,
-        gather: dict[int, fx.GraphModule] | None = None,
+        self, schedule: PipelineSchedule, graphs: dict[int, StageGraphs], model: nn.Module,
+        groups: PipelineGroups, shared: dict[str, tuple[torch.Size, torch.dtype]],
+        sync: dict[int, SyncVariant] | None = None, gather: dict[int, fx.GraphModule] | None = None,
+        chunks: dict[str, int] | None = None,
     ) -> None:
         self.schedule = schedule
         self.graphs = graphs
-        self.state = state  # parameters and buffers by name
-        self.parameters = {name: p for name, p in state.items() if isinstance(p, nn.Parameter)}
+        self.model = model
+        self.state: dict[str, torch.Tensor] = {}  # parameters and buffers by name, looked up at each step
+        self.parameters: dict[str, nn.Parameter] = {}
+        self.refresh_state()
+        # dp_strategy="fsdp": each sharded parameter's padded shard length (see ShardLayout).
+        self.chunks = chunks or {}
         self.groups = groups
-        self.shared = shared  # parameters read on several stages, with their full shapes
+        # Parameters read on several stages: the shape and dtype of the gradient each rank sums (its shard under fsdp).
+        self.shared = shared
         # [Note: data parallel across pipelines]: each stage's last B or W runs its sync variant.
         self.sync = sync or {}
         own = schedule.actions[groups.pp_rank]
@@ -80,6 +87,18 @@ class PipelineExecutor:
         self.peak_held: dict[int, int] = {}  # stage -> most micro-batches whose saved activations were held at once
         self.peak_saved_bytes: dict[int, int] = {}
 
+    def refresh_state(self) -> None:
+        """The model's parameters and buffers as they are now, by name: ``to_empty``, ``load_state_dict(assign=True)``
+        or a move may have put new tensors in place since the last step (see [Note: facts keyed by name, not by
+        tensor] in ``model_state.py``)."""
+        self.parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        self.state = {**self.parameters, **dict(self.model.named_buffers(remove_duplicate=False))}
+
+    def _flat_shard(self, name: str) -> torch.Tensor:
+        """A sharded parameter's rows (its ``Shard(0)`` DTensor's local part), flat and padded to its chunk."""
+        local = self.state[name].detach().to_local().reshape(-1)
+        return torch.nn.functional.pad(local, (0, self.chunks[name] - local.numel()))
+
     def _params(self, stage: int) -> list[torch.Tensor]:
         g = self.graphs[stage]
         params = self.gathered[stage] if stage in self.gather else [self.state[n] for n in g.parameter_names]
@@ -89,7 +108,7 @@ class PipelineExecutor:
         g = self.graphs[action.stage]
         if self.first_forward.get(action.stage) != action:
             return g.forward(*self._params(action.stage), *batch, *carried)
-        shard = torch.cat([self.state[n].reshape(-1) for n in g.parameter_names])
+        shard = torch.cat([self._flat_shard(n) for n in g.parameter_names])
         buffers = [self.state[n] for n in g.buffer_names]
         result = self.gather[action.stage](shard, *buffers, *batch, *carried)
         self.gathered[action.stage] = list(result[len(result) - len(g.parameter_names):])  # kept for the step
@@ -113,6 +132,7 @@ class PipelineExecutor:
     def run(self, micro_batches: list[list[torch.Tensor]]) -> torch.Tensor:
         """``micro_batches[k]``: the k-th micro-batch of every user input. Returns this group's mean loss."""
         m = self.schedule.micro_batches
+        self.refresh_state()
         received: dict[tuple[int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         saved: dict[tuple[int, int], list] = {}
@@ -229,15 +249,17 @@ class PipelineExecutor:
         if self.shared and self.groups.pp is not None:
             # A parameter read by stages on several ranks: each rank summed its own stages'
             # contributions; sum those over the pipeline group (zeros where a rank holds none).
-            for name, shape in self.shared.items():
-                p = self.parameters[name]
-                total = param_grads.get(id(p), torch.zeros(shape, dtype=p.dtype))
+            for name, (shape, dtype) in self.shared.items():
+                p = self.parameters.get(name)  # None: released here (no stage of this rank reads it)
+                mine = p is not None and id(p) in param_grads
+                total = param_grads[id(p)] if mine else torch.zeros(shape, dtype=dtype)
                 dist.all_reduce(total, group=self.groups.pp)
-                if id(p) in param_grads:
+                if mine:
                     param_grads[id(p)] = total
         for key, grad in param_grads.items():
             p = by_id[key]
-            p.grad = grad.detach().clone() if p.grad is None else p.grad + grad
+            grad = _as_shard(grad, p) if isinstance(p, DTensor) else grad.detach().clone()
+            p.grad = grad if p.grad is None else p.grad + grad
 
     def _mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self.groups.pp is not None:
@@ -251,7 +273,8 @@ class PipelineExecutor:
 
     def _count_held(self, stage: int, saved: dict[tuple[int, int], list]) -> None:
         held = [v for (s, _), v in saved.items() if s == stage]
-        state = {t.untyped_storage().data_ptr() for t in self.state.values()}
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in self.state.values()]
+        state = {t.untyped_storage().data_ptr() for t in local}
         size = sum(  # activations only: a saved view of a weight (its transpose) costs nothing
             t.numel() * t.element_size() for v in held for t in torch.utils._pytree.tree_leaves(v)
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in state
@@ -266,3 +289,11 @@ class PipelineExecutor:
         span = self.timeline[-1].end - self.timeline[0].start
         busy = sum(t.end - t.start for t in self.timeline if t.action.op.is_compute)
         return 1.0 - busy / span
+
+
+def _as_shard(flat: torch.Tensor, param: DTensor) -> DTensor:
+    """A reduce-scattered gradient chunk (padded) as the gradient of ``param``, a ``Shard(0)`` DTensor."""
+    local_shape = param.to_local().shape
+    local = flat.detach()[: local_shape.numel()].reshape(local_shape).clone()
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(),
+                              run_check=False)

@@ -77,12 +77,6 @@ def _mapper(prefix: str, key_map: KeyMap | None) -> KeyMap:
 
 def _entries(module: nn.Module, to_file: KeyMap) -> list[_Entry]:
     """The state dict's tensors grouped by the parameter or buffer they are (tied names: one entry)."""
-    if getattr(module, "_dpar_pipeline", None) is not None:
-        raise OptionsError(
-            "dpar.checkpoint's safetensors functions do not handle a dpar.pipeline model yet (each rank holds its "
-            "stages' parameters only): load or export the model before dpar.pipeline, or export "
-            "dpar.checkpoint.full_state_dict(model) with safetensors.torch.save_file on rank 0"
-        )
     owner = {name: id(t) for name, t in module.named_parameters(remove_duplicate=False)}
     owner.update({name: id(t) for name, t in module.named_buffers(remove_duplicate=False)})
     by_owner: dict[int, _Entry] = {}
@@ -99,6 +93,39 @@ def _entries(module: nn.Module, to_file: KeyMap) -> list[_Entry]:
         else:
             by_owner[key] = _Entry([name], [file_name], value)
     return list(by_owner.values())
+
+
+# [Note: safetensors and a pipelined model]
+# Under ``dpar.pipeline`` each rank's ``model.state_dict()`` holds its stages' tensors only (DTensors of this rank's
+# rows under dp_strategy="fsdp"; see [Note: a pipelined model's state] in ``api/pipelining.py``). Loading reads
+# those as for any model, and the file's tensors of other ranks' stages are theirs, not "unexpected". Saving
+# walks the whole model's entries in state-dict order (tied names once), each gathered from the rank holding it.
+
+
+def _pipeline_entries(module: nn.Module, to_file: KeyMap) -> list[_Entry]:
+    """The whole pipelined model's entries (every rank's stages), each value a meta tensor of its shape and dtype."""
+    pipelined = module._dpar_pipeline
+    first = pipelined.first_names()
+    by_first: dict[str, _Entry] = {}
+    for name, (shape, dtype) in pipelined.whole_model().items():
+        file_name = to_file(name)
+        if file_name is None:
+            continue
+        key = first.get(name, name)
+        if key in by_first:
+            by_first[key].names.append(name)
+            by_first[key].file_names.append(file_name)
+        else:
+            by_first[key] = _Entry([name], [file_name], torch.empty(shape, dtype=dtype, device="meta"))
+    return list(by_first.values())
+
+
+def _held_elsewhere(module: nn.Module, to_file: KeyMap) -> set[str]:
+    """The file names of the tensors another pipeline rank's stages hold (none unless ``module`` is pipelined)."""
+    pipelined = getattr(module, "_dpar_pipeline", None)
+    if pipelined is None:
+        return set()
+    return {f for name in pipelined.released() if (f := to_file(name)) is not None}
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -235,11 +262,14 @@ def load_safetensors(
     Each raises ``dpar.SafetensorsCheckpointError`` naming the file and the tensor, and the model is unchanged.
     """
     module = _unwrap(model)
+    if getattr(module, "_dpar_pipeline", None) is not None:
+        module._dpar_pipeline.retie()  # to_empty untied a tied weight: one entry again (see api/pipelining.py)
     error, plan = None, []
     try:
-        entries = _entries(module, _mapper(prefix, key_map))
+        to_file = _mapper(prefix, key_map)
+        entries = _entries(module, to_file)
         source = _Source(directory)
-        plan = _validated(entries, source, strict, cast)
+        plan = _validated(entries, source, strict, cast, _held_elsewhere(module, to_file))
     except DparError as exc:
         error = exc
     _agree(error)
@@ -261,10 +291,11 @@ def _storages(module: nn.Module) -> set[int]:
 
 
 def _validated(
-    entries: list[_Entry], source: _Source, strict: bool, cast: bool
+    entries: list[_Entry], source: _Source, strict: bool, cast: bool, elsewhere: set[str] | None = None
 ) -> list[tuple[_Entry, str]]:
-    """(entry, the file's name for it) for each entry to load; raises naming every problem found."""
-    plan, missing, wrong, claimed = [], [], [], set()
+    """(entry, the file's name for it) for each entry to load; raises naming every problem found. ``elsewhere``:
+    file names another pipeline rank loads (see [Note: safetensors and a pipelined model])."""
+    plan, missing, wrong, claimed = [], [], [], set(elsewhere or ())
     for entry in entries:
         present = [n for n in entry.file_names if n in source.file_of]
         claimed.update(present)
@@ -371,7 +402,11 @@ def save_safetensors(
     """
     module = _unwrap(model)
     path = os.fspath(directory)
-    entries = _entries(module, _mapper(prefix, key_map))
+    pipelined = getattr(module, "_dpar_pipeline", None)
+    if pipelined is not None:  # [Note: safetensors and a pipelined model]
+        entries, local = _pipeline_entries(module, _mapper(prefix, key_map)), module.state_dict()
+    else:
+        entries = _entries(module, _mapper(prefix, key_map))
     shards = _shards(entries, _bytes(max_shard_size))
     writer = not dist.is_initialized() or dist.get_rank() == 0
     files = [SINGLE] if len(shards) == 1 else [
@@ -394,7 +429,10 @@ def save_safetensors(
         tensors: dict[str, torch.Tensor] = {}
         for entry in shard:
             value = entry.value.detach()
-            full = value.full_tensor() if isinstance(value, DTensor) else value  # collective: every rank
+            if pipelined is not None:  # from the rank whose stage holds it
+                full = pipelined.full_tensor(entry.names[0], local)
+            else:
+                full = value.full_tensor() if isinstance(value, DTensor) else value  # collective: every rank
             if writer:
                 tensors[entry.file_names[0]] = full.to("cpu", copy=True).contiguous()
                 weight_map[entry.file_names[0]] = file

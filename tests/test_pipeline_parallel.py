@@ -109,7 +109,9 @@ def test_fsdp_over_dp_gathers_once_and_reduce_scatters_once(world_of_four):
                          schedule="zb_h1", dp_strategy="fsdp")
     (stage,) = step.graphs
     names = step.graphs[stage].parameter_names
-    assert {n: p.numel() for n, p in model.named_parameters() if n in names} == {n: -(-whole[n] // 2) for n in names}
+    held = dict(model.named_parameters())  # Shard(0) DTensors of the whole shape, this rank's rows local
+    assert {n: held[n].numel() for n in names} == {n: whole[n] for n in names}
+    assert {n: held[n].to_local().numel() for n in names} == {n: -(-whole[n] // 2) for n in names}
 
     def collectives(gm):
         return [str(n.target) for n in gm.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)]

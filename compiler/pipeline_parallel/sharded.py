@@ -15,9 +15,11 @@ reason). Two passes put the collectives in the stage's graphs:
   accumulated gradients are laid out rank by rank, reduce-scattered, divided by ``dp``, and
   returned as this rank's gradient shards.
 
-A parameter's shard is its flattened elements cut into ``dp`` equal chunks (the last padded),
-the layout of FSDP's flat parameters; ``ShardLayout`` records it so that both passes and the
-runtime agree.
+A parameter's shard is its rows cut as ``torch.chunk`` cuts them (``ceil(rows / dp)`` rows per
+rank, the last ranks fewer or none), flattened and zero-padded to ``ceil(rows / dp)`` rows: the
+rows of the ``Shard(0)`` DTensor that ``model.state_dict()`` shows for it (torch's convention, as
+under ``dpar.parallelize``'s fsdp), laid out as FSDP's flat parameters are. ``ShardLayout``
+records it so that both passes and the runtime agree.
 """
 
 from __future__ import annotations
@@ -54,7 +56,12 @@ class ShardLayout:
 
     @property
     def chunks(self) -> tuple[int, ...]:
-        return tuple(-(-n // self.dp) for n in self.numels)
+        """Elements of each parameter's shard: ``ceil(rows / dp)`` rows (padded where a rank has fewer)."""
+        return tuple(-(-s[0] // self.dp) * math.prod(s[1:]) for s in self.shapes)
+
+    def rows(self, index: int, rank: int) -> tuple[int, int]:
+        """(first row, row count) of parameter ``index`` that ``rank`` holds (``torch.chunk``'s cut, ``Shard(0)``'s)."""
+        return shard_rows(self.shapes[index][0], self.dp, rank)
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -72,8 +79,21 @@ class ShardLayout:
         return flat[rank * chunk:(rank + 1) * chunk].clone()
 
 
+def shard_rows(rows: int, dp: int, rank: int) -> tuple[int, int]:
+    """(first row, row count) of ``rank``'s part of ``rows`` rows cut in ``dp``, as ``torch.chunk`` and ``Shard(0)``."""
+    per_rank = -(-rows // dp)
+    start = min(rank * per_rank, rows)
+    return start, min(per_rank, rows - start)
+
+
 def layout_of(graphs: StageGraphs, dp: int) -> ShardLayout:
     values = _parameter_placeholders(graphs.forward, graphs)
+    scalars = [n for n, v in zip(graphs.parameter_names, values) if v.meta["val"].dim() == 0]
+    if scalars:
+        raise OptionsError(
+            f"pipeline: dp_strategy='fsdp' shards parameters by rows, and {', '.join(scalars)} of stage "
+            f"{graphs.stage.index} is a scalar; give it shape (1,), or use dp_strategy='ddp'."
+        )
     dtypes = {v.meta["val"].dtype for v in values}
     if len(dtypes) > 1:
         raise OptionsError(

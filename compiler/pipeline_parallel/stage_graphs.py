@@ -180,3 +180,21 @@ def trace_stage(stage: Stage, state: dict[str, torch.Tensor], last: bool, batch:
         backward_input=backward_input,
         backward_weight=backward_weight,
     )
+
+
+def retarget_device_pass(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """Every ``device=meta`` a trace on the meta device baked into ``gm`` (``arange``'s positions, a mask's
+    ``scalar_tensor``) becomes ``device``, where the model's state now lives. See [Note: a pipeline born on meta]."""
+    meta = torch.device("meta")
+
+    def swap(value):  # noqa: ANN001, ANN202 (an fx argument of any kind)
+        return device if isinstance(value, torch.device) and value == meta else value
+
+    changed = False
+    for node in gm.graph.nodes:
+        args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs, changed = args, kwargs, True
+    if changed:
+        gm.recompile()
+    return gm

@@ -104,13 +104,17 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Checkp
     refuse_unmaterialized(module, "dpar.checkpoint.load")
     path = published(os.fspath(path))
     manifest = read_manifest(path)
-    _check_same_model(manifest["fingerprint"], _fingerprint(module, optimizer), path)
-    prefix = _replica_prefix(module, path)
+    mine = _fingerprint(module, optimizer)
+    whole_weights = _whole_weights_into_zero1(module, optimizer, manifest["fingerprint"])
+    if whole_weights:
+        mine = {**mine, "per_rank": False}
+    _check_same_model(manifest["fingerprint"], mine, path)
+    prefix = "" if whole_weights else _replica_prefix(module, path)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
         _create_optimizer_state(optimizer)
         state["optimizer"] = _saved_part(_optimizer_state_by_name(module, optimizer), path, prefix)
-    wrapped = _per_rank(module, state)
+    wrapped = state if whole_weights else _per_rank(module, state)
     dcp.load(wrapped, checkpoint_id=path)
     # DCP filled the tensors in place; these also restore what it replaces (extra state, hyperparameters).
     module.load_state_dict(state["model"])
@@ -162,6 +166,16 @@ def _persistent(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole_weights_into_zero1(module: nn.Module, optimizer: torch.optim.Optimizer | None, saved: dict[str, Any]) -> bool:
+    """Whether this is a zero1 model's weights alone from a checkpoint whose state no rank holds alone: zero1's
+    parameters are whole and the same on every rank (only its optimizer state is per rank), so they load from any
+    strategy's checkpoint at any world size, as ddp's do. Its optimizer ranges do not (``_check_same_model``)."""
+    return (
+        optimizer is None and not saved["per_rank"] and _period(module) is None
+        and any(zero1.is_zero1(p) for p in module.parameters())
+    )
 
 
 def _prepared(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -260,6 +274,8 @@ def _check_same_model(saved: dict[str, Any], mine: dict[str, Any], path: str) ->
         else:
             fix = (f"{mine['strategy']} keeps a state per rank, which it does not hold: load it under ddp, zero2, fsdp "
                    f"or hsdp (at any world size), or resume this run from a checkpoint {mine['strategy']} saved")
+            if mine["strategy"] == "zero1":
+                fix += "; zero1 loads the weights alone from it (optimizer=None), its optimizer state starting afresh"
         raise CheckpointError(f"the checkpoint at {path!r} was {where}: {fix}")
     if mine["optimizer"] is not None and saved["optimizer"] not in (None, mine["optimizer"]):
         raise CheckpointError(

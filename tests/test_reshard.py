@@ -1,8 +1,8 @@
 """Checkpoints reshard between strategies and world sizes, and torch's full-state-dict load works under the 2-D ones.
 
 Reshards through ``dpar.checkpoint.save`` / ``load`` (HF Llama, 2 layers): tp 2 -> fsdp 4, fsdp+tp (2x2) -> ddp 2,
-zero2 4 -> tp 2, fsdp 2 -> a plain one-process model, tp 2 -> zero1 2 (before zero1's first step; after it, zero1
-holds per-rank optimizer ranges and a checkpoint of another strategy is a named CheckpointError). Parameters and
+zero2 4 -> tp 2, fsdp 2 -> a plain one-process model, tp 2 -> zero1 2 (the weights alone: zero1's optimizer state is
+each rank's range, which another strategy's checkpoint does not hold, so with the optimizer a named CheckpointError). Parameters and
 AdamW's moments and step are compared with ``torch.equal`` at their full shapes on both sides. The source state is
 two AdamW steps on gradients that are an elementwise function of each parameter (``sin``), so every layout steps the
 same numbers without a compile.
@@ -107,15 +107,21 @@ def _two_ranks_first(rank: int, world_size: int, root: str) -> dict:
     found: dict = {"saved": {}}
     for strategy in ("tp", "fsdp"):
         found["saved"][strategy] = _saved(strategy, rank, world_size, os.path.join(root, f"{strategy}2"))
-    # tp 2 -> zero1 2: zero1 keeps each rank's range of the optimizer state, which a tp checkpoint does not hold.
+    # tp 2 -> zero1 2: zero1 keeps each rank's range of the optimizer state, which a tp checkpoint does not hold:
+    # refused by name with the optimizer (nothing loaded); its weights, whole on every rank, load alone.
     model, optimizer = _parallelized("zero1", rank, world_size, seed=1)
     before = _full_state(model, optimizer)
     try:
         dpar.checkpoint.load(model, optimizer, os.path.join(root, "tp2"))
-        found["tp 2 -> zero1 2"] = "loaded"
+        found["tp 2 -> zero1 2 with optimizer"] = "loaded"
     except dpar.CheckpointError as error:
         after = _full_state(model, optimizer)
-        found["tp 2 -> zero1 2"] = str(error) if rank or _differences(before, after) == 0 else "changed the model"
+        found["tp 2 -> zero1 2 with optimizer"] = str(error) if rank or _differences(before, after) == 0 else "changed"
+    dpar.checkpoint.load(model, None, os.path.join(root, "tp2"))
+    weights = dpar.checkpoint.full_state_dict(model)
+    if rank == 0:
+        want = {k: v for k, v in found["saved"]["tp"].items() if not k.startswith("optimizer.")}
+        found["tp 2 -> zero1 2 weights"] = _differences(want, weights)
     return found
 
 
@@ -226,14 +232,15 @@ def found(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("case", [
-    "tp 2 -> fsdp 4", "fsdp+tp 2x2 -> ddp 2", "zero2 4 -> tp 2", "fsdp 2 -> one process",
+    "tp 2 -> fsdp 4", "fsdp+tp 2x2 -> ddp 2", "zero2 4 -> tp 2", "fsdp 2 -> one process", "tp 2 -> zero1 2 weights",
 ])
 def test_checkpoint_reshards_exactly(found: dict, case: str) -> None:
     assert found[case] == 0, found[case]
 
 
-def test_zero1_refuses_another_strategys_checkpoint_by_name_and_unchanged(found: dict) -> None:
-    assert "zero1 keeps a state per rank" in found["tp 2 -> zero1 2"], found["tp 2 -> zero1 2"]
+def test_zero1_refuses_another_strategys_optimizer_state_by_name_and_unchanged(found: dict) -> None:
+    message = found["tp 2 -> zero1 2 with optimizer"]
+    assert "zero1 keeps a state per rank" in message and "optimizer=None" in message, message
 
 
 @pytest.mark.parametrize("strategy", ["fsdp+tp", "zero2+tp"])

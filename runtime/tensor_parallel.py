@@ -214,8 +214,11 @@ def as_block(value: object, param: torch.Tensor) -> object:
 # torch's ``_load_model_state_dict`` asks for the parameters of a full state dict, the marking class answers
 # with the parameter as ``model.state_dict()`` describes it (``as_dtensor``: [Shard(dim), Shard(0)] over
 # ("tp", "dp"), whole shape), a view of the same memory: torch's slice is then this rank's block of its data
-# shard, copied in place, and ``load_state_dict`` takes the view back unchanged (``as_block``). Plain tp and
-# ddp+tp hold plain blocks, which torch replaces by the full tensor and ``as_block`` cuts: nothing to do.
+# shard, copied in place, and ``load_state_dict`` takes the view back unchanged (``as_block``); into parameters
+# still on meta, torch builds new DTensors from the view's layout and assigns them, ``as_block`` again turning
+# each into the data-parallel shard. Plain tp and ddp+tp hold plain blocks, which torch replaces by the full
+# tensor and ``as_block`` cuts: nothing to do. The caller is recognized by torch's private function name: were
+# it renamed, torch's own shape error comes back (tests/test_reshard.py fails on it), never wrong numbers.
 
 
 def _in_torch_full_state_dict_load() -> bool:

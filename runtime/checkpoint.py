@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,10 +37,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from dpar.runtime.checkpoint_files import publish, published, read_manifest, reached, staging_directory
-from dpar.runtime.errors import CheckpointError, OptionsError
+from dpar.runtime.errors import CheckpointError, OptionsError, UnmaterializedStateError
 from dpar.runtime import zero1
 from dpar.runtime.local_sgd import Period, period_of
-from dpar.runtime.safetensors_io import load_safetensors, save_safetensors
+from dpar.runtime import safetensors_io
+from dpar.runtime.safetensors_io import save_safetensors
 from dpar.runtime.tensor_parallel import as_block, as_dtensor
 
 CheckpointDir = str | os.PathLike[str]  # a directory: DCP writes one file per rank and a metadata file
@@ -99,16 +101,21 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Checkp
     """
     _wait_for_pending_save()
     module = _unwrap(model)
+    refuse_unmaterialized(module, "dpar.checkpoint.load")
     path = published(os.fspath(path))
     manifest = read_manifest(path)
-    _check_same_model(manifest["fingerprint"], _fingerprint(module, optimizer), path)
-    prefix = _replica_prefix(module, path)
+    mine = _fingerprint(module, optimizer)
+    whole_weights = _whole_weights_into_zero1(module, optimizer, manifest["fingerprint"])
+    if whole_weights:
+        mine = {**mine, "per_rank": False}
+    _check_same_model(manifest["fingerprint"], mine, path)
+    prefix = "" if whole_weights else _replica_prefix(module, path)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizer is not None:
         _create_optimizer_state(optimizer)
         state["optimizer"] = _saved_part(_optimizer_state_by_name(module, optimizer), path, prefix)
         own_lists = {"param_groups": [dict(g) for g in state["optimizer"]["param_groups"]]}
-    wrapped = _per_rank(module, state)
+    wrapped = state if whole_weights else _per_rank(module, state)
     dcp.load(wrapped, checkpoint_id=path)
     if optimizer is not None:
         state["optimizer"] = _own_parameter_lists(state["optimizer"], own_lists)
@@ -118,6 +125,60 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Checkp
         optimizer.load_state_dict(_optimizer_state_by_position(module, optimizer, state["optimizer"]))
     if "local_sgd" in wrapped:
         _period(module).load_state_dict(wrapped["local_sgd"])
+
+
+def load_safetensors(model: nn.Module, directory: str | os.PathLike[str], **kwargs: Any) -> None:
+    refuse_unmaterialized(_unwrap(model), "dpar.checkpoint.load_safetensors")
+    safetensors_io.load_safetensors(model, directory, **kwargs)
+
+
+load_safetensors.__doc__ = safetensors_io.load_safetensors.__doc__
+load_safetensors.__wrapped__ = safetensors_io.load_safetensors  # inspect.signature shows its keywords
+
+
+def refuse_unmaterialized(module: nn.Module, what: str) -> None:
+    """Refuse, on every rank and before anything is read, to load into a model still on the meta device.
+
+    A copy into a meta tensor does nothing, without an error: ``dcp.load`` and the safetensors reader "loaded"
+    a model that ``parallelize`` left on meta (never ``to_empty``) and kept no value. Persistent state only (a
+    non-persistent buffer is in no checkpoint; the first compile names one left unwritten). A pipelined model
+    keeps its other stages' parameters elsewhere, its own concern.
+    """
+    if getattr(module, "_dpar_pipeline", None) is not None:
+        return
+    meta = next((name for name, t in _persistent(module) if _local(t).is_meta), None)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a rank that refuses alone would leave the others waiting
+        found: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, meta)
+        meta = next((f"{name} (rank {rank})" for rank, name in enumerate(found) if name is not None), None)
+    if meta is not None:
+        raise UnmaterializedStateError(
+            f"{what} into a model still on the meta device ({meta} has no memory): nothing was loaded. Give the "
+            "model its memory first, model.to_empty(device=...) after dpar.parallelize (each rank allocates its "
+            "own part), then load"
+        )
+
+
+def _persistent(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers, by name (what a state dict holds, without running its hooks)."""
+    for prefix, sub in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        yield from ((dot + n, p) for n, p in sub._parameters.items() if p is not None)
+        yield from ((dot + n, b) for n, b in sub._buffers.items() if b is not None and n not in sub._non_persistent_buffers_set)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole_weights_into_zero1(module: nn.Module, optimizer: torch.optim.Optimizer | None, saved: dict[str, Any]) -> bool:
+    """Whether this is a zero1 model's weights alone from a checkpoint whose state no rank holds alone: zero1's
+    parameters are whole and the same on every rank (only its optimizer state is per rank), so they load from any
+    strategy's checkpoint at any world size, as ddp's do. Its optimizer ranges do not (``_check_same_model``)."""
+    return (
+        optimizer is None and not saved["per_rank"] and _period(module) is None
+        and any(zero1.is_zero1(p) for p in module.parameters())
+    )
 
 
 def _prepared(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -240,6 +301,8 @@ def _check_same_model(saved: dict[str, Any], mine: dict[str, Any], path: str) ->
         else:
             fix = (f"{mine['strategy']} keeps a state per rank, which it does not hold: load it under ddp, zero2, fsdp "
                    f"or hsdp (at any world size), or resume this run from a checkpoint {mine['strategy']} saved")
+            if mine["strategy"] == "zero1":
+                fix += "; zero1 loads the weights alone from it (optimizer=None), its optimizer state starting afresh"
         raise CheckpointError(f"the checkpoint at {path!r} was {where}: {fix}")
     if mine["optimizer"] is not None and saved["optimizer"] not in (None, mine["optimizer"]):
         raise CheckpointError(

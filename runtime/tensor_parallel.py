@@ -38,6 +38,8 @@ rank cuts to its own block (no collective: every rank passes the full tensor).
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -198,6 +200,43 @@ def as_block(value: object, param: torch.Tensor) -> object:
     )
 
 
+# [Note: a 2-D parameter in torch's full-state-dict load]
+# torch's ``set_model_state_dict(full_state_dict=True[, broadcast_from_rank0=True])`` does not load through
+# ``model.state_dict()``: it takes each module's ``named_parameters(recurse=False)`` as the local state and, for
+# a DTensor there, copies into its local tensor the slice of the full tensor that the DTensor's own mesh and
+# placements describe (``_distribute_tensors``), before ``load_state_dict`` runs. Under zero2/fsdp+tp the
+# DTensor in ``module._parameters`` is the data-parallel ``Shard(0)`` of this rank's tensor-parallel block, a
+# DTensor whose "whole" is the block, not the parameter: torch cut the full tensor by data-parallel rank alone
+# (rows 0-15 of a (32, 32) weight for a (8, 32) shard), failed on the shape, and left the parameters before
+# the failing one loaded. The parameter must stay that DTensor (fsdp's gather reads it whole over "dp" and the
+# tensor-parallel marker takes the block from there), and the same loop serves torch's
+# ``get_optimizer_state_dict``, which keys the optimizer's state by the very parameter objects. So only while
+# torch's ``_load_model_state_dict`` asks for the parameters of a full state dict, the marking class answers
+# with the parameter as ``model.state_dict()`` describes it (``as_dtensor``: [Shard(dim), Shard(0)] over
+# ("tp", "dp"), whole shape), a view of the same memory: torch's slice is then this rank's block of its data
+# shard, copied in place, and ``load_state_dict`` takes the view back unchanged (``as_block``); into parameters
+# still on meta, torch builds new DTensors from the view's layout and assigns them, ``as_block`` again turning
+# each into the data-parallel shard. Plain tp and ddp+tp hold plain blocks, which torch replaces by the full
+# tensor and ``as_block`` cuts: nothing to do. The caller is recognized by torch's private function name: were
+# it renamed, torch's own shape error comes back (tests/test_reshard.py fails on it), never wrong numbers.
+
+
+def _in_torch_full_state_dict_load() -> bool:
+    """Whether torch's ``set_model_state_dict`` of a full state dict is asking (see the Note above)."""
+    frame = sys._getframe(1)
+    for _ in range(256):  # its generators recurse once per module level
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_load_model_state_dict" and frame.f_globals.get("__name__") == _TORCH_STATE_DICT:
+            info = frame.f_locals.get("info")
+            return bool(getattr(info, "full_state_dict", False) or getattr(info, "broadcast_from_rank0", False))
+        frame = frame.f_back
+    return False
+
+
+_TORCH_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+
+
 def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) -> type[nn.Module]:
     """A subclass of ``cls`` whose split parameters read as marked full tensors, and are written to (and read
     from) state dicts as DTensors of their whole shape (see [Note: a split parameter in a state dict]).
@@ -229,7 +268,18 @@ def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) 
                 state_dict[prefix + name] = as_block(state_dict[prefix + name], self._parameters[name])
         cls._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
 
+    def named_parameters(
+        self: nn.Module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        loading = not recurse and _in_torch_full_state_dict_load()
+        for name, param in cls.named_parameters(self, prefix, recurse, remove_duplicate):
+            own = name[len(prefix) + 1:] if prefix else name
+            if loading and own in splits and isinstance(param, DTensor):
+                param = as_dtensor(param, param)  # a view: torch's in-place copy lands in the parameter
+            yield name, param
+
     members: dict[str, object] = {name: marked(name, spec) for name, spec in splits.items()}
+    members["named_parameters"] = named_parameters
     members["_save_to_state_dict"] = _save_to_state_dict
     members["_load_from_state_dict"] = _load_from_state_dict
     return type(f"TensorParallel{cls.__name__}", (cls,), members)

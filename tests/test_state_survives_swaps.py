@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -72,6 +73,9 @@ def _train(strategy: str, way: str, rank: int, world_size: int, checkpoint_dir: 
                 saved = optimizer.state_dict()
                 weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 model.load_state_dict(weights, assign=True)
+                if strategy == "zero1":  # the old optimizer would step parameters the model no longer holds
+                    with pytest.raises(dpar.OptionsError, match=r"zero1 parameter .* was replaced .*state_dict\(\)"):
+                        optimizer.step()
                 optimizer = _adamw(model)
                 optimizer.load_state_dict(saved)
             elif way == "swap":

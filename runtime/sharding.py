@@ -27,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._collective_utils import pad_tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dpar.runtime import model_state
 from dpar.runtime.errors import OptionsError
@@ -40,9 +41,9 @@ class ShardSpec:
     global_shape: tuple[int, ...]
 
 
-# Marks a full parameter replaced by its shards (an optimizer built before parallelize still holds it): a mark
-# on the tensor, not a table keyed by it (see [Note: facts keyed by name, not by tensor]).
-_RETIRED = "_dpar_retired"
+# Full parameters replaced by shards: no longer in any model, so this table never holds a parameter that
+# to_empty or load_state_dict could swap (see [Note: facts keyed by name, not by tensor]).
+_retired: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _KIND = "shard"  # ShardSpec facts in the model's ModelState
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
@@ -59,7 +60,7 @@ def spec_of(param: torch.Tensor) -> ShardSpec | None:
 
 
 def is_retired(param: torch.Tensor) -> bool:
-    return getattr(param, _RETIRED, False)
+    return param in _retired
 
 
 def _gathering_class(
@@ -121,7 +122,7 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtyp
             spec = ShardSpec(name=qualified, global_shape=tuple(full.shape))
             module._parameters[name] = shard_of[id(full)] = shard
             state.set_fact(_KIND, qualified, spec)
-            setattr(full, _RETIRED, True)
+            _retired[full] = True
             specs.append(spec)
         module.__class__ = _gathering_class(type(module), names, param_dtype)
         module.register_load_state_dict_pre_hook(functools.partial(_shard_full_tensors, names=names))

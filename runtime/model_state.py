@@ -16,6 +16,17 @@ through a weak set of parallelized *modules* and each state's ``id(tensor) ->
 name`` map, checked by identity on every hit and rebuilt from
 ``named_parameters()`` / ``named_buffers()`` on a miss (``swap_tensors`` keeps
 a parameter's Python identity, ``assign=True`` does not).
+
+The same holds for what the first compile and the first optimizer step learn: a
+compiled graph reaches its parameters and buffers through their ``Slot`` (the
+owning module, weakly, and the leaf name), so it reads whatever tensor the model
+holds there now; zero1's ranges and ``optimizer_in_graph`` are facts by name here;
+the zero1 views are the optimizer's (runtime/zero1.py). Facts about a tensor's
+*values* (broadcast from rank 0; a gradient accumulated under ``no_sync``) are
+marks in the tensor's own ``__dict__``, which ``swap_tensors`` moves together with
+the values. What is left that ``swap_tensors`` refuses is torch's: Dynamo's weak
+tables after ``torch.compile`` of an optimizer step (dpar's ``optimizer_in_graph``,
+and plain ``torch.compile(optimizer.step)`` alike).
 """
 
 from __future__ import annotations

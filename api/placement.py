@@ -159,7 +159,10 @@ def parallelize(
     if strategy == "ddp":
         if param_dtype is not None or reduce_dtype is not None:
             raise OptionsError("param_dtype/reduce_dtype apply to zero2 and fsdp; for ddp use torch.autocast")
-        return model  # replication needs no change at rest: the backend inserts the all-reduces
+        # Replication needs no change at rest (the backend inserts the all-reduces); the state lets the backend
+        # find the parameters by name through swap_tensors and load_state_dict(assign=True).
+        model_state.state_of(model, create=True)
+        return model
     if not dist.is_initialized():
         raise ProcessGroupError(
             f"strategy {strategy!r} places parameters over ranks, but torch.distributed is not "

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
+
+from dpar.runtime.model_state import slots_of
 
 
 class InputKind(enum.Enum):
@@ -25,7 +26,9 @@ class GraphInput:
     kind: InputKind
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
-    tensor: weakref.ref | None  # the live parameter or buffer, for the runtime
+    # The live parameter or buffer, for the runtime: its slot in the model, so no reference to it keeps
+    # swap_tensors (to_empty) from working, and load_state_dict(assign=True)'s new tensor is the one found.
+    tensor: Callable[[], torch.Tensor | None] | None
 
     @property
     def requires_grad(self) -> bool:
@@ -56,7 +59,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[object]) -> lis
             f"dpar internal error: Dynamo graph has {len(placeholders)} inputs but "
             f"{len(example_inputs)} example values"
         )
-    inputs = []
+    kinds = []
     for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
         source = _source_name(node, index)
         if isinstance(value, torch.nn.Parameter):
@@ -65,6 +68,11 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[object]) -> lis
             kind = InputKind.BUFFER
         else:
             kind = InputKind.DATA
+        kinds.append((source, kind))
+    state = [v for v, (_, kind) in zip(example_inputs, kinds) if kind is not InputKind.DATA]
+    slots = iter(slots_of(state))
+    inputs = []
+    for index, (value, (source, kind)) in enumerate(zip(example_inputs, kinds)):
         is_state = kind is not InputKind.DATA
         inputs.append(
             GraphInput(
@@ -73,7 +81,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[object]) -> lis
                 kind=kind,
                 shape=tuple(value.shape) if is_state else None,
                 dtype=value.dtype if is_state else None,
-                tensor=weakref.ref(value) if is_state else None,
+                tensor=next(slots) if is_state else None,
             )
         )
     return inputs

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 
 class Variant(enum.Enum):
@@ -30,9 +29,11 @@ class Variant(enum.Enum):
     SYNC_ACCUMULATED = "sync_accumulated"
 
 
-# Identity-keyed: tensors compare elementwise.
-_inside_no_sync: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_pending_local_grad: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Marks on the parameters, not tables keyed by them (swap_tensors refuses a tensor any weak reference points
+# at): how many no_sync blocks hold one now, and whether its .grad holds a local sum not yet averaged. A swap
+# moves both marks with the gradient they describe.
+_NO_SYNC = "_dpar_no_sync"
+_PENDING = "_dpar_pending_local_grad"
 
 
 @contextlib.contextmanager
@@ -40,19 +41,17 @@ def no_sync(model: torch.nn.Module) -> Iterator[None]:
     """Backward passes inside accumulate gradients locally; the next one outside averages the total."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
-        _inside_no_sync[p] = _inside_no_sync.get(p, 0) + 1
+        setattr(p, _NO_SYNC, getattr(p, _NO_SYNC, 0) + 1)
     try:
         yield
     finally:
         for p in params:
-            _inside_no_sync[p] -= 1
-            if _inside_no_sync[p] == 0:
-                del _inside_no_sync[p]
+            setattr(p, _NO_SYNC, getattr(p, _NO_SYNC) - 1)
 
 
 def inside_no_sync(parameters: Iterable[torch.Tensor]) -> bool:
     """Whether a ``no_sync`` block holds any of ``parameters`` now."""
-    return any(p in _inside_no_sync for p in parameters)
+    return any(getattr(p, _NO_SYNC, 0) > 0 for p in parameters)
 
 
 class _Variants:
@@ -99,15 +98,16 @@ class BackwardDispatch(_Variants):
         live = [p for p in params.values() if p is not None]
         if inside_no_sync(live):
             for p in live:
-                _pending_local_grad[p] = True
+                setattr(p, _PENDING, True)
             return self._run(Variant.NO_SYNC, args)
         pending = {
             i
             for i in self._accumulated_order
-            if params[i] is not None and params[i] in _pending_local_grad and params[i].grad is not None
+            if params[i] is not None and getattr(params[i], _PENDING, False) and params[i].grad is not None
         }
         for p in live:
-            _pending_local_grad.pop(p, None)
+            if getattr(p, _PENDING, False):
+                setattr(p, _PENDING, False)
         if not pending:
             return self._run(Variant.SYNC, args)
         accumulated = []

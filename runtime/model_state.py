@@ -16,12 +16,23 @@ through a weak set of parallelized *modules* and each state's ``id(tensor) ->
 name`` map, checked by identity on every hit and rebuilt from
 ``named_parameters()`` / ``named_buffers()`` on a miss (``swap_tensors`` keeps
 a parameter's Python identity, ``assign=True`` does not).
+
+The same holds for what the first compile and the first optimizer step learn: a
+compiled graph reaches its parameters and buffers through their ``Slot`` (the
+owning module, weakly, and the leaf name), so it reads whatever tensor the model
+holds there now; zero1's ranges and ``optimizer_in_graph`` are facts by name here;
+the zero1 views are the optimizer's (runtime/zero1.py). Facts about a tensor's
+*values* (broadcast from rank 0; a gradient accumulated under ``no_sync``) are
+marks in the tensor's own ``__dict__``, which ``swap_tensors`` moves together with
+the values. What is left that ``swap_tensors`` refuses is torch's: Dynamo's weak
+tables after ``torch.compile`` of an optimizer step (dpar's ``optimizer_in_graph``,
+and plain ``torch.compile(optimizer.step)`` alike).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,6 +45,7 @@ from dpar.runtime.errors import UnmaterializedStateError
 ATTRIBUTE = "_dpar_state"
 
 _models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # roots that have a ModelState
+generation = 0  # moves whenever any state gains a fact: a tensor found in none before may be in one now
 
 
 class ModelState:
@@ -55,12 +67,19 @@ class ModelState:
         return self.facts(kind).get("")
 
     def set_fact(self, kind: str, name: str, fact: Any) -> None:
+        global generation
         self._facts.setdefault(kind, {})[name] = fact
+        generation += 1
 
     def facts(self, kind: str) -> dict[str, Any]:
         return self._facts.get(kind, {})
 
     def _resolve(self, name: str) -> torch.Tensor | None:
+        slot = self.slot(name)
+        return None if slot is None else slot()
+
+    def slot(self, name: str) -> Slot | None:
+        """Where the parameter or buffer ``name`` lives: whatever tensor is there when asked."""
         model = self._model()
         if model is None:
             return None
@@ -69,8 +88,7 @@ class ModelState:
             module = model.get_submodule(module_name)
         except AttributeError:
             return None
-        # The dicts themselves, not a subclass's view of them (dpar.init_weights shows full-size stand-ins there).
-        return dict.get(module._parameters, leaf, dict.get(module._buffers, leaf))
+        return Slot(weakref.ref(module), leaf)
 
     def rebuild(self) -> None:
         """Map every parameter and buffer of the model, as it is now, to its names."""
@@ -96,6 +114,38 @@ class ModelState:
     def fact_of(self, kind: str, tensor: torch.Tensor) -> Any:
         facts = self.facts(kind)
         return next((facts[n] for n in self.names_of(tensor) if n in facts), None)
+
+
+class Slot:
+    """A module's parameter or buffer by its leaf name: the tensor there now (None: the module is gone).
+
+    Modules keep their identity through ``to_empty``, ``swap_tensors`` and ``load_state_dict(assign=True)``,
+    which replace the tensors in a module's dicts: a slot, unlike a reference to the tensor, follows them.
+    """
+
+    __slots__ = ("_module", "_leaf")
+
+    def __init__(self, module: weakref.ref[nn.Module], leaf: str) -> None:
+        self._module, self._leaf = module, leaf
+
+    def __call__(self) -> torch.Tensor | None:
+        module = self._module()
+        if module is None:
+            return None
+        # The dicts themselves, not a subclass's view of them (dpar.init_weights shows full-size stand-ins there).
+        return dict.get(module._parameters, self._leaf, dict.get(module._buffers, self._leaf))
+
+
+def slots_of(tensors: Iterable[torch.Tensor]) -> list[Callable[[], torch.Tensor | None]]:
+    """For each tensor, a way back to it that holds no reference to it: its slot in the parallelized model that
+    holds it, or (a model never parallelized) a weak reference, which ``swap_tensors`` then refuses."""
+    tensors = list(tensors)
+    found = []
+    for tensor, owner in zip(tensors, owners_of(tensors)):
+        names = owner.cached_names_of(tensor) if owner is not None else []
+        slot = owner.slot(names[0]) if names else None
+        found.append(slot if slot is not None else weakref.ref(tensor))
+    return found
 
 
 def state_of(model: nn.Module, create: bool = False) -> ModelState | None:

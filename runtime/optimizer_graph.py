@@ -32,25 +32,37 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from dpar.compiler.optimizer_step import CapturedStep, StepNotCaptured, eager_step, inductor_step, install_step
+from dpar.runtime import model_state
 
 
 class StepNotCapturedWarning(UserWarning):
     """An optimizer over dpar's parameters steps eagerly: Dynamo cannot capture its step whole."""
 
 
-_in_graph: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> True: its optimizers step in a graph
+# Parameters whose optimizers step in a graph: a fact of the model by parameter name (ModelState), so that
+# it survives swap_tensors and load_state_dict(assign=True); a mark on the tensor for a model compiled
+# without dpar.parallelize, which has no state.
+_KIND = "optimizer_in_graph"
+_IN_GRAPH = "_dpar_optimizer_in_graph"
 _decided: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # captured, or stepping eagerly for good
+# Optimizers found stepping other parameters: the generation of the states and their parameters' ids then.
+_not_in_graph: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
 _hook_installed = False
 
 
 def step_in_graph(parameters: Iterable[torch.Tensor]) -> None:
     """Optimizers over only these (and other such) parameters step in a compiled graph from their second step."""
     global _hook_installed
-    for p in parameters:
-        _in_graph[p] = True
+    parameters = list(parameters)
+    for p, owner in zip(parameters, model_state.owners_of(parameters)):
+        names = owner.names_of(p) if owner is not None else []
+        for name in names:
+            if not owner.facts(_KIND).get(name):
+                owner.set_fact(_KIND, name, True)
+        if not names:
+            setattr(p, _IN_GRAPH, True)
     if not _hook_installed:
         register_optimizer_step_post_hook(_capture_after_first_step)
         _hook_installed = True
@@ -61,7 +73,7 @@ def steps_in_graph(parameters: Iterable[torch.Tensor]) -> bool:
     first other parameter: the post-step hook asks this after every step of every other optimizer."""
     seen = False
     for p in parameters:
-        if p not in _in_graph:
+        if not (getattr(p, _IN_GRAPH, False) or model_state.fact_of(_KIND, p)):
             return False
         seen = True
     return seen
@@ -70,7 +82,12 @@ def steps_in_graph(parameters: Iterable[torch.Tensor]) -> bool:
 def _capture_after_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if optimizer in _decided:
         return
-    if not steps_in_graph(p for group in optimizer.param_groups for p in group["params"]):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    checked = (model_state.generation, tuple(map(id, params)))  # the optimizer holds them: no id is reused
+    if _not_in_graph.get(optimizer) == checked:
+        return  # asked before, and no model has gained facts since
+    if not steps_in_graph(params):
+        _not_in_graph[optimizer] = checked
         return  # not (yet) all dpar's: a model compiled later may make them so
     _decided.add(optimizer)
     try:

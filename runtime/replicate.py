@@ -7,13 +7,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from torch.utils.weak import WeakIdKeyDictionary
-
 from dpar.runtime.agreement import agree
 from dpar.runtime.world import World
 
-# Tensors compare elementwise, so identity-keyed weak containers only.
-_synchronized: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Marks a tensor whose values came from rank 0. A mark on the tensor, not a table keyed by it: swap_tensors
+# (to_empty) refuses a tensor any weak reference points at. Its values are the tensor's own, so the mark
+# leaves with them: swap_tensors moves it to the tensor swapped out, and load_state_dict(assign=True)'s new
+# tensor has none, so a graph compiled over such new values broadcasts them, as before.
+_SYNCHRONIZED = "_dpar_synchronized"
 
 
 def synchronize_replicas(
@@ -29,7 +30,7 @@ def synchronize_replicas(
     the first time rendezvouses, so every rank must compile that one. ``broadcast=False``
     checks without sending: replicas that differ by design (local SGD resumed mid-period).
     """
-    fresh = [t for _, _, t in state if t not in _synchronized]
+    fresh = [t for _, _, t in state if not getattr(t, _SYNCHRONIZED, False)]
     if world.backend == "fake" or not fresh:  # fake: simulated ranks, nothing to agree with or send to
         return 0
     agree(
@@ -44,5 +45,5 @@ def synchronize_replicas(
         for tensor in fresh:
             if broadcast:
                 dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
-            _synchronized[tensor] = True
+            setattr(tensor, _SYNCHRONIZED, True)
     return len(fresh) if broadcast else 0

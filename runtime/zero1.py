@@ -44,12 +44,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from dpar.compiler.optimizer_step import CapturedStep, PassesAfterEagerStep, StepNotCaptured, inductor_step
 from dpar.compiler.passes.all_gather_ranges import UpdatedRange
 from dpar.compiler.pipeline import optimizer_passes
 from dpar.compiler.plan import Strategy
+from dpar.runtime import model_state
 from dpar.runtime.errors import OptionsError
 from dpar.runtime.optimizer_graph import install_captured_step, steps_in_graph, warn_eager
 
@@ -60,32 +60,75 @@ def owned_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
 
 
+# [Note: zero1's ranges by parameter name]
+# Which range of each parameter this rank steps is a fact of the model, kept in its ModelState by parameter
+# name (recorded at parallelize, on meta too). The Parameter viewing that range is the optimizer's: it lives
+# in the optimizer's param groups, and the view knows its range and its whole parameter (``Owned``), and where
+# the model holds that parameter (its slot). So the ranges survive what replaces the model's tensors:
+# - ``swap_tensors`` (``to_empty``, ``module._apply``) keeps the whole Parameter but gives it new storage:
+#   before each step a view that no longer shares its whole's storage is pointed at the new one (``.data``),
+#   keeping the optimizer's state, which is keyed by the view;
+# - ``load_state_dict(assign=True)`` puts new Parameters in the model; as torch's documentation says, the
+#   optimizer must then be built again over ``model.parameters()``, and its old ``state_dict()`` loaded into
+#   it. That state is the ranges' (a zero1 optimizer's state is 1/N): at its first step, when the optimizer
+#   switches to the views, state it holds for a whole parameter moves to its view, cut to the range where it
+#   is whole-sized (a state dict of an optimizer that stepped whole parameters). The old optimizer, stepped
+#   again, would update parameters the model no longer holds (as under torch): zero1 refuses that by name.
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """This rank's range [lo, hi) of one parameter's flattened elements."""
+
+    lo: int
+    hi: int
+    numel: int
+    group: dist.ProcessGroup
+
+
 @dataclasses.dataclass
 class Owned:
     """This rank's part of one whole parameter, as its optimizer sees it."""
 
-    whole: nn.Parameter
     view: nn.Parameter  # shares ``whole``'s storage: the optimizer's in-place step writes the whole parameter
+    whole: nn.Parameter  # the model's parameter when the optimizer switched to the view (a strong reference)
+    slot: Callable[[], torch.Tensor | None]  # where the model holds that parameter
+    name: str
     lo: int
     hi: int
     group: dist.ProcessGroup
 
+    def follow(self) -> torch.Tensor:
+        """The whole parameter, the view pointed at its storage again if ``swap_tensors`` gave it new storage."""
+        whole = self.whole
+        if self.slot() is not whole:
+            raise OptionsError(
+                f"zero1 parameter {self.name} was replaced in the model after the optimizer stepping it was built "
+                "(load_state_dict(assign=True) puts new Parameters in place), so its steps would update the old one: build the optimizer again from model.parameters() and load the old one's state_dict() "
+                "into it, as torch's load_state_dict documents for assign=True"
+            )
+        if self.hi > self.lo and self.view.data_ptr() != whole.data_ptr() + self.lo * whole.element_size():
+            self.view.data = whole.detach().view(-1)[self.lo : self.hi]
+        return whole
 
-_owned: WeakIdKeyDictionary = WeakIdKeyDictionary()  # whole parameter -> Owned
-_views: WeakIdKeyDictionary = WeakIdKeyDictionary()  # view -> Owned
+
+_KIND = "zero1"
+_OWNED = "_dpar_zero1"  # on a view: its Owned (the view is the optimizer's tensor, made here)
 _hooks_installed = False
 
 
 def shard_optimizer_state(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Give each trained parameter its view of this rank's range; optimizers switch to them at their first step."""
+    """Record each trained parameter's range for this rank; optimizers switch to views of them at their first step."""
     global _hooks_installed
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    for p in parameters:
-        # A parameter on meta gets its range when a graph first reads it materialized (compiler/backend.py).
-        if p.requires_grad and not p.is_meta and p not in _owned:
-            lo, hi = owned_range(p.numel(), world_size, rank)
-            owned = Owned(p, nn.Parameter(p.detach().view(-1)[lo:hi]), lo, hi, group)
-            _owned[p] = _views[owned.view] = owned
+    parameters = [p for p in parameters if p.requires_grad]
+    for p, owner in zip(parameters, model_state.owners_of(parameters)):
+        if owner is None:
+            raise OptionsError("zero1's parameters must belong to a model dpar.parallelize was called on")
+        for name in owner.names_of(p):
+            if name not in owner.facts(_KIND):
+                lo, hi = owned_range(p.numel(), world_size, rank)
+                owner.set_fact(_KIND, name, Range(lo, hi, p.numel(), group))
     if not _hooks_installed:
         register_optimizer_step_pre_hook(_step_on_owned_ranges)
         register_optimizer_step_post_hook(_after_step)
@@ -93,12 +136,12 @@ def shard_optimizer_state(parameters: Iterable[nn.Parameter], group: dist.Proces
 
 
 def is_zero1(parameter: torch.Tensor) -> bool:
-    return parameter in _owned
+    return model_state.fact_of(_KIND, parameter) is not None
 
 
 def whole_of(parameter: torch.Tensor) -> torch.Tensor:
     """The whole parameter a zero1 range views (any other tensor: itself)."""
-    owned = _views.get(parameter)
+    owned = getattr(parameter, _OWNED, None)
     return owned.whole if owned is not None else parameter
 
 
@@ -106,28 +149,64 @@ def whole_of(parameter: torch.Tensor) -> torch.Tensor:
 class Stepping:
     """How one optimizer over zero1 ranges steps, and gathers the stepped ranges after."""
 
+    owned: list[Owned]  # the optimizer's views, in its order
     captured: CapturedStep | None  # the step with the gather appended, where the model's step is in a graph
     gather_after_eager: PassesAfterEagerStep  # the gather alone, after a step that ran eagerly
 
 
 _stepping: weakref.WeakKeyDictionary[torch.optim.Optimizer, Stepping] = weakref.WeakKeyDictionary()
+# Optimizers found stepping no zero1 parameter: the generation of the states and their parameters' ids then.
+_not_zero1: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
 
 
 def _step_on_owned_ranges(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer not in _stepping and any(p in _owned for g in optimizer.param_groups for p in g["params"]):
-        _switch_to_ranges(optimizer)
-    for group in optimizer.param_groups:
-        for view in group["params"]:
-            owned = _views.get(view)
-            if owned is not None:
-                grad = owned.whole.grad
-                view.grad = None if grad is None else grad.reshape(-1)[owned.lo : owned.hi]
+    stepping = _stepping.get(optimizer)
+    if stepping is None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        checked = (model_state.generation, tuple(map(id, params)))  # the optimizer holds them: no id is reused
+        if _not_zero1.get(optimizer) == checked:
+            return
+        ranges = [model_state.fact_of(_KIND, p) for p in params]
+        if all(r is None for r in ranges):
+            _not_zero1[optimizer] = checked
+            return
+        stepping = _switch_to_ranges(optimizer)
+    for owned in stepping.owned:
+        grad = owned.follow().grad
+        owned.view.grad = None if grad is None else grad.reshape(-1)[owned.lo : owned.hi]
 
 
-def _switch_to_ranges(optimizer: torch.optim.Optimizer) -> None:
+def _view_of(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    """The Parameter the optimizer steps instead of ``p``: a view of this rank's range (``p`` itself if not zero1),
+    with any state the optimizer holds for ``p`` moved to it."""
+    (owner,) = model_state.owners_of([p])
+    names = owner.names_of(p) if owner is not None else []
+    r = owner.facts(_KIND).get(names[0]) if names else None
+    if r is None:
+        return p
+    slot = owner.slot(names[0])
+    view = nn.Parameter(p.detach().view(-1)[r.lo : r.hi])
+    setattr(view, _OWNED, Owned(view, p, slot, names[0], r.lo, r.hi, r.group))
+    state = optimizer.state.pop(p, None)
+    if state:
+        optimizer.state[view] = {k: _ranged(v, r) for k, v in state.items()}
+    return view
+
+
+def _ranged(value: Any, r: Range) -> Any:
+    """A state tensor of a whole parameter cut to the range; one already the range's size (or a scalar) as is."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if value.numel() == r.numel and r.numel != r.hi - r.lo:
+            return value.detach().reshape(-1)[r.lo : r.hi].clone()
+        if value.numel() == r.hi - r.lo:
+            return value.reshape(-1)
+    return value
+
+
+def _switch_to_ranges(optimizer: torch.optim.Optimizer) -> Stepping:
     """Switch ``optimizer`` to the views, and decide how its steps run (see the Note above)."""
     for group in optimizer.param_groups:
-        group["params"] = [_owned[p].view if p in _owned else p for p in group["params"]]
+        group["params"] = [_view_of(optimizer, p) for p in group["params"]]
     optimizer.zero_grad = _clearing_whole_gradients(optimizer)  # type: ignore[method-assign]
     owned = _owned_of(optimizer)
     ranges = [UpdatedRange(o.view, o.whole, o.lo, o.hi) for o in owned]
@@ -149,11 +228,12 @@ def _switch_to_ranges(optimizer: torch.optim.Optimizer) -> None:
             warn_eager(exc)
         else:
             install_captured_step(optimizer, captured)
-    _stepping[optimizer] = Stepping(captured, PassesAfterEagerStep(optimizer, passes))
+    stepping = _stepping[optimizer] = Stepping(owned, captured, PassesAfterEagerStep(optimizer, passes))
+    return stepping
 
 
 def _owned_of(optimizer: torch.optim.Optimizer) -> list[Owned]:
-    return [_views[v] for group in optimizer.param_groups for v in group["params"] if v in _views]
+    return [o for group in optimizer.param_groups for v in group["params"] if (o := getattr(v, _OWNED, None)) is not None]
 
 
 def _clearing_whole_gradients(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
@@ -165,7 +245,7 @@ def _clearing_whole_gradients(optimizer: torch.optim.Optimizer) -> Callable[...,
         zero_grad(set_to_none)
         for group in optimizer.param_groups:
             for view in group["params"]:
-                owned = _views.get(view)
+                owned = getattr(view, _OWNED, None)
                 if owned is None or owned.whole.grad is None:
                     continue
                 if set_to_none:
@@ -182,7 +262,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     stepping = _stepping.get(optimizer)
     if stepping is None:
         return
-    for owned in _owned_of(optimizer):
+    for owned in stepping.owned:
         owned.view.grad = None
     if stepping.captured is None or not stepping.captured.ran:
         stepping.gather_after_eager()

@@ -20,7 +20,8 @@ placed in its phase. The step-1 loss of each rank must agree across every case (
 
 The formula per rank (P parameters, fp32: 4 bytes each for the parameter, its gradient and AdamW's two moments;
 N = 4 ranks): fsdp 16P/N; zero2 (parameters sharded at rest, as fsdp, but kept gathered from the forward to the
-backward) 16P/N + 4P during the step; tp 16P_split/N + 16P_replicated; each plus one block, the largest module
+backward) 16P/N + 4P during the step; tp 16P_split/N + 16P_replicated (dpar's Megatron plan splits every Linear
+but keeps an untied embedding and the norms whole); each plus one block, the largest module
 gathered whole (a decoder layer, or the embedding/output matrix), parameter and gradient (8 bytes a parameter).
 The baseline (``torch``, ``transformers`` and ``dpar`` imported, the process group up) is subtracted.
 
@@ -219,13 +220,16 @@ def _case(rank: int, world_size: int, size: str, strategy: str, way: str, dcp_di
 
 
 def _counts(size: str) -> dict[str, int]:
-    """P, the parameters tp leaves whole (the norms), and the largest block's: a decoder layer, or the root's rest
+    """P, the parameters dpar's tp plan leaves whole (the untied embedding, the norms), and the largest block's: a decoder layer, or the root's rest
     (embedding, final norm, output matrix), which dpar's per-block buckets and FSDP2's root group both gather as one."""
     with torch.device("meta"):
         model = LM(_config(size))
     named = dict(model.named_parameters())
     total = sum(p.numel() for p in named.values())
-    replicated_tp = sum(p.numel() for n, p in named.items() if p.dim() == 1)
+    from dpar.compiler.megatron import megatron_dims  # dpar's tp plan: untied embeddings and norms stay whole
+
+    ids = torch.zeros(ROWS, SEQ, dtype=torch.long)
+    replicated_tp = sum(named[n].numel() for n, dim in megatron_dims(model, (ids, ids)).items() if dim is None)
     layers = [sum(p.numel() for p in layer.parameters()) for layer in model.inner.model.layers]
     return {"parameters": total, "tp_replicated": replicated_tp, "largest_block": max(*layers, total - sum(layers))}
 

@@ -46,11 +46,12 @@ class ShardSpec:
 _retired: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _KIND = "shard"  # ShardSpec facts in the model's ModelState
 
-_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+_BLOCK = re.compile(r"^((?:.*?\.)??\d+)\.")
 
 
 def block_of(name: str) -> str:
-    """``layers.3.attn.q.weight`` -> ``layers.3``; parameters outside a numbered block -> ``root``."""
+    """``layers.3.attn.q.weight`` -> ``layers.3``, ``3.weight`` (an ``nn.Sequential`` root) -> ``3``;
+    parameters outside a numbered block -> ``root``."""
     match = _BLOCK.match(name)
     return match.group(1) if match else "root"
 

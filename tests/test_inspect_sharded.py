@@ -119,6 +119,17 @@ def rows(report, graph: str, kind: str):
     return [c for c in report.collectives if c.graph == graph and c.kind == kind]
 
 
+def test_a_sequential_root_gathers_one_child_at_a_time():
+    """``nn.Sequential``'s children are named ``0.weight``, ``1.weight``: each is a block (they once all fell
+    into ``root``, so fsdp gathered the whole model at once, 4 blocks of memory where FSDP holds one)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(24, 24), nn.ReLU()) for _ in range(4)), nn.Linear(24, 10))
+    report = explain(model, torch.randn(4, 24), world_size=N, strategy="fsdp")
+    gathers = rows(report, "forward graph", "all_gather")
+    assert [bucket_owner(report.buckets[c.bucket].parameters) for c in gathers] == ["0", "1", "2", "3", "4"]
+    assert [c.bytes for c in gathers] == [4 * (576 + 24)] * 4 + [4 * -(-10 // N) * N * 25]  # the head's rows padded to N
+
+
 def test_forward_gathers_one_bucket_per_block_plus_root_with_formula_bytes(report):
     gathers = rows(report, "forward graph", "all_gather")
     owners = [bucket_owner(report.buckets[c.bucket].parameters) for c in gathers]

@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 HERE = Path(__file__).resolve().parent
@@ -339,12 +338,16 @@ def _line(case: dict[str, Any]) -> str:
 
 
 def _check_losses(record: dict[str, Any]) -> None:
-    """Every case loaded the same weights: each rank's step-1 loss (its own batch) agrees across the cases."""
+    """Every case loaded the same weights: each rank's step-1 loss (its own batch) agrees across the cases, and the
+    pipeline's (every rank returns the mean over the pipeline group's rows, here all of them) is their mean."""
     ok = {k: c for k, c in record["cases"].items() if "step1_losses" in c and not k.startswith("pipeline")}
     if not ok:
         return
     reference = next(iter(ok.values()))["step1_losses"]
     worst = {k: max(abs(a - b) for a, b in zip(c["step1_losses"], reference)) for k, c in ok.items()}
+    mean = sum(reference) / len(reference)
+    worst |= {k: max(abs(a - mean) for a in c["step1_losses"]) for k, c in record["cases"].items()
+              if k.startswith("pipeline") and "step1_losses" in c}
     record["step1_loss_max_abs_diff"] = worst
     print(f"step-1 loss, each rank against {next(iter(ok))}: max |diff| {max(worst.values()):.2e}")
     if max(worst.values()) > 1e-4:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,27 +131,34 @@ def _exact(a: dict, b: dict) -> bool:
     return all(_exact(a[k], b[k]) if isinstance(a[k], dict) else torch.equal(a[k], b[k]) for k in a)
 
 
-def _four(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init: dict) -> dict:
-    """dp 2 x pp 2, fsdp over dp: broadcast load + train vs torch DDP, save (DCP, safetensors), init, safetensors in."""
+def _loaded_trained_saved(rank: int, world_size: int, mesh: tuple[int, int] | None, weights: dict,
+                          checkpoint: str, safetensors: str) -> tuple[dict, nn.Module, Any, Any, Any]:
+    """Born on meta, rank 0's weights broadcast, 5 AdamW steps against torch DDP, saved (DCP and safetensors)."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     found: dict = {}
-    model, step = _born_on_meta(rank, world_size, (2, 2))
+    model, step = _born_on_meta(rank, world_size, mesh)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, dict(weights) if rank == 0 else {}, options=options)
     _init_rotary(model)
-    _no_bare_tensors(model, dp=True)
+    _no_bare_tensors(model, dp=mesh is not None)
     opt = _train(model, step, rank, world_size)
-    want, _ = _torch_ddp(weights, rank, world_size)
+    want, want_opt = _torch_ddp(weights, rank, world_size)
     trained = dpar.checkpoint.full_state_dict(model)
-    dpar.checkpoint.save(model, opt, dirs["pp_fsdp"])
-    dpar.checkpoint.save_safetensors(model, dirs["st_fsdp"])
+    dpar.checkpoint.save(model, opt, checkpoint)
+    dpar.checkpoint.save_safetensors(model, safetensors)
     found["optimizer"] = _optimizer_state(model, opt)
     if rank == 0:
         found["vs torch ddp"] = _diff(trained, want.state_dict())
         found["trained"] = trained
-        found["safetensors out"] = _exact(load_file(os.path.join(dirs["st_fsdp"], "model.safetensors")), trained)
+        found["safetensors out"] = _exact(load_file(os.path.join(safetensors, "model.safetensors")), trained)
+    return found, model, opt, want, want_opt
+
+
+def _four(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init: dict) -> dict:
+    """dp 2 x pp 2, fsdp over dp: broadcast load + train vs torch DDP, save (DCP, safetensors), init, safetensors in."""
+    found, *_ = _loaded_trained_saved(rank, world_size, (2, 2), weights, dirs["pp_fsdp"], dirs["st_fsdp"])
     model, step = _born_on_meta(rank, world_size, (2, 2))
     torch.manual_seed(SEED)
     dpar.init_weights(model)
@@ -171,24 +179,8 @@ def _two(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init: 
     pp 2 x dp 2 (fsdp) -> fsdp 2."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    found: dict = {}
-    model, step = _born_on_meta(rank, world_size, None)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, dict(weights) if rank == 0 else {}, options=options)
-    _init_rotary(model)
-    _no_bare_tensors(model, dp=False)
-    opt = _train(model, step, rank, world_size)
-    want, want_opt = _torch_ddp(weights, rank, world_size)
-    trained = dpar.checkpoint.full_state_dict(model)
-    dpar.checkpoint.save(model, opt, dirs["pp"])
-    dpar.checkpoint.save_safetensors(model, dirs["st_pp"])
-    found["optimizer"] = _optimizer_state(model, opt)
-    if rank == 0:
-        found["vs torch ddp"] = _diff(trained, want.state_dict())
-        found["trained"] = trained
-        found["safetensors out"] = _exact(load_file(os.path.join(dirs["st_pp"], "model.safetensors")), trained)
+    found, model, opt, want, want_opt = _loaded_trained_saved(rank, world_size, None, weights, dirs["pp"], dirs["st_pp"])
     # ddp 2 -> pp 2: torch DDP's model and AdamW, saved by dpar.checkpoint, loaded into a pipeline born on meta.
     dpar.checkpoint.save(want, want_opt, dirs["ddp"])
     dcp.save(want.state_dict(), checkpoint_id=dirs["dcp"])  # a plain model's DCP checkpoint

@@ -120,6 +120,36 @@ def test_same_batch_in_tp_group_is_checked() -> None:
         run_ranks(_same_rows, 2, True, timeout_s=120)
 
 
+def _most_copy_gradients_alive(graph: torch.fx.Graph) -> int:
+    """The most per-copy parameter gradients (the operands of the copies' mean) alive at one point of ``graph``."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    adds = [n for n in nodes if n.target is torch.ops.aten.add.Tensor]
+    means = [n for n in nodes if n.target is torch.ops.aten.div.Scalar and n.args[1] == 4]
+    chain = {n for n in adds if any(m in n.users for m in means) or any(u in adds for u in n.users)}
+    copies = {a for n in chain for a in n.args if isinstance(a, torch.fx.Node) and a not in chain}
+    spans = [(position[c], max(position[u] for u in c.users)) for c in copies]
+    return max(sum(start <= i < end for start, end in spans) for i in range(len(nodes)))
+
+
+def test_unrolled_gradients_are_added_in_as_each_copy_computes_them() -> None:
+    """A tp group of 4 runs the backward 4 times, once per rank's rows: each copy's parameter gradients are
+    added into the running sum as soon as they exist (summed at the end, all 4 copies' gradients of every
+    parameter stayed alive until then: 16 for this MLP's 4 parameters; now 5)."""
+    from fake_world import fake_world
+
+    torch.manual_seed(0)
+    model = MaskedMLP()
+    x, y, keep = _batch("masked_mlp", 0, 0, 4)
+    with fake_world(4) as graphs:
+        dpar.parallelize(model, strategy="tp", example_inputs=(x, y, keep))
+        runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+        runner(x, y, keep).backward()
+    (backward,) = (c for c in graphs if c.label.startswith("backward"))
+    parameters = sum(1 for _ in model.parameters())
+    assert _most_copy_gradients_alive(backward.graph.graph) <= 2 * parameters
+
+
 def test_unrolled_graph_gathers_inputs_and_tangents_once(world_of_two: list) -> None:
     """One process, fake group of 2: the forward gathers each input once and runs two copies;
     the backward gathers the tangent once; every parameter gradient is the copies' mean."""

@@ -152,10 +152,17 @@ def _own(graph: fx.Graph, value: object, copies: list[dict[fx.Node, fx.Node]], r
 
 
 def _mean(graph: fx.Graph, values: list[fx.Node], size: int) -> fx.Node:
+    """The copies' gradients averaged in copy order, each added in right after its copy computed it.
+
+    Added at the end instead, every copy's gradient of every parameter lived until then: the group's size
+    times the gradients (a 2.8 GiB transient for a 440M Llama under tp 4, beside 2.4 GiB of state).
+    """
     total = values[0]
-    for value in values[1:]:
-        total = graph.call_function(aten.add.Tensor, (total, value))
-    return graph.call_function(aten.div.Scalar, (total, size))
+    for value in values[1:]:  # copy j's nodes all follow copy j-1's: ``total`` is already computed here
+        with graph.inserting_after(value):
+            total = graph.call_function(aten.add.Tensor, (total, value))
+    with graph.inserting_after(total):
+        return graph.call_function(aten.div.Scalar, (total, size))
 
 
 def unroll_group_batch(joint: fx.GraphModule, group: GroupBatch) -> fx.GraphModule:

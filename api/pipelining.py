@@ -19,7 +19,7 @@ from dpar.compiler.pipeline_parallel.split import StageSplit, capture, split_sta
 from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs, retarget_device_pass, trace_stage
 from dpar.runtime.agreement import agree
 from dpar.runtime.errors import OptionsError, UnmaterializedStateError
-from dpar.runtime.model_state import check_materialized, record_meta_buffers, state_of
+from dpar.runtime.model_state import check_materialized, local_part, record_meta_buffers, state_of
 from dpar.runtime.liveness import PIPELINE_STEP, watching
 from dpar.runtime.pipeline_parallel import PipelineExecutor, PipelineGroups
 from dpar.runtime.world import current_world
@@ -143,8 +143,7 @@ class PipelineStep:
         self.executor.refresh_state()
         parameters, state = self.executor.parameters, self.executor.state
         check_materialized([("parameter" if n in parameters else "buffer", n, t) for n, t in state.items()])
-        local = [t.to_local() if isinstance(t, DTensor) else t for t in self.executor.state.values()]
-        device = next((t.device for t in local), torch.device("cpu"))
+        device = next((local_part(t).device for t in state.values()), torch.device("cpu"))
         for gm in self._graph_modules():
             constants = [n.target for n in gm.graph.nodes if n.op == "get_attr"
                          and isinstance(getattr(gm, n.target, None), torch.Tensor) and getattr(gm, n.target).is_meta]
@@ -185,15 +184,14 @@ class PipelineStep:
         same names in the same order."""
         shape, dtype = state_of(self.model).facts(_WHOLE)[name]
         holder = state_of(self.model).facts(_HOLDER).get(name)
-        if holder is None or self.groups.pp is None:  # a buffer, or read by no stage: every rank holds it
-            value = local[name].detach()
-            return (value.full_tensor() if isinstance(value, DTensor) else value).to("cpu", copy=True)
-        if holder == self.groups.pp_rank:
+        everywhere = holder is None or self.groups.pp is None  # a buffer, or read by no stage: every rank holds it
+        if everywhere or holder == self.groups.pp_rank:
             value = local[name].detach()
             full = (value.full_tensor() if isinstance(value, DTensor) else value).to("cpu", copy=True)
         else:
             full = torch.empty(shape, dtype=dtype)
-        dist.broadcast(full, src=self.groups.pp_ranks[holder], group=self.groups.pp)
+        if not everywhere:
+            dist.broadcast(full, src=self.groups.pp_ranks[holder], group=self.groups.pp)
         return full
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

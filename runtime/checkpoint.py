@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from dpar.runtime.checkpoint_files import publish, published, read_manifest, reached, staging_directory
 from dpar.runtime.errors import CheckpointError, OptionsError, UnmaterializedStateError
-from dpar.runtime import zero1
+from dpar.runtime import model_state, zero1
 from dpar.runtime.local_sgd import Period, period_of
 from dpar.runtime import safetensors_io
 from dpar.runtime.safetensors_io import save_safetensors
@@ -146,7 +146,7 @@ def refuse_unmaterialized(module: nn.Module, what: str) -> None:
     """
     if getattr(module, "_dpar_pipeline", None) is not None:
         return
-    meta = next((name for name, t in _persistent(module) if _local(t).is_meta), None)
+    meta = next((name for name, t in _persistent(module) if model_state.is_meta(t)), None)
     if dist.is_initialized() and dist.get_world_size() > 1:  # a rank that refuses alone would leave the others waiting
         found: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(found, meta)
@@ -165,10 +165,6 @@ def _persistent(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         dot = f"{prefix}." if prefix else ""
         yield from ((dot + n, p) for n, p in sub._parameters.items() if p is not None)
         yield from ((dot + n, b) for n, b in sub._buffers.items() if b is not None and n not in sub._non_persistent_buffers_set)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _whole_weights_into_zero1(module: nn.Module, optimizer: torch.optim.Optimizer | None, saved: dict[str, Any]) -> bool:

@@ -116,6 +116,27 @@ class ModelState:
         return next((facts[n] for n in self.names_of(tensor) if n in facts), None)
 
 
+class AnsweredNo:
+    """Optimizers for which a per-step question about their parameters (are they zero1's? do they step in a graph?)
+    was answered no, remembered until some model gains a fact or the optimizer's parameters change: the
+    post-step hooks ask after every step of every optimizer, and the answer costs a walk of the models' names."""
+
+    def __init__(self) -> None:
+        self._asked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[int, ...]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @staticmethod
+    def _key(params: list[torch.Tensor]) -> tuple[int, tuple[int, ...]]:
+        return generation, tuple(map(id, params))  # the optimizer holds its parameters: no id is reused
+
+    def still_no(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
+        return self._asked.get(optimizer) == self._key(params)
+
+    def no(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+        self._asked[optimizer] = self._key(params)
+
+
 class Slot:
     """A module's parameter or buffer by its leaf name: the tensor there now (None: the module is gone).
 
@@ -229,13 +250,19 @@ def record_meta_buffers(model: nn.Module) -> None:
         _hook_installed = True
 
 
-def _is_meta(t: torch.Tensor) -> bool:
-    return (t.to_local() if isinstance(t, DTensor) else t).is_meta
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The memory this rank holds of ``t``: a DTensor's local tensor, or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_meta(t: torch.Tensor) -> bool:
+    """Whether this rank's part of ``t`` has no memory."""
+    return local_part(t).is_meta
 
 
 def check_materialized(state: list[tuple[str, str, torch.Tensor]]) -> None:
     """Refuse, by name, a graph whose parameters or buffers a meta-born model never got values for."""
-    meta = next((f"{kind} {name}" for kind, name, t in state if _is_meta(t)), None)
+    meta = next((f"{kind} {name}" for kind, name, t in state if is_meta(t)), None)
     if meta is not None:
         raise UnmaterializedStateError(
             f"{meta} is still on the meta device: a model built under torch.device('meta') needs "

@@ -47,8 +47,7 @@ class StepNotCapturedWarning(UserWarning):
 _KIND = "optimizer_in_graph"
 _IN_GRAPH = "_dpar_optimizer_in_graph"
 _decided: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # captured, or stepping eagerly for good
-# Optimizers found stepping other parameters: the generation of the states and their parameters' ids then.
-_not_in_graph: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_not_in_graph = model_state.AnsweredNo()  # optimizers found stepping other parameters
 _hook_installed = False
 
 
@@ -83,11 +82,10 @@ def _capture_after_first_step(optimizer: torch.optim.Optimizer, args: Any, kwarg
     if optimizer in _decided:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    checked = (model_state.generation, tuple(map(id, params)))  # the optimizer holds them: no id is reused
-    if _not_in_graph.get(optimizer) == checked:
+    if _not_in_graph.still_no(optimizer, params):
         return  # asked before, and no model has gained facts since
     if not steps_in_graph(params):
-        _not_in_graph[optimizer] = checked
+        _not_in_graph.no(optimizer, params)
         return  # not (yet) all dpar's: a model compiled later may make them so
     _decided.add(optimizer)
     try:

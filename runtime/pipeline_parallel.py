@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from dpar.compiler.pipeline_parallel.data_parallel import SyncVariant
 from dpar.compiler.pipeline_parallel.schedules import Action, Op, PipelineSchedule
 from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs
+from dpar.runtime.model_state import local_part
 
 _TAG_FIELDS = (2, 256, 4096, 64)  # direction, stage, micro-batch, tensor index: a unique p2p tag
 
@@ -273,8 +274,7 @@ class PipelineExecutor:
 
     def _count_held(self, stage: int, saved: dict[tuple[int, int], list]) -> None:
         held = [v for (s, _), v in saved.items() if s == stage]
-        local = [t.to_local() if isinstance(t, DTensor) else t for t in self.state.values()]
-        state = {t.untyped_storage().data_ptr() for t in local}
+        state = {local_part(t).untyped_storage().data_ptr() for t in self.state.values()}
         size = sum(  # activations only: a saved view of a weight (its transpose) costs nothing
             t.numel() * t.element_size() for v in held for t in torch.utils._pytree.tree_leaves(v)
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in state

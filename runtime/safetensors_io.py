@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dpar.runtime.errors import DparError, OptionsError, SafetensorsCheckpointError
+from dpar.runtime.model_state import local_part
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -126,10 +127,6 @@ def _held_elsewhere(module: nn.Module, to_file: KeyMap) -> set[str]:
     if pipelined is None:
         return set()
     return {f for name in pipelined.released() if (f := to_file(name)) is not None}
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _block_of(value: torch.Tensor) -> tuple[slice, ...] | None:
@@ -277,7 +274,7 @@ def load_safetensors(
     rebuilt = False
     with torch.no_grad():
         for entry, file_name in plan:
-            local = _local(entry.value)
+            local = local_part(entry.value)
             if local.numel():
                 local.copy_(source.read(file_name, _block_of(entry.value)))
                 rebuilt = rebuilt or local.untyped_storage().data_ptr() not in aliases
@@ -287,7 +284,7 @@ def load_safetensors(
 
 def _storages(module: nn.Module) -> set[int]:
     tensors = list(module.parameters()) + list(module.buffers())
-    return {_local(t).untyped_storage().data_ptr() for t in tensors}
+    return {local_part(t).untyped_storage().data_ptr() for t in tensors}
 
 
 def _validated(

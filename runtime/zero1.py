@@ -155,20 +155,18 @@ class Stepping:
 
 
 _stepping: weakref.WeakKeyDictionary[torch.optim.Optimizer, Stepping] = weakref.WeakKeyDictionary()
-# Optimizers found stepping no zero1 parameter: the generation of the states and their parameters' ids then.
-_not_zero1: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_not_zero1 = model_state.AnsweredNo()  # optimizers found stepping no zero1 parameter
 
 
 def _step_on_owned_ranges(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     stepping = _stepping.get(optimizer)
     if stepping is None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        checked = (model_state.generation, tuple(map(id, params)))  # the optimizer holds them: no id is reused
-        if _not_zero1.get(optimizer) == checked:
+        if _not_zero1.still_no(optimizer, params):
             return
         ranges = [model_state.fact_of(_KIND, p) for p in params]
         if all(r is None for r in ranges):
-            _not_zero1[optimizer] = checked
+            _not_zero1.no(optimizer, params)
             return
         stepping = _switch_to_ranges(optimizer)
     for owned in stepping.owned:

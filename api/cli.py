@@ -79,7 +79,7 @@ def _inspect_pipeline(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dpar.inspect.pipeline import explain_pipeline, print_pipeline_report
-    from dpar.runtime.errors import OptionsError
+    from dpar.core.errors import OptionsError
 
     unused = [flag for flag, given in (("--html", args.html), ("--dot", args.dot), ("--png", args.png),
                                        ("--code", args.code), ("--bucket-cap-mb", args.bucket_cap_mb)) if given]
@@ -108,7 +108,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from dpar.planner.plan import render
     from dpar.planning import global_batch, plan
-    from dpar.runtime.errors import OptionsError
+    from dpar.core.errors import OptionsError
 
     model, example_inputs = load_target(args.target)()
     if args.per_rank:  # as strategy="auto" takes them: one rank's slice, every rank fed different rows
@@ -134,7 +134,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_pipeline(args: argparse.Namespace, model: Any, example_inputs: Any, console: Any) -> int:
     """``dpar plan --pipeline``: the pipeline degree for the mesh's ranks under the budget."""
     from dpar.planner.pipeline import plan_pipeline
-    from dpar.runtime.errors import OptionsError
+    from dpar.core.errors import OptionsError
 
     try:
         result = plan_pipeline(

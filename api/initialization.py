@@ -37,7 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.overrides import TorchFunctionMode
 
 from dpar.runtime import sharding, tensor_parallel
-from dpar.runtime.errors import InitializationError
+from dpar.core.errors import InitializationError
 
 _DPAR_CLASS_MODULES = (sharding.__name__, tensor_parallel.__name__)
 

@@ -12,17 +12,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dpar.compiler.pipeline_parallel.data_parallel import SyncVariant, sync_variant
+from dpar.compiler.pipeline_parallel.data_parallel import sync_variant
 from dpar.compiler.pipeline_parallel.sharded import gather_variant, layout_of, reduce_scatter_variant
 from dpar.compiler.pipeline_parallel.schedules import build_schedule, check_name, warn_if_bubble_large
-from dpar.compiler.pipeline_parallel.split import StageSplit, capture, split_stages
-from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs, retarget_device_pass, trace_stage
+from dpar.compiler.pipeline_parallel.split import capture, split_stages
+from dpar.compiler.pipeline_parallel.stage_graphs import retarget_device_pass, trace_stage
+from dpar.core.pipeline_program import StageGraphs, StageSplit, SyncVariant
 from dpar.runtime.agreement import agree
-from dpar.runtime.errors import OptionsError, UnmaterializedStateError
-from dpar.runtime.model_state import check_materialized, local_part, record_meta_buffers, state_of
+from dpar.core.errors import OptionsError, UnmaterializedStateError
+from dpar.core.model_state import check_materialized, local_part, record_meta_buffers, state_of
 from dpar.runtime.liveness import PIPELINE_STEP, watching
 from dpar.runtime.pipeline_parallel import PipelineExecutor, PipelineGroups
-from dpar.runtime.world import current_world
+from dpar.core.world import current_world
 
 _ATTRIBUTE = "_dpar_pipeline"
 

@@ -13,9 +13,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dpar.compiler.megatron import megatron_dims
-from dpar.compiler.plan import AxisRole, MeshAxis, ParallelPlan, Strategy, attach, plan_of_model
-from dpar.runtime import local_sgd, model_state, sharding, tensor_parallel, zero1
-from dpar.runtime.errors import OptionsError, ProcessGroupError
+from dpar.core.plan import AxisRole, MeshAxis, ParallelPlan, Strategy, attach, plan_of_model
+from dpar.core import model_state
+from dpar.runtime import local_sgd, sharding, tensor_parallel, zero1
+from dpar.core.errors import OptionsError, ProcessGroupError
 
 if TYPE_CHECKING:
     from dpar.planner.plan import Plan

@@ -20,7 +20,7 @@ from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan
 from dpar.planner.rules import candidates
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 __all__ = ["CostBreakdown", "Hardware", "ParameterPlan", "Plan", "global_batch", "plan"]
 

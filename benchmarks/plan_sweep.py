@@ -33,7 +33,7 @@ from dpar.planner.hardware import h100  # noqa: E402
 from dpar.planner.plan import Plan  # noqa: E402
 from dpar.planner.strategies import evaluate_strategies  # noqa: E402
 from dpar.planning import plan  # noqa: E402
-from dpar.runtime.errors import OptionsError  # noqa: E402
+from dpar.core.errors import OptionsError  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 BATCHES, HIDDENS, WORLDS = (8, 64, 512), (256, 1024, 4096), (8, 64)

@@ -1,4 +1,4 @@
-"""Capture, the plan, the pass pipeline and lowering: everything that edits graphs.
+"""Capture, the plan, the pass listing and lowering: everything that edits graphs.
 
 The planner (``dpar.planner``) and inspection (``dpar.inspect``) read it from outside.
 """

@@ -15,19 +15,19 @@ from torch.distributed.tensor import DTensor
 from dpar.compiler.capture import GraphInput, InputKind, classify_inputs
 from dpar.compiler.lowering import GraphHook, GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
-from dpar.compiler.pipeline import Pipeline
-from dpar.compiler.plan import ParallelPlan, Strategy, plan_of_parameters, replicated
+from dpar.compiler.pass_listing import PassListing
+from dpar.core.plan import ParallelPlan, Strategy, plan_of_parameters, replicated
 from dpar.compiler.sharded_data_parallel import flat_layout
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 from dpar.runtime.finite_gradients import FiniteGradients
 from dpar.runtime.local_sgd import period_of
-from dpar.runtime.model_state import check_materialized
+from dpar.core.model_state import check_materialized
 from dpar.runtime.optimizer_graph import step_in_graph
 from dpar.runtime.replicate import synchronize_replicas
 from dpar.runtime.same_rows import checking_same_rows
 from dpar.runtime.sharding import uneven_shards_padded_once
 from dpar.runtime.tensor_parallel import tensor_parallel_spec_of
-from dpar.runtime.world import check_devices, current_world
+from dpar.core.world import check_devices, current_world
 from dpar.runtime.zero1 import shard_optimizer_state
 
 
@@ -79,16 +79,16 @@ def dpar_backend(
     synchronize_replicas(whole, world, parsed.check_timeout_s, broadcast=not _resumed_local_sgd(plan, state))
     if parsed.steps_optimizer_in_graph:
         step_in_graph(i.tensor() for i in inputs if i.kind is InputKind.PARAMETER and i.requires_grad)
-    pipeline = Pipeline(plan, inputs, world, parsed)
-    gm = pipeline.prepare(gm)
-    hook: GraphHook = pipeline
+    passes = PassListing(plan, inputs, world, parsed)
+    gm = passes.prepare(gm)
+    hook: GraphHook = passes
     if parsed.check_finite:  # ddp's and zero1's reduced gradients are the same on every rank
         hook = _checking_finite(hook, inputs, agree=plan.strategy not in (Strategy.DDP, Strategy.ZERO1))
     # See [Note: uneven shards, one pad] in runtime/sharding.py.
     with uneven_shards_padded_once() if plan.strategy.shards_parameters else contextlib.nullcontext():
-        compiled = compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook, joint_pass=pipeline.joint())
+        compiled = compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook, joint_pass=passes.joint())
     if plan.same_batch_in_tp_group and world.backend != "fake":
-        return checking_same_rows(compiled, [i.index for i in inputs if i.kind is InputKind.DATA], pipeline.tensor.mesh.group_name)
+        return checking_same_rows(compiled, [i.index for i in inputs if i.kind is InputKind.DATA], passes.tensor.mesh.group_name)
     return compiled
 
 

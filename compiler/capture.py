@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from dpar.runtime.model_state import slots_of
+from dpar.core.model_state import slots_of
 
 
 class InputKind(enum.Enum):

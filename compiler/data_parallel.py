@@ -1,6 +1,6 @@
 """ddp's passes: rank 0's buffers into every forward, one averaged all-reduce per gradient bucket.
 
-Which of them run, and in what order, is ``pipeline.py``'s to say.
+Which of them run, and in what order, is ``pass_listing.py``'s to say.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dpar.compiler.passes.all_reduce import accumulated_gradient_order, all_redu
 from dpar.compiler.passes.broadcast_buffers import broadcast_buffers_pass
 from dpar.compiler.passes.bucket_schedule import schedule_buckets
 from dpar.compiler.passes.buckets import Bucket, Gradient, plan_buckets
-from dpar.compiler.plan import MeshAxis
+from dpar.core.plan import MeshAxis
 from dpar.runtime.gradient_sync import Variant
 
 log = logging.getLogger("dpar")

@@ -37,7 +37,7 @@ from torch._dynamo.exc import FailOnRecompileLimitHit, Unsupported
 from torch.optim.optimizer import _use_grad_for_differentiable
 
 from dpar.compiler.collectives import collectives
-from dpar.compiler.pipeline import Pass, run_passes
+from dpar.compiler.pass_listing import Pass, run_passes
 from dpar.compiler.registry import record
 
 PassesFor = Callable[[Sequence[Any]], list[Pass]]

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dpar.compiler.lowering import INNER_COMPILERS
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 
 DDP_BUCKET_CAP_MB = 25.0

@@ -1,6 +1,6 @@
 """zero2, fsdp, hsdp's passes: bucketed all-gathers of sharded parameters, reduce-scatters of their gradients.
 
-Which of them run, and in what order, is ``pipeline.py``'s to say.
+Which of them run, and in what order, is ``pass_listing.py``'s to say.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dpar.compiler.options import DDP_BUCKET_CAP_MB
 from dpar.compiler.passes.prefetch import prefetch_all_gathers_pass, prefetch_distance
 from dpar.compiler.passes.reduce_scatter import bucket_reduce_scatters_pass
 from dpar.compiler.passes.reshard import tag_gathers
-from dpar.compiler.plan import AxisRole, ParallelPlan
+from dpar.core.plan import AxisRole, ParallelPlan
 from dpar.runtime.sharding import spec_of
 
 log = logging.getLogger("dpar")

@@ -1,6 +1,6 @@
 """tp's passes: each rank's rows marked and unrolled over its group, then the tensor-parallel rewrite.
 
-Which of them run, and in what order, is ``pipeline.py``'s to say.
+Which of them run, and in what order, is ``pass_listing.py``'s to say.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dpar.compiler.capture import GraphInput, InputKind
 from dpar.compiler.graph_utils import refresh_fake_values
 from dpar.compiler.passes.group_batch import GroupBatch, mark_own_rows, unroll_group_batch
 from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
-from dpar.compiler.plan import AxisRole, ParallelPlan
+from dpar.core.plan import AxisRole, ParallelPlan
 from dpar.compiler.propagation.propagate import MeshDim
-from dpar.runtime.world import world_of_group
+from dpar.core.world import world_of_group
 
 
 class TensorParallel:

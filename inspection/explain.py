@@ -28,8 +28,8 @@ from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.compiler.registry import CompiledGraph, PassStage, record, recording
-from dpar.runtime.errors import InspectionError, OptionsError
-from dpar.runtime.world import group_size
+from dpar.core.errors import InspectionError, OptionsError
+from dpar.core.world import group_size
 
 if TYPE_CHECKING:
     from dpar.inspect.pipeline import PipelineReport

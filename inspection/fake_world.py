@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from dpar.runtime.errors import OptionsError, ProcessGroupError
+from dpar.core.errors import OptionsError, ProcessGroupError
 
 
 @contextlib.contextmanager

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from dpar.compiler.pipeline_parallel.schedules import PipelineSchedule, bubble_formula, build_schedule
+from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule
 from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
-from dpar.compiler.pipeline_parallel.split import StageSplit
+from dpar.core.pipeline_program import PipelineSchedule, StageSplit
 from dpar.inspect.costs import DeviceSpec, comm_time, device_spec
 from dpar.inspect.memory import OPTIMIZER_STATES
 from dpar.inspect.pipeline_costs import LossFn, StageCost, action_cost, hop_latency, micro_batch_of, price_stages, with_loss
 from dpar.inspect.report import Table, _mib, _time
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 if TYPE_CHECKING:
     from rich.console import Console

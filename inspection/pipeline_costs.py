@@ -30,12 +30,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpar.compiler.pipeline_parallel.schedules import Action, Op
-from dpar.compiler.pipeline_parallel.split import Stage, StageSplit, capture, split_stages
+from dpar.core.pipeline_program import Action, Op, Stage, StageSplit
+from dpar.compiler.pipeline_parallel.split import capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import trace_stage
 from dpar.inspect.costs import DeviceSpec, node_cost
 from dpar.inspect.memory import OPTIMIZER_STATES, Live, _liveness, _storages
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 
 Prepare = Callable[[torch.nn.Module, Sequence[Any], int, "float | None"], torch.nn.Module]

@@ -37,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dpar.planner.opgraph import Op, OpGraph
 from dpar.planner.repeats import collapse_repeats
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 aten = torch.ops.aten
 

@@ -15,7 +15,7 @@ from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import CollectivePlan, CostBreakdown, OpPlan, ParameterPlan, Plan
 from dpar.planner.rules import Candidate, candidates
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 
 @dataclasses.dataclass(frozen=True)

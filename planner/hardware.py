@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 GPUS_PER_NODE = 8
 """A mesh dimension of at most this many ranks is taken to stay inside one node (NVLink)."""

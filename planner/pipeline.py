@@ -34,7 +34,7 @@ from dpar.compiler.pipeline_parallel.split import capture, find_blocks, split_st
 from dpar.inspect.costs import DeviceSpec, comm_time, device_spec
 from dpar.inspect.memory import OPTIMIZER_STATES
 from dpar.inspect.pipeline_costs import LossFn, StageCost, action_cost, cut_and_price, hop_latency, micro_batch_of, with_loss
-from dpar.runtime.errors import OptionsError, PipelineMemoryError
+from dpar.core.errors import OptionsError, PipelineMemoryError
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 """One stage per rank; interleaved_1f1b's virtual stages are not searched."""

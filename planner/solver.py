@@ -46,7 +46,7 @@ from dpar.planner.hardware import Hardware
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.rules import candidates
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 TIE_LAYOUT = 1e-4  # per position in layouts(), in units of single-device compute
 TIE_CANDIDATE = 1e-6  # per position in candidates()

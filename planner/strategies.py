@@ -18,7 +18,7 @@ from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import Plan
 from dpar.planner.rules import FORWARD_CONVERT, Candidate, candidates
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 DP_MODES = {"ddp": "replicate", "zero2": "zero2", "fsdp": "fsdp"}
 STRATEGIES = ("ddp", "zero2", "fsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp")

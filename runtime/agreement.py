@@ -17,9 +17,9 @@ import time
 
 import torch.distributed as dist
 
-from dpar.runtime.errors import CollectiveMismatchError, DivergedRanksError
+from dpar.core.errors import CollectiveMismatchError, DivergedRanksError
 from dpar.runtime.peer_progress import POLL_INTERVAL_S, PeerReport, ask, start_answering
-from dpar.runtime.world import World, collectives_issued, default_store, global_rank, wait_for_keys
+from dpar.core.world import World, collectives_issued, default_store, global_rank, wait_for_keys
 
 
 _checks_started = 0

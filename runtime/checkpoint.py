@@ -37,8 +37,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from dpar.runtime.checkpoint_files import publish, published, read_manifest, reached, staging_directory
-from dpar.runtime.errors import CheckpointError, OptionsError, UnmaterializedStateError
-from dpar.runtime import model_state, zero1
+from dpar.core.errors import CheckpointError, OptionsError, UnmaterializedStateError
+from dpar.core import model_state
+from dpar.runtime import zero1
 from dpar.runtime.local_sgd import Period, period_of
 from dpar.runtime import safetensors_io
 from dpar.runtime.safetensors_io import save_safetensors
@@ -230,7 +231,7 @@ def _checkpoint_group() -> dist.ProcessGroup | None:
 def _fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """What a checkpoint must agree on with the model that loads it: every tensor's name, global shape
     and dtype, and where ranks hold state of their own, the strategy and world size."""
-    from dpar.compiler.plan import plan_of_parameters  # the plan parallelize attached (runtime never imports compiler at import time)
+    from dpar.core.plan import plan_of_parameters  # the plan parallelize attached (runtime never imports compiler at import time)
 
     plan = plan_of_parameters(dict(module.named_parameters()))
     return {

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dpar.runtime.errors import CheckpointError
+from dpar.core.errors import CheckpointError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

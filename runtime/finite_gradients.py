@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dpar.runtime.errors import NonFiniteGradientError
+from dpar.core.errors import NonFiniteGradientError
 from dpar.runtime.gradient_sync import inside_no_sync
 
 

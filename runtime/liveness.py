@@ -86,8 +86,8 @@ from typing import Any
 import torch.distributed as dist
 from functorch.compile import make_boxed_func
 
-from dpar.runtime.errors import CollectiveStallError, RankLostError
-from dpar.runtime.world import collectives_issued, default_store
+from dpar.core.errors import CollectiveStallError, RankLostError
+from dpar.core.world import collectives_issued, default_store
 
 _HEARTBEAT = "dpar/heartbeat"
 LOST_AFTER_S = 3.0
@@ -249,7 +249,7 @@ _COMPILE_FRAMES = tuple(
     os.path.join(_TORCH_DIR, *path)
     for path in (("_dynamo", "convert_frame.py"), ("_functorch", "_aot_autograd", "graph_compile.py"))
 ) + (
-    os.path.join(_DPAR_DIR, "compiler", "pipeline.py"),  # dpar's passes, a backward variant built on first use
+    os.path.join(_DPAR_DIR, "compiler", "pass_listing.py"),  # dpar's passes, a backward variant built on first use
     os.path.join(_DPAR_DIR, "runtime", "agreement.py"),  # a check across ranks: bounded, with its own errors
 )
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from dpar.runtime import model_state
+from dpar.core import model_state
 from dpar.runtime.gradient_sync import inside_no_sync
 
 

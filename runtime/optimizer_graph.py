@@ -34,7 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dpar.compiler.optimizer_step import CapturedStep, StepNotCaptured, eager_step, inductor_step, install_step
-from dpar.runtime import model_state
+from dpar.core import model_state
 
 
 class StepNotCapturedWarning(UserWarning):

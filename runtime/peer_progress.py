@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dpar.runtime import liveness
-from dpar.runtime.world import collectives_issued, default_store, wait_for_keys
+from dpar.core.world import collectives_issued, default_store, wait_for_keys
 
 _QUERY_COUNT = "dpar/progress/queries"
 _QUERY = "dpar/progress/query"

@@ -22,10 +22,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from dpar.compiler.pipeline_parallel.data_parallel import SyncVariant
-from dpar.compiler.pipeline_parallel.schedules import Action, Op, PipelineSchedule
-from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs
-from dpar.runtime.model_state import local_part
+from dpar.core.pipeline_program import Action, Op, PipelineSchedule, StageGraphs, SyncVariant
+from dpar.core.model_state import local_part
 
 _TAG_FIELDS = (2, 256, 4096, 64)  # direction, stage, micro-batch, tensor index: a unique p2p tag
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dpar.runtime.agreement import agree
-from dpar.runtime.world import World
+from dpar.core.world import World
 
 # Marks a tensor whose values came from rank 0. A mark on the tensor, not a table keyed by it: swap_tensors
 # (to_empty) refuses a tensor any weak reference points at. Its values are the tensor's own, so the mark

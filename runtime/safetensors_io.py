@@ -40,8 +40,8 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dpar.runtime.errors import DparError, OptionsError, SafetensorsCheckpointError
-from dpar.runtime.model_state import local_part
+from dpar.core.errors import DparError, OptionsError, SafetensorsCheckpointError
+from dpar.core.model_state import local_part
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from dpar.runtime.errors import BatchMismatchError
+from dpar.core.errors import BatchMismatchError
 
 CHECKED_CALLS = 3
 """How many calls are checked: enough for a sampler bug to show, cheap over a long run."""

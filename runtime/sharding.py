@@ -29,13 +29,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._collective_utils import pad_tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dpar.runtime import model_state
-from dpar.runtime.errors import OptionsError
+from dpar.core import model_state
+from dpar.core.errors import OptionsError
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """One parameter's facts; how the model as a whole is sharded is its plan's (``compiler/plan.py``)."""
+    """One parameter's facts; how the model as a whole is sharded is its plan's (``core/plan.py``)."""
 
     name: str
     global_shape: tuple[int, ...]

@@ -47,8 +47,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from dpar.runtime import model_state
-from dpar.runtime.errors import OptionsError
+from dpar.core import model_state
+from dpar.core.errors import OptionsError
 
 
 @dataclasses.dataclass(frozen=True)

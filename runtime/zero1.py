@@ -47,10 +47,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from dpar.compiler.optimizer_step import CapturedStep, PassesAfterEagerStep, StepNotCaptured, inductor_step
 from dpar.compiler.passes.all_gather_ranges import UpdatedRange
-from dpar.compiler.pipeline import optimizer_passes
-from dpar.compiler.plan import Strategy
-from dpar.runtime import model_state
-from dpar.runtime.errors import OptionsError
+from dpar.compiler.pass_listing import optimizer_passes
+from dpar.core.plan import Strategy
+from dpar.core import model_state
+from dpar.core.errors import OptionsError
 from dpar.runtime.optimizer_graph import install_captured_step, steps_in_graph, warn_eager
 
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
-from dpar.compiler.plan import AxisRole
+from dpar.core.plan import AxisRole
 from dpar.placement import plan_of
 from training import STEPS, Case, global_batch, loss_of, make_optimizer, seeded_model
 

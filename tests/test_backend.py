@@ -35,7 +35,7 @@ def train(model: torch.nn.Module, runner: torch.nn.Module) -> dict:
 
 
 def test_without_process_group_it_warns_once_and_matches_plain_pytorch() -> None:
-    import dpar.runtime.world as world
+    import dpar.core.world as world
 
     world._warned_single_device = False
     torch._dynamo.reset()

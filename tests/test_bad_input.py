@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import dpar
 from distributed import RankFailed, run_ranks
-from dpar.runtime.world import World, check_devices
+from dpar.core.world import World, check_devices
 
 
 def compile_and_run(options: dict) -> None:

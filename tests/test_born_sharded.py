@@ -3,7 +3,7 @@
 ``with torch.device("meta"): build()`` -> ``dpar.parallelize`` -> ``to_empty`` -> the model's own init of its
 non-persistent buffers -> weights loaded (``set_model_state_dict`` broadcast from rank 0, or ``dcp.load``) ->
 train, equal to torch DDP started from the same weights. See [Note: facts keyed by name, not by tensor] and
-[Note: buffers of a model born on meta] in runtime/model_state.py.
+[Note: buffers of a model born on meta] in core/model_state.py.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def one_rank():
 def test_facts_survive_to_empty_swap_and_assign(one_rank) -> None:
     """Sharded parameters are DTensors, which to_empty swaps in place (swap_tensors refuses a tensor any weak
     reference points at) and load_state_dict(assign=True) replaces: the plan and the shards' facts stay."""
-    from dpar.compiler.plan import plan_of_parameters
+    from dpar.core.plan import plan_of_parameters
     from dpar.runtime.sharding import spec_of
 
     torch.manual_seed(0)

@@ -213,7 +213,7 @@ def test_full_state_dict_is_on_rank_zero_and_loads_into_a_plain_model(saved: lis
 
 def test_optimizer_over_other_parameters_is_refused_with_the_fix(tmp_path) -> None:
     from dpar.runtime import checkpoint
-    from dpar.runtime.errors import OptionsError
+    from dpar.core.errors import OptionsError
 
     model = MLP()
     stale = torch.optim.AdamW(MLP().parameters())  # e.g. built before dpar.parallelize replaced them
@@ -246,7 +246,7 @@ def test_parameter_without_gradient_stays_without_optimizer_state(tmp_path) -> N
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_optimizer_load_from_a_weights_only_checkpoint_names_the_fix(tmp_path) -> None:
     from dpar.runtime import checkpoint
-    from dpar.runtime.errors import OptionsError
+    from dpar.core.errors import OptionsError
 
     checkpoint.save(MLP(), None, tmp_path)
     model = MLP()

@@ -19,7 +19,7 @@ import dpar  # noqa: F401  (registers the backend)
 from dpar.inspect.costs import PRESETS
 from dpar.inspect.explain import explain
 from dpar.compiler.registry import recording
-from dpar.runtime.errors import OptionsError, ProcessGroupError
+from dpar.core.errors import OptionsError, ProcessGroupError
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 CAP_BYTES = 500

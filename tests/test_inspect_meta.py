@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from dpar.inspect.explain import explain
-from dpar.runtime.errors import InspectionError
+from dpar.core.errors import InspectionError
 
 transformers = pytest.importorskip("transformers")
 

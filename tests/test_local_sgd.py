@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import dpar
 from distributed import run_ranks
 from models import MLP
-from dpar.runtime.errors import OptionsError
+from dpar.core.errors import OptionsError
 
 ROWS = 4  # per rank
 

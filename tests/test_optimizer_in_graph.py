@@ -147,7 +147,7 @@ def test_a_captured_sgd_step_equals_the_eager_one_and_a_closure_step_runs_eagerl
 
 def test_optimizer_in_graph_follows_the_inner_compiler_unless_set() -> None:
     from dpar.compiler.options import Options
-    from dpar.runtime.errors import OptionsError
+    from dpar.core.errors import OptionsError
 
     assert Options.parse({}).steps_optimizer_in_graph  # inductor is the default inner compiler
     assert not Options.parse({"compiler": "aot_eager"}).steps_optimizer_in_graph

@@ -11,9 +11,9 @@ import pytest
 
 import dpar
 from dpar.compiler.pipeline_parallel.schedules import (
-    Action, Op, PipelineBubbleWarning, PipelineSchedule, bubble_formula, build_schedule, check_deadlock_free,
-    warn_if_bubble_large,
+    PipelineBubbleWarning, bubble_formula, build_schedule, check_deadlock_free, warn_if_bubble_large,
 )
+from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 from dpar.compiler.pipeline_parallel.simulate import Costs, simulate
 
 RANKS = (1, 2, 3, 4, 8)

@@ -10,7 +10,7 @@ Two AdamW steps, then one of:
 - ``checkpoint``: ``dpar.checkpoint.save``, then a fresh model born on meta, parallelized, ``to_empty``,
   ``dpar.checkpoint.load`` into it and a new optimizer;
 then three more steps. The parameters must equal torch DDP's after the same five steps (and the same halving).
-See [Note: facts keyed by name, not by tensor] in runtime/model_state.py.
+See [Note: facts keyed by name, not by tensor] in core/model_state.py.
 """
 
 from __future__ import annotations

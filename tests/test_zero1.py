@@ -105,10 +105,10 @@ def _targets_after_gather(gm) -> list[str]:
 def rank_main(rank: int, world_size: int) -> dict:
     import dpar
     from dpar.compiler.options import Options
-    from dpar.compiler.pipeline import Pipeline
+    from dpar.compiler.pass_listing import PassListing
     from dpar.compiler.registry import recording
     from dpar.placement import plan_of
-    from dpar.runtime.world import current_world
+    from dpar.core.world import current_world
 
     results = {}
     for case in CASES:
@@ -139,7 +139,7 @@ def rank_main(rank: int, world_size: int) -> dict:
             "gather_graphs": [{"code": g.graph.code, "passes": [st.pass_name for st in g.stages],
                                "collectives": [(c.kind, c.dtype, c.bytes) for c in g.collectives],
                                "after_gather": _targets_after_gather(g.graph)} for g in gather_only],
-            "listing": Pipeline(plan_of(model), [], current_world(), Options()).listing()["optimizer"],
+            "listing": PassListing(plan_of(model), [], current_world(), Options()).listing()["optimizer"],
         }
     import tempfile
 

@@ -14,7 +14,6 @@ are the ones ddp's tests pin.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch.fx as fx
 
@@ -22,20 +21,8 @@ from dpar.compiler.graph_utils import copy_graph_module, fake_like, refresh_fake
 from dpar.compiler.passes.all_reduce import accumulated_gradient_order, all_reduce_gradients_pass
 from dpar.compiler.passes.buckets import Gradient, plan_buckets
 from dpar.compiler.passes.sink_waits import sink_waits_pass
-from dpar.compiler.pipeline import run_passes
-from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncVariant:
-    """A backward graph that also all-reduces the stage's accumulated gradients over ``dp``.
-
-    Called as the plain graph plus one accumulated gradient per entry of ``accumulated``
-    (positions among the stage's parameters); its parameter gradients are the averaged totals.
-    """
-
-    graph: fx.GraphModule
-    accumulated: tuple[int, ...]
+from dpar.compiler.pass_listing import run_passes
+from dpar.core.pipeline_program import StageGraphs, SyncVariant
 
 
 def _gradients(gm: fx.GraphModule, graphs: StageGraphs, first: int) -> list[Gradient]:

@@ -37,62 +37,14 @@ replaying.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import enum
 import warnings
 from collections.abc import Callable, Iterator
 
-from dpar.runtime.errors import OptionsError, ScheduleError
+from dpar.core.errors import OptionsError, ScheduleError
+from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
-
-
-class Op(enum.Enum):
-    FORWARD = "F"
-    BACKWARD = "B"
-    BACKWARD_INPUT = "I"
-    BACKWARD_WEIGHT = "W"
-    SEND_ACTIVATION = "SA"
-    RECV_ACTIVATION = "RA"
-    SEND_GRADIENT = "SG"
-    RECV_GRADIENT = "RG"
-
-    @property
-    def is_compute(self) -> bool:
-        return self in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
-
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    op: Op
-    stage: int
-    micro_batch: int
-
-    def __str__(self) -> str:
-        return f"{self.op.value}{self.stage}.{self.micro_batch}"
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineSchedule:
-    """Which rank runs what, in what order; ``actions[rank]`` is that rank's whole program."""
-
-    name: str
-    num_ranks: int
-    num_stages: int
-    micro_batches: int
-    actions: tuple[tuple[Action, ...], ...]
-
-    def stage_rank(self, stage: int) -> int:
-        return stage % self.num_ranks
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(range(rank, self.num_stages, self.num_ranks))
-
-    def __str__(self) -> str:
-        head = (f"{self.name}: {self.num_ranks} ranks, {self.num_stages} stages, "
-                f"{self.micro_batches} micro-batches")
-        return "\n".join([head, *(f"rank {r}: " + " ".join(map(str, a)) for r, a in enumerate(self.actions))])
 
 
 def _compute_order(name: str, p: int, m: int, v: int, rank: int) -> Iterator[tuple[Op, int, int]]:

@@ -33,10 +33,9 @@ import torch.fx as fx
 
 from dpar.compiler.graph_utils import copy_graph_module, refresh_fake_values
 from dpar.compiler.passes.sink_waits import sink_waits_pass
-from dpar.compiler.pipeline import run_passes
-from dpar.compiler.pipeline_parallel.data_parallel import SyncVariant
-from dpar.compiler.pipeline_parallel.stage_graphs import StageGraphs
-from dpar.runtime.errors import OptionsError
+from dpar.compiler.pass_listing import run_passes
+from dpar.core.pipeline_program import StageGraphs, SyncVariant
+from dpar.core.errors import OptionsError
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -39,7 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dpar.compiler.pipeline_parallel.schedules import Action, Op, PipelineSchedule, replay
+from dpar.compiler.pipeline_parallel.schedules import replay
+from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 
 
 @dataclasses.dataclass(frozen=True)

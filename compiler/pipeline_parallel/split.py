@@ -24,7 +24,6 @@ returns the carried values that cross its far boundary, or the loss on the last 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -33,49 +32,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.flop_counter import flop_registry
 
-from dpar.runtime.errors import OptionsError
-
-
-@dataclasses.dataclass(frozen=True)
-class ValueSpec:
-    """A tensor crossing a stage boundary: what the receiver allocates."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    index: int
-    graph: fx.GraphModule
-    batch_inputs: tuple[int, ...]  # positions among the user's inputs (target last) this stage reads
-    carried_in: tuple[ValueSpec, ...]
-    carried_out: tuple[ValueSpec, ...]  # empty on the last stage, whose output is the loss
-    parameters: tuple[str, ...]  # names as in model.named_parameters()
-    blocks: tuple[str, ...]  # the numbered modules traced into this stage
-    flops: float  # per micro-batch, forward
-
-
-@dataclasses.dataclass(frozen=True)
-class StageSplit:
-    stages: tuple[Stage, ...]
-    block_prefix: str
-    shared_parameters: tuple[str, ...]  # read by more than one stage
-
-    def __str__(self) -> str:
-        lines = [f"{len(self.stages)} stages over the blocks of {self.block_prefix!r}:"]
-        for stage in self.stages:
-            blocks = f"{stage.blocks[0]} .. {stage.blocks[-1]}" if stage.blocks else "(no block)"
-            sent = sum(math.prod(v.shape) * v.dtype.itemsize for v in stage.carried_out)
-            lines.append(
-                f"  stage {stage.index}: {blocks}, {len(stage.parameters)} parameters, "
-                f"{stage.flops / 1e6:.2f} MFLOP forward per micro-batch, sends {sent} bytes"
-            )
-        if self.shared_parameters:
-            lines.append(f"  shared between stages (gradients summed): {', '.join(self.shared_parameters)}")
-        return "\n".join(lines)
+from dpar.core.errors import OptionsError
+from dpar.core.pipeline_program import Stage, StageSplit, ValueSpec
 
 
 class _ModelAndLoss(nn.Module):

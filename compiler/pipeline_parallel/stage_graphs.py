@@ -20,7 +20,6 @@ each node once, the same nodes as B.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -28,37 +27,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
-from dpar.compiler.pipeline_parallel.split import Stage
-
-
-@dataclasses.dataclass(frozen=True)
-class StageGraphs:
-    """Graphs of one stage. Calling conventions:
-
-    forward(*state, *batch_inputs, *carried_in) -> (*outputs, *saved)
-    backward(*state, *saved, *output_grads) -> (*input_grads, *parameter_grads)
-    backward_input(*state, *saved, *output_grads) -> (*input_grads, *stash)
-    backward_weight(*state, *saved, *output_grads, *stash) -> (*parameter_grads,)
-
-    ``state`` is the stage's parameters (``parameter_names``) then its buffers (``buffer_names``).
-
-    ``input_grads`` are for the carried-in values that take a gradient (``grad_inputs``), output
-    gradients for the outputs that take one (``grad_outputs``); a gradient that does not depend on
-    anything comes back as ``None``.
-    """
-
-    stage: Stage
-    parameter_names: tuple[str, ...]
-    buffer_names: tuple[str, ...]
-    grad_inputs: tuple[int, ...]  # positions among carried_in
-    grad_outputs: tuple[int, ...]  # positions among outputs
-    num_outputs: int
-    num_saved: int
-    num_stash: int
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    backward_input: fx.GraphModule
-    backward_weight: fx.GraphModule
+from dpar.core.pipeline_program import Stage, StageGraphs
 
 
 def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 import dpar.runtime.tensor_parallel  # noqa: F401  (registers the marker ops)
-from dpar.runtime.errors import TensorParallelPlanError
+from dpar.core.errors import TensorParallelPlanError
 from dpar.compiler.propagation.redistribute import SLICE_COST, cost, nbytes_of, redistribute
 from dpar.compiler.propagation.rules import (
     TRANSPOSES,

@@ -1,7 +1,7 @@
 """The pipeline: for each plan, the passes it lists are the passes that run, stage by stage, in order.
 
 Four simulated ranks; 2-D strategies on a (2, 2) mesh. The listing is read off
-``Pipeline.listing()`` for the plan ``parallelize`` left on the model, and the
+``PassListing.listing()`` for the plan ``parallelize`` left on the model, and the
 passes that ran off the graphs the backend recorded.
 """
 
@@ -16,11 +16,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
 from dpar.compiler.options import Options
-from dpar.compiler.pipeline import Pipeline
-from dpar.compiler.plan import AxisRole, ParallelPlan, Strategy, replicated
+from dpar.compiler.pass_listing import PassListing
+from dpar.core.plan import AxisRole, ParallelPlan, Strategy, replicated
 from dpar.placement import plan_of
-from dpar.runtime.errors import OptionsError
-from dpar.runtime.world import current_world
+from dpar.core.errors import OptionsError
+from dpar.core.world import current_world
 from fake_world import fake_world
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -32,7 +32,7 @@ SHARDED_FORWARD = ["broadcast_buffers", *GATHERS, *WAITS, "prefetch_all_gathers"
 SHARDED_BACKWARD = [*GATHERS, "bucket_reduce_scatters", *WAITS, "prefetch_all_gathers"]
 TP_JOINT = ["unroll_group_batch", "tensor_parallel"]
 
-# What a newcomer should be able to read off pipeline.py: stage -> passes, per strategy.
+# What a newcomer should be able to read off pass_listing.py: stage -> passes, per strategy.
 EXPECTED = {
     "ddp": {"dynamo": [], "joint": [], "forward": ["broadcast_buffers", *WAITS],
             "backward (sync)": ["all_reduce_gradients", *WAITS], "backward (no_sync)": []},
@@ -74,9 +74,9 @@ def test_the_listed_passes_are_the_ones_that_run(strategy: str) -> None:
         parallelized(strategy, x, model)
         world = current_world()
         plan = plan_of(model) or replicated(world.group_name, world.size)
-        listing = Pipeline(plan, [], world, Options()).listing()
+        listing = PassListing(plan, [], world, Options()).listing()
         # A no_grad forward reads local buffers (as DDP's evaluation does): nothing to broadcast.
-        evaluation = Pipeline(plan, [], world, Options(broadcast_buffers=False)).listing()["inference"]
+        evaluation = PassListing(plan, [], world, Options(broadcast_buffers=False)).listing()["inference"]
         compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
         compiled(x, y).backward()
         with torch.no_grad():

@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dpar.runtime.errors import ProcessGroupError
+from dpar.core.errors import ProcessGroupError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,8 @@ import enum
 import torch
 import torch.nn as nn
 
-from dpar.runtime import model_state
-from dpar.runtime.errors import OptionsError
+from dpar.core import model_state
+from dpar.core.errors import OptionsError
 
 
 class Strategy(enum.Enum):

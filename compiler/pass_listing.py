@@ -13,14 +13,14 @@ A graph goes through these stages, each a list of named passes run by
   optimizer  zero1's optimizer step, captured by ``optimizer_step.CapturedStep``:
              after the update, the stepped ranges are gathered into the parameters
 
-``Pipeline`` lists them for one ``ParallelPlan``; the strategy modules
+``PassListing`` lists them for one ``ParallelPlan``; the strategy modules
 (``data_parallel``, ``sharded_data_parallel``, ``tensor_parallel``) supply the
 passes and the state they plan from the graphs (buckets, groups), never the order.
 For fsdp+tp, for instance: dynamo [mark_own_rows]; joint [unroll_group_batch,
 tensor_parallel, tag_gathers, save_random_ops]; forward [broadcast_buffers,
 bucket_all_gathers, sink_waits, prefetch_all_gathers]; backward
 [bucket_all_gathers, bucket_reduce_scatters, sink_waits, prefetch_all_gathers].
-``Pipeline(...).listing()`` prints that for any plan.
+``PassListing(...).listing()`` prints that for any plan.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dpar.compiler.passes.all_gather_ranges import UpdatedRange, all_gather_upda
 from dpar.compiler.passes.broadcast_buffers import average_inputs_pass, buffer_broadcast_groups
 from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.sink_waits import sink_waits_pass
-from dpar.compiler.plan import AxisRole, ParallelPlan, Strategy
+from dpar.core.plan import AxisRole, ParallelPlan, Strategy
 from dpar.compiler.registry import STAGES_KEY, PassStage, record
 from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout
 from dpar.compiler.tensor_parallel import TensorParallel
@@ -50,7 +50,7 @@ from dpar.runtime.agreement import agree
 from dpar.runtime.gradient_sync import BackwardDispatch, ForwardDispatch, Variant
 from dpar.runtime.liveness import Watched
 from dpar.runtime.local_sgd import choose_variant, period_of
-from dpar.runtime.world import World, group_ranks
+from dpar.core.world import World, group_ranks
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
 
@@ -111,7 +111,7 @@ def lower_checked(
     return compiled if world.backend == "fake" else Watched(compiled, role.value)
 
 
-class Pipeline:
+class PassListing:
     """One plan's passes, stage by stage, and the hook ``compile_graphs`` calls with every graph."""
 
     def __init__(self, plan: ParallelPlan, inputs: Sequence[GraphInput], world: World, options: Options) -> None:

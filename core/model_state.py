@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_buffer_registration_hook
 
-from dpar.runtime.errors import UnmaterializedStateError
+from dpar.core.errors import UnmaterializedStateError
 
 ATTRIBUTE = "_dpar_state"
 

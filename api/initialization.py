@@ -31,13 +31,12 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
 from dpar.runtime import sharding, tensor_parallel
 from dpar.core.errors import InitializationError
+from dpar.core.torch_internals import compute_local_shape_and_global_offset, resolve_process_group
 
 _DPAR_CLASS_MODULES = (sharding.__name__, tensor_parallel.__name__)
 
@@ -74,7 +73,7 @@ def _scatter_locally(full: torch.Tensor, param: torch.Tensor) -> None:
     spec = tensor_parallel.tensor_parallel_spec_of(param)
     part = full.detach()
     if spec is not None and spec.dim is not None:
-        rank = dist.get_rank(_resolve_process_group(spec.group_name))
+        rank = dist.get_rank(resolve_process_group(spec.group_name))
         part = part.narrow(spec.dim, *tensor_parallel.local_block(part.shape[spec.dim], spec.tp_size, rank))
     if isinstance(param, DTensor):
         shape, offset = compute_local_shape_and_global_offset(part.shape, param.device_mesh, param.placements)

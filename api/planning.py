@@ -21,6 +21,7 @@ from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan
 from dpar.planner.rules import candidates
 from dpar.core.errors import OptionsError
+from dpar.core.torch_internals import pytree
 
 __all__ = ["CostBreakdown", "Hardware", "ParameterPlan", "Plan", "global_batch", "plan"]
 
@@ -65,7 +66,7 @@ def global_batch(rank_slice: Sequence[object], ranks: int) -> tuple[object, ...]
     rows ``capture`` counts); other values are kept. Only shapes matter to the planner, so the
     result is left uninitialised (``torch.empty``: no copy of the data).
     """
-    leaves, spec = torch.utils._pytree.tree_flatten(tuple(rank_slice))
+    leaves, spec = pytree.tree_flatten(tuple(rank_slice))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim()]
     if not tensors:
         raise OptionsError("strategy 'auto' plans from one batch: example_inputs must hold a tensor with a batch dimension")
@@ -76,7 +77,7 @@ def global_batch(rank_slice: Sequence[object], ranks: int) -> tuple[object, ...]
             return x
         return torch.empty((rows * ranks, *x.shape[1:]), dtype=x.dtype, device=x.device, requires_grad=x.requires_grad)
 
-    return tuple(torch.utils._pytree.tree_unflatten([widened(x) for x in leaves], spec))
+    return tuple(pytree.tree_unflatten([widened(x) for x in leaves], spec))
 
 
 def _mesh_shape(mesh_shape: int | Sequence[int]) -> tuple[int, ...]:

@@ -8,7 +8,9 @@ import operator
 import torch
 import torch.fx as fx
 
-c10d = torch.ops._c10d_functional
+from dpar.core.torch_internals import C10D_FUNCTIONAL
+
+c10d = C10D_FUNCTIONAL
 
 COLLECTIVE_KINDS: dict[object, str] = {
     c10d.all_reduce.default: "all_reduce",

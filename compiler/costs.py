@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from dpar.compiler.collectives import is_compute
+from dpar.core.torch_internals import pytree
 
 N, B, ALPHA, BETA = sympy.symbols("N B alpha beta", positive=True)
 
@@ -204,8 +205,8 @@ def node_flops(node: fx.Node) -> int:
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
-    args = torch.utils._pytree.tree_map(_val, node.args)
-    kwargs = torch.utils._pytree.tree_map(_val, dict(node.kwargs))
+    args = pytree.tree_map(_val, node.args)
+    kwargs = pytree.tree_map(_val, dict(node.kwargs))
     return int(formula(*args, out_val=_val(node), **kwargs))
 
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from dpar.core.torch_internals import FakeTensorMode, detect_fake_mode, stable_topological_sort
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -31,7 +32,6 @@ def view_contiguous(graph: fx.Graph, node: fx.Node, shape: list[int]) -> fx.Node
 
 def restore_topological_order(graph: fx.Graph) -> None:
     """Move nodes a rewrite left before their inputs down, keeping every other node in place."""
-    from torch._inductor.pattern_matcher import stable_topological_sort
 
     stable_topological_sort(graph)
 
@@ -40,7 +40,6 @@ def refresh_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
     """Give the nodes a pass added their ``meta['val']``, which Inductor and our tables read."""
     mode = detect_fake_mode(example_inputs)
     if mode is None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         FakeTensorProp(gm, mode).propagate(*example_inputs)

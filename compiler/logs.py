@@ -14,9 +14,9 @@ import os
 import re
 from collections.abc import Callable, Sequence
 
-from torch._logging import trace_structured
 
 from dpar.compiler.collectives import Collective
+from dpar.core.torch_internals import trace_structured
 
 CHANNELS: dict[str, str] = {
     "dpar": "dpar",  # the backend's own messages (bucket plans)

@@ -11,10 +11,10 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-from torch._dynamo.backends.common import aot_autograd
+
+from dpar.core.torch_internals import aot_autograd, functorch_config, inductor
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
@@ -128,9 +128,7 @@ def compile_graphs(
 def _compile_inductor(
     gm: fx.GraphModule, example_inputs: Sequence[Any], hook: GraphHook, joint_pass: JointPass | None
 ) -> Callable[..., Any]:
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    inductor_ = inductor()
 
     def inner_compile(g: fx.GraphModule, ex: Sequence[Any], **kwargs: Any) -> Any:
         kwargs.pop("get_decomp_fn", None)
@@ -142,11 +140,11 @@ def _compile_inductor(
             role = GraphRole.FORWARD
 
         def lower(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-            return compile_fx_inner(graph, inputs, **kwargs)
+            return inductor_.compile_fx_inner(graph, inputs, **kwargs)
 
         return hook(_tagged(g, role), ex, role, lower)
 
-    class JointThenMinCut(CustomPartitionerFn):
+    class JointThenMinCut(inductor_.CustomPartitionerFn):
         def __call__(self, joint: fx.GraphModule, inputs: Sequence[object], **kwargs: Any) -> Any:
             return min_cut_rematerialization_partition(joint_pass(_recorded(joint, inputs, kwargs)), inputs, **kwargs)
 
@@ -156,5 +154,5 @@ def _compile_inductor(
     # The partitioner is specific to this model's sharding and cannot key a cache entry.
     patches = {"custom_partitioner_fn": JointThenMinCut(), "fx_graph_cache": False} if joint_pass is not None else {}
     # A cached artifact would skip the hooks, and with them the runtime that dispatches variants.
-    with torch._functorch.config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    with functorch_config().patch(enable_autograd_cache=False), inductor_.config.patch(patches):
+        return inductor_.compile_fx(gm, example_inputs, inner_compile=inner_compile)

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.fx as fx
-from torch._library.fake_class_registry import FakeScriptObject
 
 from dpar.compiler.capture import GraphInput, InputKind
 from dpar.compiler.costs import spec_of_tensors
@@ -21,6 +20,7 @@ from dpar.compiler.passes.prefetch import prefetch_all_gathers_pass, prefetch_di
 from dpar.compiler.passes.reduce_scatter import bucket_reduce_scatters_pass
 from dpar.compiler.passes.reshard import tag_gathers
 from dpar.core.plan import AxisRole, ParallelPlan
+from dpar.core.torch_internals import FakeScriptObject
 from dpar.runtime.sharding import spec_of
 
 log = logging.getLogger("dpar")

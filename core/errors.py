@@ -8,7 +8,8 @@ exactly as raised.
 
 from __future__ import annotations
 
-from torch._dynamo.exc import ShortenTraceback
+from dpar.core.torch_internals import ShortenTraceback
+
 
 
 class DparError(ShortenTraceback):

@@ -10,7 +10,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from dpar.core import torch_internals
 from dpar.core.errors import ProcessGroupError
+from dpar.core.torch_internals import groups_and_ranks, resolve_process_group, sequence_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,23 +93,23 @@ def check_devices(tensors: dict[str, torch.Tensor], world: World) -> torch.devic
 
 def world_of_group(group_name: str) -> World:
     """The ranks of the group this process knows as ``group_name`` (a mesh axis's, say)."""
-    group = dist.distributed_c10d._resolve_process_group(group_name)
+    group = resolve_process_group(group_name)
     return World(rank=dist.get_rank(group), size=dist.get_world_size(group), group_name=group_name,
                  backend=dist.get_backend(group))
 
 
 def group_size(group_name: str) -> int:
-    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+    return dist.get_world_size(resolve_process_group(group_name))
 
 
 def group_ranks(group_name: str) -> list[int]:
     """The default group's ranks of the members of ``group_name``."""
-    return dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name))
+    return dist.get_process_group_ranks(resolve_process_group(group_name))
 
 
 def default_store() -> dist.Store:
     """The rendezvous store every rank of the default group reaches."""
-    return dist.distributed_c10d._get_default_store()
+    return torch_internals.default_store()
 
 
 def wait_for_keys(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
@@ -128,7 +130,7 @@ def wait_for_keys(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
 
 def global_rank(world: World, group_rank: int) -> int:
     """The default group's rank of ``world``'s rank ``group_rank``."""
-    return dist.get_global_rank(dist.distributed_c10d._resolve_process_group(world.group_name), group_rank)
+    return dist.get_global_rank(resolve_process_group(world.group_name), group_rank)
 
 
 def collectives_issued() -> dict[str, int]:
@@ -138,7 +140,7 @@ def collectives_issued() -> dict[str, int]:
     same, so two ranks' counts compare on the groups they share.
     """
     return {
-        f"{pg.group_name}{sorted(ranks)}": pg._get_sequence_number_for_group()
-        for pg, ranks in dist.distributed_c10d._world.pg_group_ranks.items()
+        f"{pg.group_name}{sorted(ranks)}": sequence_number(pg)
+        for pg, ranks in groups_and_ranks().items()
         if isinstance(pg, dist.ProcessGroup)  # c10d keys a group this rank is not in by an int sentinel
     }

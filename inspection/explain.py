@@ -29,6 +29,7 @@ from dpar.compiler.options import Options
 from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.compiler.registry import CompiledGraph, PassStage, record, recording
 from dpar.core.errors import InspectionError, OptionsError
+from dpar.core.torch_internals import functorch_config
 from dpar.core.world import group_size
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ def _capture(model: torch.nn.Module, example_inputs: Any, options: Mapping[str, 
 
     compiled = torch.compile(model, backend=backend)
     # Compile the backward with the forward, so each graph pairs with its Dynamo graph.
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+    with functorch_config().patch(force_non_lazy_backward_lowering=True):
         if isinstance(example_inputs, Mapping):
             compiled(**example_inputs)
         elif isinstance(example_inputs, (tuple, list)):
@@ -148,12 +149,12 @@ def explain(
     cap = compile_options.pop("bucket_cap_mb", None) if chosen.takes_bucket_cap else None
     on_meta = differentiable_on_meta() if is_meta(model, example_inputs) else contextlib.nullcontext()
     with fake_world(world_size), assumed_device(spec), on_meta:  # ddp's buckets planned for ``device``, not this CPU
-        torch._dynamo.reset()
+        torch.compiler.reset()
         try:
             work = chosen.prepare(copy.deepcopy(model), _positional(example_inputs), world_size, cap)
             captures = _capture(work, example_inputs, compile_options, world_size)
         finally:
-            torch._dynamo.reset()
+            torch.compiler.reset()
     report = _report(type(model).__name__, work, captures, world_size, chosen.name, spec, parsed, optimizer, ranks_shown)
     artifact("explain_report", report.to_json, encoding="json")
     return report

@@ -7,9 +7,9 @@ import os
 from collections.abc import Iterator
 
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dpar.core.errors import OptionsError, ProcessGroupError
+from dpar.core.torch_internals import register_fake_backend
 
 
 @contextlib.contextmanager
@@ -29,7 +29,8 @@ def fake_world(world_size: int) -> Iterator[None]:
             "(`dpar inspect` runs in its own)."
         )
     launched = os.environ.pop("WORLD_SIZE", None)  # a launcher's WORLD_SIZE is not ours to simulate
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    register_fake_backend()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:

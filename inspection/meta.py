@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._C import DispatchKey
+
+from dpar.core.torch_internals import python_meta_kernels_lifted
 
 
 def is_meta(model: torch.nn.Module, example_inputs: Any = ()) -> bool:
@@ -38,31 +39,8 @@ def is_meta(model: torch.nn.Module, example_inputs: Any = ()) -> bool:
     return any(t.is_meta for t in tensors)
 
 
-def _composite_ops_with_python_meta() -> list[torch._ops.OpOverload]:
-    import torch._decomp  # noqa: F401  (fills the tables and, through _meta_registrations, the Meta kernels)
-    import torch._meta_registrations  # noqa: F401
-
-    ops = {}
-    for table in torch._decomp.global_decomposition_table.values():
-        for op in table:
-            if (
-                isinstance(op, torch._ops.OpOverload)
-                and DispatchKey.Meta in op.py_kernels
-                and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
-            ):
-                ops[str(op)] = op
-    return list(ops.values())
-
-
 @contextlib.contextmanager
 def differentiable_on_meta() -> Iterator[None]:
     """See [Note: meta models lose their gradients under the python dispatcher]."""
-    lifted = [(op, op.py_kernels.pop(DispatchKey.Meta)) for op in _composite_ops_with_python_meta()]
-    for op, _ in lifted:
-        op._dispatch_cache.clear()
-    try:
+    with python_meta_kernels_lifted():
         yield
-    finally:
-        for op, kernel in lifted:
-            op.py_kernels[DispatchKey.Meta] = kernel
-            op._dispatch_cache.clear()

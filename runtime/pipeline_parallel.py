@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from dpar.core.pipeline_program import Action, Op, PipelineSchedule, StageGraphs, SyncVariant
 from dpar.core.model_state import local_part
+from dpar.core.torch_internals import pytree
 
 _TAG_FIELDS = (2, 256, 4096, 64)  # direction, stage, micro-batch, tensor index: a unique p2p tag
 
@@ -274,7 +275,7 @@ class PipelineExecutor:
         held = [v for (s, _), v in saved.items() if s == stage]
         state = {local_part(t).untyped_storage().data_ptr() for t in self.state.values()}
         size = sum(  # activations only: a saved view of a weight (its transpose) costs nothing
-            t.numel() * t.element_size() for v in held for t in torch.utils._pytree.tree_leaves(v)
+            t.numel() * t.element_size() for v in held for t in pytree.tree_leaves(v)
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in state
         )
         self.peak_held[stage] = max(self.peak_held[stage], len(held))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from dpar.core.torch_internals import resolve_process_group
 from dpar.runtime.agreement import agree
 from dpar.core.world import World
 
@@ -40,7 +41,7 @@ def synchronize_replicas(
         timeout_s,
         subject="parameter and buffer shapes",
     )
-    group = dist.distributed_c10d._resolve_process_group(world.group_name)
+    group = resolve_process_group(world.group_name)
     with torch.no_grad():
         for tensor in fresh:
             if broadcast:

@@ -38,10 +38,10 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dpar.core.errors import DparError, OptionsError, SafetensorsCheckpointError
 from dpar.core.model_state import local_part
+from dpar.core.torch_internals import compute_local_shape_and_global_offset
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from dpar.core.errors import BatchMismatchError
+from dpar.core.torch_internals import resolve_process_group
 
 CHECKED_CALLS = 3
 """How many calls are checked: enough for a sampler bug to show, cheap over a long run."""
@@ -43,7 +43,7 @@ def checking_same_rows(
         if calls < CHECKED_CALLS:
             calls += 1
             tensors = [args[i] for i in data if isinstance(args[i], torch.Tensor)]
-            found = _first_difference(tensors, _resolve_process_group(group_name))
+            found = _first_difference(tensors, resolve_process_group(group_name))
             if found is not None:
                 raise BatchMismatchError(
                     f"parallelize(..., same_batch_in_tp_group=True) promised that every rank of a tensor-parallel "

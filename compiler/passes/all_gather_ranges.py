@@ -11,9 +11,10 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.collectives import WAIT
+from dpar.core.torch_internals import C10D_FUNCTIONAL
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
+c10d = C10D_FUNCTIONAL
 
 
 @dataclasses.dataclass(frozen=True)

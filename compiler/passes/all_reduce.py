@@ -10,9 +10,10 @@ import torch.fx as fx
 
 from dpar.compiler.graph_utils import view_contiguous
 from dpar.compiler.passes.buckets import BUCKET_REASON, Bucket
+from dpar.core.torch_internals import C10D_FUNCTIONAL
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
+c10d = C10D_FUNCTIONAL
 
 
 def accumulated_gradient_order(buckets: Sequence[Bucket]) -> list[int]:

@@ -42,9 +42,10 @@ import torch.fx as fx
 
 from dpar.compiler.lowering import JOINT_INPUTS_KEY
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
+from dpar.core.torch_internals import C10D_FUNCTIONAL
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
+c10d = C10D_FUNCTIONAL
 
 
 

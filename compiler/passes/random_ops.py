@@ -25,8 +25,9 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._functorch.partitioners import must_recompute
 from torch.utils.checkpoint import CheckpointPolicy
+
+from dpar.core.torch_internals import must_recompute
 
 
 def save_random_ops(joint: fx.GraphModule) -> fx.GraphModule:

@@ -12,9 +12,10 @@ from dpar.compiler.collectives import WAIT
 from dpar.compiler.graph_utils import restore_topological_order, view_contiguous
 from dpar.compiler.passes.all_gather import ParameterGroup
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
+from dpar.core.torch_internals import C10D_FUNCTIONAL
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
+c10d = C10D_FUNCTIONAL
 
 
 def _output_positions(node: fx.Node, output: fx.Node) -> set[int]:

@@ -17,9 +17,10 @@ from torch.distributed.tensor import Shard
 
 from dpar.compiler.lowering import tangents
 from dpar.compiler.passes.reshard import tag_must_recompute
+from dpar.core.torch_internals import C10D_FUNCTIONAL
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
+c10d = C10D_FUNCTIONAL
 
 _RESHUFFLES = (aten.permute.default, aten.clone.default)
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from dpar.compiler.collectives import WAIT, is_compute
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
+from dpar.core.torch_internals import C10D_FUNCTIONAL
 
 
 def _epilogue(graph: fx.Graph) -> set[fx.Node]:
@@ -42,7 +42,7 @@ def _movable_closure(wait: fx.Node, epilogue: set[fx.Node]) -> list[fx.Node]:
 
 
 def _is_gradient_reduce_scatter(node: fx.Node) -> bool:
-    return node.target is torch.ops._c10d_functional.reduce_scatter_tensor.default and not node.meta.get(
+    return node.target is C10D_FUNCTIONAL.reduce_scatter_tensor.default and not node.meta.get(
         ACTIVATION_COLLECTIVE
     )
 

@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from dpar.core.torch_internals import C10D_FUNCTIONAL
 from dpar.runtime.tensor_parallel import local_block
 
 # [Note: partial sums in low precision]
@@ -41,7 +42,7 @@ from dpar.runtime.tensor_parallel import local_block
 # accumulated the same way).
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
+c10d = C10D_FUNCTIONAL
 
 ACTIVATION_COLLECTIVE = "dpar_activation_collective"
 """``node.meta`` key on the collectives this module inserts: data parallel's passes leave them alone."""

@@ -1,0 +1,213 @@
+"""Every private torch name dpar reaches, in one place, each with the reason no public API serves.
+
+dpar is a torch.compile backend and a c10d user, so it lives on some of torch's internals: Dynamo's
+and Inductor's entry points, AOTAutograd's partitioner, c10d's group registry, DTensor's shard
+arithmetic. Product code imports them from here and nowhere else, and
+``tests/test_torch_internals.py`` resolves every entry of ``PRIVATE_NAMES`` on the torch it runs on,
+so a release that moves one fails one named test instead of a strategy at its first step.
+
+Cheap imports are bound at import time; Inductor and Dynamo internals that cost seconds to import
+are reached through small functions (their import stays lazy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as functional_collectives  # the traceable collectives
+import torch.utils._pytree as pytree  # the flattening every torch tracer uses; no public twin
+from torch._C import DispatchKey
+from torch._dynamo.exc import FailOnRecompileLimitHit, ShortenTraceback, Unsupported
+from torch._guards import detect_fake_mode
+from torch._library.fake_class_registry import FakeScriptObject
+from torch._logging import trace_structured  # TORCH_TRACE artifacts, for tlparse
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor._collective_utils import pad_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Shard
+from torch.optim.optimizer import _use_grad_for_differentiable as use_grad_for_differentiable
+
+# The op namespace functional collectives trace into: what dpar's passes insert and match.
+C10D_FUNCTIONAL = torch.ops._c10d_functional
+
+# (module, attribute): what the test resolves. An attribute of None: the module itself.
+PRIVATE_NAMES: tuple[tuple[str, str | None], ...] = (
+    ("torch.distributed._functional_collectives", None),
+    ("torch.utils._pytree", None),
+    ("torch._C", "DispatchKey"),
+    ("torch._dynamo.exc", "FailOnRecompileLimitHit"),
+    ("torch._dynamo.exc", "ShortenTraceback"),
+    ("torch._dynamo.exc", "Unsupported"),
+    ("torch._guards", "detect_fake_mode"),
+    ("torch._library.fake_class_registry", "FakeScriptObject"),
+    ("torch._logging", "trace_structured"),
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ("torch.distributed.tensor._collective_utils", "pad_tensor"),
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
+    ("torch.distributed.tensor.placement_types", "Shard._reduce_shard_tensor"),
+    ("torch.optim.optimizer", "_use_grad_for_differentiable"),
+    ("torch.ops", "_c10d_functional"),
+    ("torch.distributed.distributed_c10d", "_resolve_process_group"),
+    ("torch.distributed.distributed_c10d", "_get_default_store"),
+    ("torch.distributed.distributed_c10d", "_world"),
+    ("torch.distributed", "ProcessGroup._get_sequence_number_for_group"),
+    ("torch.distributed.checkpoint.state_dict", "_load_model_state_dict"),
+    ("torch.testing._internal.distributed.fake_pg", None),
+    ("torch._dynamo.backends.common", "aot_autograd"),
+    ("torch._dynamo.backends.registry", "_BACKENDS"),
+    ("torch._dynamo.backends.registry", "register_backend"),
+    ("torch._functorch", "config"),
+    ("torch._functorch.partitioners", "must_recompute"),
+    ("torch._inductor", "config"),
+    ("torch._inductor.compile_fx", "compile_fx"),
+    ("torch._inductor.compile_fx", "compile_fx_inner"),
+    ("torch._inductor.custom_graph_pass", "CustomPartitionerFn"),
+    ("torch._inductor.pattern_matcher", "stable_topological_sort"),
+    ("torch._decomp", "global_decomposition_table"),
+    ("torch._meta_registrations", None),
+    ("torch._ops", "OpOverload"),
+    ("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
+    ("torch", "_grouped_mm"),
+)
+
+
+def resolve(module: str, attribute: str | None) -> Any:
+    """``module.attribute`` (dotted attributes followed), importing ``module``."""
+    value: Any = importlib.import_module(module)
+    for part in (attribute or "").split(".") if attribute else ():
+        value = getattr(value, part)
+    return value
+
+
+def resolve_process_group(group_name: str) -> dist.ProcessGroup:
+    """The group this process knows as ``group_name``: functional collectives name groups by string, and
+    c10d offers the name -> group lookup only privately."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def default_store() -> dist.Store:
+    """The default group's rendezvous store (dpar's agreement and liveness keys live there)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def groups_and_ranks() -> dict[Any, list[int]]:
+    """c10d's registry of every group this process created, with its members' global ranks."""
+    return dist.distributed_c10d._world.pg_group_ranks
+
+
+def sequence_number(group: dist.ProcessGroup) -> int:
+    """How many collectives this process has issued on ``group`` (what a stalled peer is compared by)."""
+    return group._get_sequence_number_for_group()
+
+
+def full_state_dict_loader_code() -> Any:
+    """The code object of torch's own model state-dict loader (``set_model_state_dict`` with
+    ``full_state_dict=True`` loads through it; see [Note: torch's full-state-dict loader] in
+    runtime/tensor_parallel.py)."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict._load_model_state_dict.__code__
+
+
+def per_chunk_shard_reducer() -> Any:
+    """DTensor's reduce-scatter of a ``Shard`` placement, which dpar pads once instead of per chunk."""
+    return Shard._reduce_shard_tensor
+
+
+def set_shard_reducer(reducer: Any) -> None:
+    Shard._reduce_shard_tensor = reducer  # type: ignore[method-assign]
+
+
+def register_fake_backend() -> None:
+    """The ``"fake"`` c10d backend (torch's fake process group) is registered only by torch's testing
+    package, on import; dpar's inspection simulates N ranks with it (and a public ``HashStore``)."""
+    importlib.import_module("torch.testing._internal.distributed.fake_pg")
+
+
+def _composite_ops_with_python_meta() -> list[torch._ops.OpOverload]:
+    import torch._decomp  # noqa: F401  (fills the tables and, through _meta_registrations, the Meta kernels)
+    import torch._meta_registrations  # noqa: F401
+
+    ops = {}
+    for table in torch._decomp.global_decomposition_table.values():
+        for op in table:
+            if (
+                isinstance(op, torch._ops.OpOverload)
+                and DispatchKey.Meta in op.py_kernels
+                and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+            ):
+                ops[str(op)] = op
+    return list(ops.values())
+
+
+@contextlib.contextmanager
+def python_meta_kernels_lifted() -> Iterator[None]:
+    """The Python ``Meta`` kernels of CompositeImplicitAutograd ops removed for a while (see [Note: meta models
+    lose their gradients under the python dispatcher] in inspection/meta.py): torch registers them from its
+    private decomposition tables, and an op's Python kernels and dispatch cache are private attributes."""
+    lifted = [(op, op.py_kernels.pop(DispatchKey.Meta)) for op in _composite_ops_with_python_meta()]
+    for op, _ in lifted:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in lifted:
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
+
+
+def aot_autograd(**kwargs: Any) -> Any:
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make(**kwargs)
+
+
+def register_dynamo_backend(name: str, backend: Any) -> None:
+    """Register ``backend`` under ``name`` unless Dynamo already has one (the entry point may have)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if name not in _BACKENDS:
+        register_backend(compiler_fn=backend, name=name)
+
+
+def functorch_config() -> Any:
+    return torch._functorch.config
+
+
+def inductor() -> Any:
+    """Inductor's config, ``compile_fx``, ``compile_fx_inner`` and the partitioner hook type, as a namespace."""
+    import types
+
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    return types.SimpleNamespace(config=config, compile_fx=compile_fx, compile_fx_inner=compile_fx_inner,
+                                 CustomPartitionerFn=CustomPartitionerFn)
+
+
+def stable_topological_sort(graph: torch.fx.Graph) -> None:
+    from torch._inductor.pattern_matcher import stable_topological_sort as sort
+
+    sort(graph)
+
+
+def must_recompute(node: torch.fx.Node) -> bool:
+    from torch._functorch.partitioners import must_recompute as recompute
+
+    return recompute(node)
+
+
+__all__ = [
+    "C10D_FUNCTIONAL", "DispatchKey", "FailOnRecompileLimitHit", "FakeScriptObject", "FakeTensorMode", "PRIVATE_NAMES",
+    "ShortenTraceback", "Unsupported", "aot_autograd", "compute_local_shape_and_global_offset", "default_store",
+    "detect_fake_mode", "full_state_dict_loader_code", "functional_collectives", "functorch_config", "groups_and_ranks",
+    "inductor", "must_recompute", "python_meta_kernels_lifted", "pad_tensor", "per_chunk_shard_reducer", "pytree", "register_dynamo_backend",
+    "register_fake_backend", "resolve", "resolve_process_group", "sequence_number", "set_shard_reducer",
+    "stable_topological_sort", "trace_structured", "use_grad_for_differentiable",
+]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -192,10 +193,12 @@ def _prepared(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tupl
 # ``dcp.async_save`` copies the state to CPU memory (its default stager) before it returns and writes
 # it in a thread. That thread's collectives (DCP's plan and metadata exchange, then ours: hashing and
 # publishing) must not interleave with the training's on the default group, which would mix up the
-# two sequences: they use a gloo group of their own, created once on every rank.
+# two sequences: they use a gloo group of their own, created once per default group on every rank. These
+# three are the process's, not a model's: one background save at a time, whatever model it holds.
 _pending: concurrent.futures.Future[None] | None = None
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
-_groups: dict[int, dist.ProcessGroup] = {}
+# Keyed weakly by the default group itself (an id could be reused by the next init_process_group's group).
+_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
 
 
 def _wait_for_pending_save() -> None:
@@ -223,9 +226,9 @@ def _checkpoint_group() -> dist.ProcessGroup | None:
     if not dist.is_initialized():
         return None
     world = dist.group.WORLD
-    if id(world) not in _groups:
-        _groups[id(world)] = dist.new_group(backend="gloo")
-    return _groups[id(world)]
+    if world not in _groups:
+        _groups[world] = dist.new_group(backend="gloo")
+    return _groups[world]
 
 
 def _fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

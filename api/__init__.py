@@ -4,7 +4,7 @@
 """
 
 from dpar.compiler.backend import dpar_backend, register
-from dpar.inspect.explain import explain
+from dpar.explaining import explain
 from dpar.compiler.logs import configure as _configure_logs
 from dpar.initialization import init_weights
 from dpar.pipelining import pipeline

@@ -41,7 +41,7 @@ def load_target(target: str) -> Callable[[], tuple[Any, Any]]:
 def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from dpar.inspect.explain import explain
+    from dpar.explaining import explain
     from dpar.inspect.render_text import print_report
 
     if args.strategy == "pipeline":

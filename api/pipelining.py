@@ -20,6 +20,7 @@ from dpar.compiler.pipeline_parallel.stage_graphs import retarget_device_pass, t
 from dpar.core.pipeline_program import StageGraphs, StageSplit, SyncVariant
 from dpar.runtime.agreement import agree
 from dpar.core.errors import OptionsError, UnmaterializedStateError
+from dpar.core.plan import DataParallel
 from dpar.core.model_state import check_materialized, local_part, record_meta_buffers, state_of
 from dpar.runtime.liveness import PIPELINE_STEP, watching
 from dpar.runtime.pipeline_parallel import PipelineExecutor, PipelineGroups
@@ -336,8 +337,7 @@ def pipeline(
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise OptionsError("pipeline: this model is already cut into stages; call dpar.pipeline once per model.")
     check_name(schedule)
-    if dp_strategy not in ("ddp", "fsdp"):
-        raise OptionsError(f"pipeline: dp_strategy={dp_strategy!r} is not one of 'ddp', 'fsdp'.")
+    data_parallel = DataParallel.parse(dp_strategy, (DataParallel.DDP, DataParallel.FSDP), prefix="pipeline: ")
     groups = _groups(mesh)
     p = len(groups.pp_ranks)
     if not isinstance(stages, int) or stages < 1 or stages % p:
@@ -394,7 +394,7 @@ def pipeline(
     sync, gather, chunks = {}, {}, {}
     if groups.dp is not None and groups.dp_size > 1:
         last = "backward_weight" if schedule == "zb_h1" else "backward"
-        if dp_strategy == "ddp":  # [Note: data parallel across pipelines]
+        if data_parallel is DataParallel.DDP:  # [Note: data parallel across pipelines]
             sync = {
                 s: sync_variant(g, last, group_name=groups.dp.group_name, dp_size=groups.dp_size,
                                 cap_bytes=int(bucket_cap_mb * 2**20))

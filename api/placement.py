@@ -1,10 +1,16 @@
-"""``dpar.parallelize``: choose how parameters are placed before the model is compiled."""
+"""``dpar.parallelize``: choose how parameters are placed before the model is compiled.
+
+Written as data: ``ACCEPTS`` says which options each strategy takes (one message refusing each to
+the others), ``_mesh_refusal`` what mesh it needs, and one apply per axis role places the model
+(``_split_tensor``, ``_shard``; a replicate axis changes nothing at rest), then the data-parallel
+mode's own (``_APPLY_MODE``: zero1, local SGD). Every question about a strategy is asked of the
+vocabulary in core/plan.py.
+"""
 
 from __future__ import annotations
 
-import difflib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dpar.compiler.megatron import megatron_dims
-from dpar.core.plan import AxisRole, MeshAxis, ParallelPlan, Strategy, attach, plan_of_model
+from dpar.core.plan import AxisRole, DataParallel, MeshAxis, ParallelPlan, Strategy, attach, check_bucket_cap, plan_of_model
 from dpar.core import model_state
 from dpar.runtime import local_sgd, sharding, tensor_parallel, zero1
 from dpar.core.errors import OptionsError, ProcessGroupError
@@ -21,8 +27,40 @@ from dpar.core.errors import OptionsError, ProcessGroupError
 if TYPE_CHECKING:
     from dpar.planner.plan import Plan
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "auto")
-TENSOR_PARALLEL = ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
+STRATEGIES = (*(s.value for s in Strategy), "auto")
+TENSOR_PARALLEL = tuple(s.value for s in Strategy if s.tensor_parallel)
+
+
+def _taking(accepts: Callable[[Strategy], bool], auto: bool = False) -> frozenset[str]:
+    return frozenset(s.value for s in Strategy if accepts(s)) | ({"auto"} if auto else set())
+
+
+_MIXED_PRECISION = _taking(lambda s: s.shards_parameters and not s.tensor_parallel, auto=True)  # auto: its plan decides
+_DTYPES_REFUSED = (
+    "{option} applies to the sharded strategies without a tensor axis ("
+    + ", ".join(sorted(_MIXED_PRECISION - {"auto"})) + "), which gather parameters in param_dtype and "
+    "reduce-scatter gradients in reduce_dtype; for {strategy!r} use torch.autocast"
+)
+
+# The validation table: option -> (the strategies that take it, the message refusing it to the others).
+# An option counts as given when it is not None or False; the message is formatted with the strategy's
+# name and the value given.
+ACCEPTS: dict[str, tuple[frozenset[str], str]] = {
+    "sync_every": (_taking(lambda s: s is Strategy.LOCAL_SGD), (
+        "sync_every sets how often strategy='local_sgd' averages its replicas; {strategy!r} synchronises "
+        "gradients every step: drop sync_every, or choose strategy='local_sgd'")),
+    "outer_optimizer": (_taking(lambda s: s is Strategy.LOCAL_SGD), (
+        "outer_optimizer is local SGD's outer step (DiLoCo): pass strategy='local_sgd', sync_every=H, "
+        "outer_optimizer=dpar.OuterSGD(lr=0.7, momentum=0.9); got strategy {strategy!r}, {value!r}")),
+    "param_dtype": (_MIXED_PRECISION, _DTYPES_REFUSED),
+    "reduce_dtype": (_MIXED_PRECISION, _DTYPES_REFUSED),
+    "same_batch_in_tp_group": (_taking(lambda s: s.tensor_parallel), (
+        "same_batch_in_tp_group says every rank of a tensor-parallel group is fed the same rows; strategy "
+        "{strategy!r} has no such group: feed every rank its own slice, as with DDP")),
+    "sequence_parallel": (_taking(lambda s: s.tensor_parallel), (
+        "sequence_parallel splits the activations between tensor-parallel layers; it needs a "
+        f"tensor-parallel strategy ({', '.join(TENSOR_PARALLEL)}), not {{strategy!r}}")),
+}
 
 
 def _sharded_buckets(model: nn.Module, bucket_cap_mb: float | None) -> dict[str, str]:
@@ -40,92 +78,95 @@ def _sharded_buckets(model: nn.Module, bucket_cap_mb: float | None) -> dict[str,
     return bucket_of
 
 
-def _check_bucket_cap(strategy: str, bucket_cap_mb: float | None) -> None:
-    """One knob, in the one place it applies for ``strategy``."""
-    if bucket_cap_mb is None:
-        return
-    if not (isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool) and bucket_cap_mb > 0):
-        raise OptionsError(f"bucket_cap_mb must be None (per block) or a number > 0, got {bucket_cap_mb!r}")
-    if strategy == "local_sgd":
-        raise OptionsError(
-            "strategy 'local_sgd' has no gradient buckets (it averages the parameters every sync_every steps, "
-            "one flattened all-reduce per dtype): leave bucket_cap_mb unset"
-        )
-    if strategy in ("ddp", "zero1", "ddp+tp"):
-        raise OptionsError(
-            f"under {strategy!r} gradient buckets are sized when compiling, in the order gradients become "
-            f"ready: pass torch.compile(model, backend='dpar', options={{'bucket_cap_mb': {bucket_cap_mb}}}) "
-            "instead of parallelize(..., bucket_cap_mb=...)"
-        )
-    if strategy == "auto":
-        raise OptionsError(
-            "strategy='auto' chooses the strategy, so where buckets are sized is not known yet: plan first, "
-            "plan = dpar.plan(...), then parallelize(model, plan=plan, bucket_cap_mb=...) for a sharded plan"
-        )
-    if strategy == "tp":
-        raise OptionsError(
-            "strategy 'tp' has no gradient buckets (its collectives carry activations, each where the graph "
-            "needs it): leave bucket_cap_mb unset"
-        )
-
-
 def parallelize(
-    model: nn.Module,
-    *,
-    strategy: str = "fsdp",
-    mesh: DeviceMesh | None = None,
-    bucket_cap_mb: float | None = None,
-    max_inflight_gathers: int | None = None,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-    tp_plan: dict[str, int | None] | None = None,
-    example_inputs: Sequence[Any] | None = None,
-    plan: Plan | None = None,
-    memory_budget_gb: float | None = None,
-    sequence_parallel: bool = False,
-    same_batch_in_tp_group: bool = False,
-    sync_every: int | None = None,
+    model: nn.Module, *, strategy: str = "fsdp", mesh: DeviceMesh | None = None, bucket_cap_mb: float | None = None,
+    max_inflight_gathers: int | None = None, param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None, tp_plan: dict[str, int | None] | None = None,
+    example_inputs: Sequence[Any] | None = None, plan: Plan | None = None, memory_budget_gb: float | None = None,
+    sequence_parallel: bool = False, same_batch_in_tp_group: bool = False, sync_every: int | None = None,
     outer_optimizer: local_sgd.OuterSGD | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place for ``strategy``; build the optimizer afterwards.
 
-    ``tp`` splits layers over a 1-D ``mesh`` (Megatron: column- then row-parallel
-    Linears, heads split, a tied embedding split by vocabulary); ``ddp+tp`` and
-    ``zero2+tp``/``fsdp+tp`` take a 2-D mesh whose dimensions are named
-    ``("dp", "tp")``. ``sequence_parallel=True`` (Megatron-SP) splits the token
-    stream between the tensor-parallel layers along the sequence: each block's
-    all-reduce becomes a reduce-scatter there and an all-gather before the
-    next column-parallel layer, so norms and residuals hold 1/tp of the tokens.
-    Every strategy takes DDP's data contract: each rank is fed its own slice of
-    the global batch, and tensor parallel moves the rows a group needs itself;
-    ``same_batch_in_tp_group=True`` says the user already feeds every rank of a
-    tensor-parallel group the same rows (Megatron's habit), which the first steps
-    check. Which dimension of each
-    parameter tensor parallel splits comes from ``tp_plan`` (name -> dim, None
-    for replicated) or, without it, from the forward run once on
-    ``example_inputs``. ``plan`` (from ``dpar.plan``) gives strategy, mesh and
-    splits; ``strategy="auto"`` plans first, from ``example_inputs`` and
-    ``memory_budget_gb``.
+    ``tp`` splits layers over a 1-D ``mesh`` (Megatron: column- then row-parallel Linears, heads split, a tied
+    embedding split by vocabulary); ``ddp+tp`` and ``zero2+tp``/``fsdp+tp`` take a 2-D mesh whose dimensions are
+    named ``("dp", "tp")``. ``sequence_parallel=True`` (Megatron-SP) splits the token stream between the
+    tensor-parallel layers along the sequence: each block's all-reduce becomes a reduce-scatter there and an
+    all-gather before the next column-parallel layer, so norms and residuals hold 1/tp of the tokens. Every
+    strategy takes DDP's data contract: each rank is fed its own slice of the global batch, and tensor parallel
+    moves the rows a group needs itself; ``same_batch_in_tp_group=True`` says the user already feeds every rank
+    of a tensor-parallel group the same rows (Megatron's habit), which the first steps check. Which dimension of
+    each parameter tensor parallel splits comes from ``tp_plan`` (name -> dim, None for replicated) or, without
+    it, from the forward run once on ``example_inputs``. ``plan`` (from ``dpar.plan``) gives strategy, mesh and
+    splits; ``strategy="auto"`` plans first, from ``example_inputs`` and ``memory_budget_gb``.
 
-    ``hsdp`` shards over the second dimension of a 2-D ``mesh`` and replicates
-    over the first. ``bucket_cap_mb=None`` groups parameters per numbered block
-    (``layers.3``), the rest in one ``root`` bucket; a number groups consecutive
-    parameters up to that many MiB instead (under ddp the same knob is a compile
-    option, and is refused here). ``max_inflight_gathers`` bounds how many
-    all-gathers may be issued ahead of their use (the memory prefetch costs); None
-    chooses it from the cost model (compiler/passes/prefetch.py), 1 where communication
-    cannot overlap compute. ``param_dtype`` (e.g.
-    ``torch.bfloat16``) is the dtype parameters are gathered and computed in, and
-    ``reduce_dtype`` the one gradients are reduce-scattered in; shards, their
-    gradients and the optimizer state stay in the stored dtype (float32).
+    ``hsdp`` shards over the second dimension of a 2-D ``mesh`` and replicates over the first.
+    ``bucket_cap_mb=None`` groups parameters per numbered block (``layers.3``), the rest in one ``root`` bucket;
+    a number groups consecutive parameters up to that many MiB instead (under ddp the same knob is a compile
+    option, and is refused here). ``max_inflight_gathers`` bounds how many all-gathers may be issued ahead of
+    their use (the memory prefetch costs); None chooses it from the cost model (compiler/passes/prefetch.py), 1
+    where communication cannot overlap compute. ``param_dtype`` (e.g. ``torch.bfloat16``) is the dtype
+    parameters are gathered and computed in, and ``reduce_dtype`` the one gradients are reduce-scattered in;
+    shards, their gradients and the optimizer state stay in the stored dtype (float32).
     """
     if plan is not None:  # a "tp" axis that splits no parameter runs as data parallel: see Plan.as_run
         plan = plan.as_run()
         strategy, tp_plan = plan.strategy, plan.tp_dims()
-    if strategy not in STRATEGIES:
-        close = difflib.get_close_matches(str(strategy), STRATEGIES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise OptionsError(f"unknown strategy {strategy!r}{hint}; choose one of {list(STRATEGIES)}")
+    options = dict(sync_every=sync_every, outer_optimizer=outer_optimizer, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   same_batch_in_tp_group=same_batch_in_tp_group, sequence_parallel=sequence_parallel)
+    chosen = _checked(model, strategy, bucket_cap_mb, max_inflight_gathers, options)
+    model_state.record_meta_buffers(model)  # see [Note: buffers of a model born on meta]
+    if chosen is Strategy.DDP:
+        # A replicate axis changes nothing at rest (the backend inserts the all-reduces); the state lets the
+        # backend find the parameters by name through swap_tensors and load_state_dict(assign=True).
+        model_state.state_of(model, create=True)
+        return model
+    world, device_type = _world(strategy), _mesh_device_type(model)
+    mesh = _mesh_of_plan(model, plan) if plan is not None and mesh is None else mesh
+    if chosen is None:
+        return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype)
+    mesh = _checked_mesh(chosen, mesh, world, device_type)
+    _place(model, chosen, mesh, tp_plan, example_inputs, bucket_cap_mb, max_inflight_gathers, options)
+    return model
+
+
+def _place(
+    model: nn.Module, chosen: Strategy, mesh: DeviceMesh, tp_plan: dict[str, int | None] | None,
+    example_inputs: Sequence[Any] | None, bucket_cap_mb: float | None, max_inflight_gathers: int | None,
+    options: dict[str, Any],
+) -> None:
+    """Apply each axis role of ``chosen`` to ``model`` (tensor split first: buckets are laid out from the
+    split parameters), record the plan, then the data-parallel mode's own step."""
+    dp_mesh, tp_mesh = _sub_meshes(chosen, mesh)
+    splits = _split_tensor(model, chosen, tp_mesh, tp_plan, example_inputs) if tp_mesh is not None else None
+    buckets = _shard(model, dp_mesh, bucket_cap_mb, options["param_dtype"]) if chosen.shards_parameters else ()
+    if splits is not None:
+        tensor_parallel.install_markers(model, splits, tensor_parallel.state_dict_mesh(tp_mesh, dp_mesh, mesh))
+    attach(ParallelPlan(  # kept in model's ModelState (see [Note: facts keyed by name, not by tensor])
+        chosen, _axes(mesh, _roles(chosen, mesh)), buckets, max_inflight_gathers, options["param_dtype"],
+        options["reduce_dtype"], options["sequence_parallel"], options["same_batch_in_tp_group"], options["sync_every"],
+    ), model)
+    if chosen.data_parallel in _APPLY_MODE:
+        _APPLY_MODE[chosen.data_parallel](model, mesh, options["sync_every"], options["outer_optimizer"])
+    if chosen.shards_parameters or chosen.tensor_parallel:
+        sharding.guard_optimizers_built_too_early()
+
+
+def _world(strategy: str) -> int:
+    """The world's size; every strategy but ddp places parameters over ranks, so needs the process group."""
+    if not dist.is_initialized():
+        raise ProcessGroupError(
+            f"strategy {strategy!r} places parameters over ranks, but torch.distributed is not "
+            "initialized: call torch.distributed.init_process_group() before dpar.parallelize"
+        )
+    return dist.get_world_size()
+
+
+def _checked(
+    model: nn.Module, strategy: str, bucket_cap_mb: float | None, max_inflight_gathers: int | None, options: dict[str, Any]
+) -> Strategy | None:
+    """The strategy named (None: ``auto``), once every option given is one it takes, with a value it can use."""
+    chosen = None if strategy == "auto" else Strategy.parse(strategy)
     if plan_of_model(model) is not None or sharding.is_sharded(model):
         raise OptionsError(
             "parallelize was already called on this model; build a fresh model to choose another strategy"
@@ -136,87 +177,119 @@ def parallelize(
         raise OptionsError(
             f"max_inflight_gathers must be an integer >= 1, or None to choose it from cost, got {max_inflight_gathers!r}"
         )
-    _check_bucket_cap(strategy, bucket_cap_mb)
-    _check_sync_every(strategy, sync_every)
-    model_state.record_meta_buffers(model)  # see [Note: buffers of a model born on meta]
-    if outer_optimizer is not None and (strategy != "local_sgd" or not isinstance(outer_optimizer, local_sgd.OuterSGD)):
+    check_bucket_cap(chosen, "parallelize", bucket_cap_mb)
+    sync_every = options["sync_every"]
+    if chosen is Strategy.LOCAL_SGD and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
         raise OptionsError(
-            f"outer_optimizer is local SGD's outer step (DiLoCo): pass strategy='local_sgd', sync_every=H, "
-            f"outer_optimizer=dpar.OuterSGD(lr=0.7, momentum=0.9); got strategy {strategy!r}, {outer_optimizer!r}"
+            f"strategy='local_sgd' needs sync_every, the number of optimizer steps between averages, as an integer "
+            f">= 1 (1 averages after every step), got {sync_every!r}"
         )
-    for knob, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+    outer = options["outer_optimizer"]
+    if outer is not None and not isinstance(outer, local_sgd.OuterSGD):
+        raise OptionsError(ACCEPTS["outer_optimizer"][1].format(strategy=strategy, value=outer))
+    for knob in ("param_dtype", "reduce_dtype"):
+        dtype = options[knob]
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise OptionsError(f"{knob} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
-    if same_batch_in_tp_group and strategy not in TENSOR_PARALLEL:
+    for option, value in options.items():
+        takers, refusal = ACCEPTS[option]
+        if value is not None and value is not False and strategy not in takers:
+            raise OptionsError(refusal.format(option=option, strategy=strategy, value=value))
+    return chosen
+
+
+def _mesh_refusal(strategy: Strategy, world: int, shape: tuple[int, ...] | None, device_type: str) -> str:
+    """The one message refusing a mesh that is not the strategy's: one axis per role, over the whole world."""
+    if len(strategy.roles) == 2:
+        names = strategy.mesh_dim_names
+        return (
+            f"strategy {strategy.value!r} needs a 2-D mesh ({', '.join(names)}) over the whole world ({world} ranks), "
+            f"got {shape}; e.g. init_device_mesh({device_type!r}, (2, {max(world // 2, 1)}), mesh_dim_names={names})"
+        )
+    fix = {
+        Strategy.TP: "for a 2-D mesh use 'ddp+tp' or 'fsdp+tp'",
+        Strategy.ZERO1: "omit mesh (it replicates over the whole world)",
+        Strategy.LOCAL_SGD: "omit mesh (it replicates over the whole world)",
+    }.get(strategy, f"pass init_device_mesh(device, ({world},)) or omit mesh (for a 2-D mesh use strategy='hsdp')")
+    return (f"strategy {strategy.value!r} needs a 1-D mesh over the whole world ({world} ranks), got mesh "
+            f"shape {shape}; {fix}")
+
+
+def _checked_mesh(strategy: Strategy, mesh: DeviceMesh | None, world: int, device_type: str) -> DeviceMesh:
+    """``mesh`` (default: the whole world, for a strategy of one axis) with one axis per role of ``strategy``;
+    a data and a tensor axis are found by name (``dp``, ``tp``)."""
+    ndim = len(strategy.roles)
+    mesh = mesh if mesh is not None or ndim == 2 else init_device_mesh(device_type, (world,))
+    if mesh is None or mesh.ndim != ndim or mesh.size() != world:
+        raise OptionsError(_mesh_refusal(strategy, world, None if mesh is None else tuple(mesh.shape), device_type))
+    names = strategy.mesh_dim_names
+    if ndim == 2 and strategy.tensor_parallel and sorted(mesh.mesh_dim_names or ()) != sorted(names):
         raise OptionsError(
-            f"same_batch_in_tp_group says every rank of a tensor-parallel group is fed the same rows; strategy "
-            f"{strategy!r} has no such group: feed every rank its own slice, as with DDP"
+            f"strategy {strategy.value!r} needs the 2-D mesh's dimensions named {names}, got "
+            f"{mesh.mesh_dim_names}; pass init_device_mesh(..., mesh_dim_names={names})"
         )
-    if sequence_parallel and strategy not in TENSOR_PARALLEL:
-        raise OptionsError(
-            f"sequence_parallel splits the activations between tensor-parallel layers; it needs a "
-            f"tensor-parallel strategy ({', '.join(TENSOR_PARALLEL)}), not {strategy!r}"
-        )
-    if strategy == "ddp":
-        if param_dtype is not None or reduce_dtype is not None:
-            raise OptionsError("param_dtype/reduce_dtype apply to zero2 and fsdp; for ddp use torch.autocast")
-        # Replication needs no change at rest (the backend inserts the all-reduces); the state lets the backend
-        # find the parameters by name through swap_tensors and load_state_dict(assign=True).
-        model_state.state_of(model, create=True)
-        return model
-    if not dist.is_initialized():
-        raise ProcessGroupError(
-            f"strategy {strategy!r} places parameters over ranks, but torch.distributed is not "
-            "initialized: call torch.distributed.init_process_group() before dpar.parallelize"
-        )
-    world = dist.get_world_size()
-    device_type = _mesh_device_type(model)
-    if plan is not None and mesh is None:
-        mesh = _mesh_of_plan(model, plan)
-    if strategy == "auto":
-        return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype)
-    if strategy in ("zero1", "local_sgd"):
-        placed = _parallelize_replicated(
-            model, Strategy(strategy), mesh, param_dtype, reduce_dtype, world, device_type, sync_every
-        )
-        if strategy == "zero1":  # each rank's optimizer steps and keeps state for its range of each parameter
-            zero1.shard_optimizer_state(model.parameters(), placed.get_group())
-        else:  # where the model is in its averaging period, read by the backend and saved with checkpoints
-            local_sgd.attach(local_sgd.Period(sync_every, outer_optimizer), model)
-        return model
-    if strategy in TENSOR_PARALLEL:
-        if param_dtype is not None or reduce_dtype is not None:
-            raise OptionsError(f"param_dtype/reduce_dtype are not supported with {strategy!r} yet; use torch.autocast")
-        _parallelize_tensor_parallel(
-            model, strategy, mesh, tp_plan, example_inputs, world, device_type, max_inflight_gathers,
-            sequence_parallel, same_batch_in_tp_group, bucket_cap_mb,
-        )
-        sharding.guard_optimizers_built_too_early()
-        return model
-    if strategy == "hsdp":
-        if mesh is None or mesh.ndim != 2 or mesh.size() != world:
-            shape = tuple(mesh.shape) if mesh is not None else None
+    return mesh
+
+
+def _roles(strategy: Strategy, mesh: DeviceMesh) -> tuple[AxisRole, ...]:
+    """Each mesh dimension's role: by position, or by name for a data and a tensor axis (either order)."""
+    if strategy.tensor_parallel and mesh.ndim == 2:
+        return tuple(AxisRole.TENSOR if name == "tp" else strategy.roles[0] for name in mesh.mesh_dim_names)
+    return strategy.roles
+
+
+def _sub_meshes(strategy: Strategy, mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """(the data axes' mesh, the tensor axis's mesh), None where the strategy has no such axis."""
+    if not strategy.tensor_parallel:
+        return mesh, None
+    return (mesh["dp"], mesh["tp"]) if mesh.ndim == 2 else (None, mesh)
+
+
+def _split_tensor(
+    model: nn.Module,
+    strategy: Strategy,
+    tp_mesh: DeviceMesh,
+    tp_plan: dict[str, int | None] | None,
+    example_inputs: Sequence[Any] | None,
+) -> tensor_parallel.Splits:
+    """The tensor axis: split each parameter ``tp_plan`` names (Megatron) over ``tp_mesh``; without a
+    ``tp_plan`` the split dims come from the forward run once on fake ``example_inputs``."""
+    if tp_plan is None:
+        if example_inputs is None:
             raise OptionsError(
-                f"strategy 'hsdp' needs a 2-D mesh (replicate, shard) over the whole world ({world} "
-                f"ranks), got {shape}; e.g. init_device_mesh({device_type!r}, (2, {max(world // 2, 1)}), "
-                "mesh_dim_names=('replicate', 'shard'))"
+                f"strategy {strategy.value!r} needs to know which dimension of each parameter to split: pass "
+                "example_inputs=(...) (one batch; the forward runs once on fake tensors to pair "
+                "column- and row-parallel layers) or tp_plan={name: dim or None}"
             )
-    else:
-        mesh = mesh if mesh is not None else init_device_mesh(device_type, (world,))
-        if mesh.ndim != 1 or mesh.size() != world:
-            raise OptionsError(
-                f"strategy {strategy!r} needs a 1-D mesh over the whole world ({world} ranks), got "
-                f"mesh shape {tuple(mesh.shape)}; pass init_device_mesh(device, ({world},)) or omit "
-                "mesh (for a 2-D mesh use strategy='hsdp')"
-            )
+        tp_plan = megatron_dims(model, example_inputs)
+    return tensor_parallel.split_parameters(model, tp_plan, tp_mesh.get_group())
+
+
+def _shard(
+    model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float | None, param_dtype: torch.dtype | None
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The shard axis (with any replicate axis beside it, hsdp): each parameter becomes its dim-0 shard over
+    ``mesh``'s last dimension; returns the bucket table, laid out from the (tensor-split) parameters first."""
     buckets = _bucket_table(model, bucket_cap_mb)
     sharding.shard_parameters(model, mesh, param_dtype=param_dtype)
-    roles = (AxisRole.SHARD,) if mesh.ndim == 1 else (AxisRole.REPLICATE, AxisRole.SHARD)
-    _record_plan(model, ParallelPlan(
-        Strategy(strategy), _axes(mesh, roles), buckets, max_inflight_gathers, param_dtype, reduce_dtype,
-    ))
-    sharding.guard_optimizers_built_too_early()
-    return model
+    return buckets
+
+
+def _apply_zero1(model: nn.Module, mesh: DeviceMesh, sync_every: int | None, outer: local_sgd.OuterSGD | None) -> None:
+    """zero1: each rank's optimizer steps and keeps state for its range of each parameter."""
+    zero1.shard_optimizer_state(model.parameters(), mesh.get_group())
+
+
+def _apply_local_sgd(model: nn.Module, mesh: DeviceMesh, sync_every: int | None, outer: local_sgd.OuterSGD | None) -> None:
+    """local SGD: where the model is in its averaging period, read by the backend and saved with checkpoints."""
+    local_sgd.attach(local_sgd.Period(sync_every, outer), model)
+
+
+# The data-parallel modes that do something at parallelize beyond their axes' placement.
+_APPLY_MODE: dict[DataParallel, Callable[[nn.Module, DeviceMesh, int | None, local_sgd.OuterSGD | None], None]] = {
+    DataParallel.ZERO1: _apply_zero1,
+    DataParallel.LOCAL_SGD: _apply_local_sgd,
+}
 
 
 def _mesh_device_type(model: nn.Module) -> str:
@@ -226,44 +299,6 @@ def _mesh_device_type(model: nn.Module) -> str:
     if device_type == "meta":
         device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     return device_type
-
-
-def _check_sync_every(strategy: str, sync_every: int | None) -> None:
-    if strategy != "local_sgd":
-        if sync_every is not None:
-            raise OptionsError(
-                f"sync_every sets how often strategy='local_sgd' averages its replicas; {strategy!r} synchronises "
-                "gradients every step: drop sync_every, or choose strategy='local_sgd'"
-            )
-        return
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise OptionsError(
-            f"strategy='local_sgd' needs sync_every, the number of optimizer steps between averages, as an integer "
-            f">= 1 (1 averages after every step), got {sync_every!r}"
-        )
-
-
-def _parallelize_replicated(
-    model: nn.Module,
-    strategy: Strategy,
-    mesh: DeviceMesh | None,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    world: int,
-    device_type: str,
-    sync_every: int | None,
-) -> DeviceMesh:
-    """zero1 and local_sgd: whole parameters over the whole world, as under ddp; their plan recorded."""
-    if param_dtype is not None or reduce_dtype is not None:
-        raise OptionsError(f"param_dtype/reduce_dtype apply to zero2 and fsdp; for {strategy.value} use torch.autocast")
-    mesh = mesh if mesh is not None else init_device_mesh(device_type, (world,))
-    if mesh.ndim != 1 or mesh.size() != world:
-        raise OptionsError(
-            f"strategy {strategy.value!r} replicates over the whole world ({world} ranks) on a 1-D mesh, got mesh "
-            f"shape {tuple(mesh.shape)}; omit mesh"
-        )
-    _record_plan(model, ParallelPlan(strategy, _axes(mesh, (AxisRole.REPLICATE,)), sync_every=sync_every))
-    return mesh
 
 
 def _bucket_table(model: nn.Module, bucket_cap_mb: float | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -281,35 +316,6 @@ def _axes(mesh: DeviceMesh, roles: tuple[AxisRole, ...]) -> tuple[MeshAxis, ...]
         MeshAxis(name, role, mesh.size(dim), mesh.get_group(dim).group_name)
         for dim, (name, role) in enumerate(zip(names, roles))
     )
-
-
-def _record_plan(model: nn.Module, plan: ParallelPlan) -> None:
-    """The plan the backend reads, kept in ``model``'s ModelState (see [Note: facts keyed by name, not by tensor])."""
-    attach(plan, model)
-
-
-def _tensor_parallel_mesh(strategy: str, mesh: DeviceMesh | None, world: int, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh]:
-    """(data-parallel sub-mesh or None, tensor-parallel sub-mesh), checked against the world."""
-    if strategy == "tp":
-        mesh = mesh if mesh is not None else init_device_mesh(device_type, (world,))
-        if mesh.ndim != 1 or mesh.size() != world:
-            raise OptionsError(
-                f"strategy 'tp' needs a 1-D mesh over the whole world ({world} ranks), got mesh shape "
-                f"{tuple(mesh.shape)}; for a 2-D mesh use 'ddp+tp' or 'fsdp+tp'"
-            )
-        return None, mesh
-    if mesh is None or mesh.ndim != 2 or mesh.size() != world:
-        shape = tuple(mesh.shape) if mesh is not None else None
-        raise OptionsError(
-            f"strategy {strategy!r} needs a 2-D mesh (dp, tp) over the whole world ({world} ranks), got "
-            f"{shape}; e.g. init_device_mesh({device_type!r}, (2, {max(world // 2, 1)}), mesh_dim_names=('dp', 'tp'))"
-        )
-    if mesh.mesh_dim_names is None or sorted(mesh.mesh_dim_names) != ["dp", "tp"]:
-        raise OptionsError(
-            f"strategy {strategy!r} needs the 2-D mesh's dimensions named ('dp', 'tp'), got "
-            f"{mesh.mesh_dim_names}; pass init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
-        )
-    return mesh["dp"], mesh["tp"]
 
 
 def _mesh_of_plan(model: nn.Module, plan: Plan, ranks: torch.Tensor | None = None) -> DeviceMesh:
@@ -350,47 +356,6 @@ def _parallelize_auto(
     chosen = make_plan(model, global_batch(example_inputs, world), mesh_shape=shape, memory_budget_gb=memory_budget_gb)
     placed = _mesh_of_plan(model, chosen.as_run(), mesh.mesh) if mesh is not None else None  # keep the given ranks' places
     return parallelize(model, plan=chosen, mesh=placed, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-
-
-def _parallelize_tensor_parallel(
-    model: nn.Module,
-    strategy: str,
-    mesh: DeviceMesh | None,
-    tp_plan: dict[str, int | None] | None,
-    example_inputs: Sequence[Any] | None,
-    world: int,
-    device_type: str,
-    max_inflight_gathers: int | None,
-    sequence_parallel: bool,
-    same_batch_in_tp_group: bool,
-    bucket_cap_mb: float | None,
-) -> None:
-    dp_mesh, tp_mesh = _tensor_parallel_mesh(strategy, mesh, world, device_type)
-    if tp_plan is None:
-        if example_inputs is None:
-            raise OptionsError(
-                f"strategy {strategy!r} needs to know which dimension of each parameter to split: pass "
-                "example_inputs=(...) (one batch; the forward runs once on fake tensors to pair "
-                "column- and row-parallel layers) or tp_plan={name: dim or None}"
-            )
-        tp_plan = megatron_dims(model, example_inputs)
-    chosen = Strategy(strategy)
-    splits = tensor_parallel.split_parameters(model, tp_plan, tp_mesh.get_group())
-    buckets = _bucket_table(model, bucket_cap_mb) if chosen.shards_parameters else ()
-    if chosen.shards_parameters:
-        sharding.shard_parameters(model, dp_mesh)
-    tensor_parallel.install_markers(model, splits, tensor_parallel.state_dict_mesh(tp_mesh, dp_mesh, mesh))
-    if dp_mesh is None:
-        axes = _axes(tp_mesh, (AxisRole.TENSOR,))
-    else:
-        data_role = AxisRole.SHARD if chosen.shards_parameters else AxisRole.REPLICATE
-        axes = tuple(
-            _axes(mesh[name], (AxisRole.TENSOR if name == "tp" else data_role,))[0] for name in mesh.mesh_dim_names
-        )
-    _record_plan(model, ParallelPlan(
-        chosen, axes, buckets, max_inflight_gathers,
-        sequence_parallel=sequence_parallel, same_batch_in_tp_group=same_batch_in_tp_group,
-    ))
 
 
 def plan_of(model: nn.Module) -> ParallelPlan | None:

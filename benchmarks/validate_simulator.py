@@ -143,7 +143,7 @@ def run_ranks(target: str, bucket_cap_mb: float, timeout_s: float) -> dict[str, 
 def simulate(target: str, bucket_cap_mb: float, calibration: dict[str, float]):
     from dpar.cli import load_target
     from dpar.inspect.costs import DeviceSpec
-    from dpar.inspect.explain import explain
+    from dpar.explaining import explain
 
     spec = DeviceSpec("this machine (calibrated)", calibration["flops"], calibration["flops"],
                       calibration["memory_bandwidth"], calibration["alpha"], calibration["link_bandwidth"])

@@ -16,7 +16,7 @@ from dpar.compiler.capture import GraphInput, InputKind, classify_inputs
 from dpar.compiler.lowering import GraphHook, GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.pass_listing import PassListing
-from dpar.core.plan import ParallelPlan, Strategy, plan_of_parameters, replicated
+from dpar.core.plan import ParallelPlan, Strategy, check_bucket_cap, plan_of_parameters, replicated
 from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.core.errors import OptionsError
 from dpar.runtime.finite_gradients import FiniteGradients
@@ -69,7 +69,7 @@ def dpar_backend(
     check_devices({name: t for kind, name, t in state if kind == "parameter"}, world)
     plan = plan_of_parameters({name: t for kind, name, t in state if kind == "parameter"})
     plan = plan if plan is not None else replicated(world.group_name, world.size)
-    _check_bucket_cap(plan, parsed)
+    check_bucket_cap(plan.strategy, "compile", parsed.bucket_cap_mb)  # ddp's buckets are sized here; a sharded plan's by parallelize
     if plan.strategy is Strategy.ZERO1:  # a model materialized after parallelize (to_empty, assign=True) has new tensors
         group = dist.distributed_c10d._resolve_process_group(plan.axes[0].group_name)
         shard_optimizer_state((t for kind, _, t in state if kind == "parameter"), group)
@@ -83,7 +83,7 @@ def dpar_backend(
     gm = passes.prepare(gm)
     hook: GraphHook = passes
     if parsed.check_finite:  # ddp's and zero1's reduced gradients are the same on every rank
-        hook = _checking_finite(hook, inputs, agree=plan.strategy not in (Strategy.DDP, Strategy.ZERO1))
+        hook = _checking_finite(hook, inputs, agree=not plan.strategy.identical_gradients)
     # See [Note: uneven shards, one pad] in runtime/sharding.py.
     with uneven_shards_padded_once() if plan.strategy.shards_parameters else contextlib.nullcontext():
         compiled = compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook, joint_pass=passes.joint())
@@ -117,20 +117,6 @@ def _resumed_local_sgd(plan: ParallelPlan, state: list[tuple[str, str, torch.Ten
         return False
     period = next((period_of(t) for kind, _, t in state if kind == "parameter"), None)
     return period is not None and period.steps > 0
-
-
-def _check_bucket_cap(plan: ParallelPlan, options: Options) -> None:
-    """ddp's gradient buckets are sized here; a sharded plan's were laid out by parallelize."""
-    if options.bucket_cap_mb is None or plan.strategy in (Strategy.DDP, Strategy.DDP_TP, Strategy.ZERO1):
-        return
-    if plan.strategy.shards_parameters:
-        where = ("sharded, and their buckets are laid out by parallelize: pass dpar.parallelize(model, "
-                 "strategy=..., bucket_cap_mb=...) and leave it out of torch.compile's options")
-    elif plan.strategy is Strategy.LOCAL_SGD:
-        where = "averaged by local SGD, one flattened all-reduce per dtype, with no gradient buckets: leave bucket_cap_mb out"
-    else:
-        where = "split by strategy 'tp', which has no gradient buckets: leave bucket_cap_mb out"
-    raise OptionsError("options={'bucket_cap_mb': ...} sizes ddp's gradient buckets; these parameters are " + where)
 
 
 def register() -> None:

@@ -121,7 +121,7 @@ class PassListing:
         replicate = plan.axis(AxisRole.REPLICATE)
         self.gradients = (
             GradientBuckets(inputs, replicate, options.bucket_cap_bytes, from_cost=options.bucket_cap_mb is None)
-            if plan.strategy in (Strategy.DDP, Strategy.DDP_TP, Strategy.ZERO1) else None
+            if plan.strategy.all_reduces_gradients else None
         )
         self.replicate = replicate
         self.period = next(  # local SGD: where the model is in its period (parallelize attached it)

@@ -20,41 +20,15 @@ from dpar.core import model_state
 from dpar.core.errors import OptionsError
 
 
-class Strategy(enum.Enum):
-    DDP = "ddp"
-    ZERO2 = "zero2"
-    FSDP = "fsdp"
-    HSDP = "hsdp"
-    TP = "tp"
-    DDP_TP = "ddp+tp"
-    ZERO2_TP = "zero2+tp"
-    FSDP_TP = "fsdp+tp"
-    LOCAL_SGD = "local_sgd"  # replicas step alone and are averaged every ``sync_every`` steps
-    ZERO1 = "zero1"  # ddp's graphs; each rank keeps and steps 1/N of the optimizer state
-
-    @classmethod
-    def parse(cls, name: str) -> Strategy:
-        names = [s.value for s in cls]
-        if name not in names:
-            close = difflib.get_close_matches(str(name), [*names, "auto"], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise OptionsError(f"unknown strategy {name!r}{hint}; choose one of {[*names, 'auto']}")
-        return cls(name)
-
-    @property
-    def tensor_parallel(self) -> bool:
-        return self in (Strategy.TP, Strategy.DDP_TP, Strategy.ZERO2_TP, Strategy.FSDP_TP)
-
-    @property
-    def shards_parameters(self) -> bool:
-        """Parameters, gradients and optimizer state live as dim-0 shards over a data axis."""
-        return self in (Strategy.ZERO2, Strategy.FSDP, Strategy.HSDP, Strategy.ZERO2_TP, Strategy.FSDP_TP)
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        """Gathered parameters are freed after their forward use and gathered again in the backward
-        (fsdp); zero2 keeps them for the backward."""
-        return self in (Strategy.FSDP, Strategy.HSDP, Strategy.FSDP_TP)
+def _parse(members: list[enum.Enum], name: str, what: str, prefix: str = "", extra: tuple[str, ...] = ()) -> enum.Enum:
+    """The member spelled ``name``, or an ``OptionsError`` naming the choices and the closest one."""
+    names = [*(m.value for m in members), *extra]
+    found = next((m for m in members if m.value == name), None)
+    if found is None:
+        close = difflib.get_close_matches(str(name), names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise OptionsError(f"{prefix}unknown {what} {name!r}{hint}; choose one of {names}")
+    return found
 
 
 class AxisRole(enum.Enum):
@@ -62,6 +36,163 @@ class AxisRole(enum.Enum):
     SHARD = "shard"  # parameters, gradients and optimizer state split along dim 0 over it
     TENSOR = "tensor"  # layers split Megatron-style; activations cross it
     # A pipeline axis (stages) is the next role.
+
+
+class DataParallel(enum.Enum):
+    """What a strategy does along its data axes: ZeRO's stages, and local SGD (also ``dpar.pipeline``'s ``dp_strategy``)."""
+
+    DDP = "ddp"  # whole parameters; gradients all-reduced every step
+    ZERO1 = "zero1"  # ddp's graphs; each rank keeps and steps 1/N of the optimizer state
+    ZERO2 = "zero2"  # dim-0 shards at rest; a gathered parameter is kept for the backward
+    FSDP = "fsdp"  # dim-0 shards; gathered parameters are freed after their forward use and gathered again
+    LOCAL_SGD = "local_sgd"  # replicas step alone and are averaged every ``sync_every`` steps
+
+    @classmethod
+    def parse(cls, name: str, choices: tuple[DataParallel, ...] | None = None, prefix: str = "") -> DataParallel:
+        return _parse(list(choices or cls), name, "dp_strategy", prefix)
+
+    @property
+    def all_reduces_gradients(self) -> bool:
+        """Whole parameters, gradients all-reduced in buckets sized when compiling."""
+        return self in (DataParallel.DDP, DataParallel.ZERO1)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters, gradients and optimizer state live as dim-0 shards over a data axis."""
+        return self in (DataParallel.ZERO2, DataParallel.FSDP)
+
+
+class Strategy(enum.Enum):
+    """A strategy is a data-parallel mode and the roles of its mesh axes, in mesh order (``_SHAPES``);
+    everything the layers above ask about a strategy is derived from those two."""
+
+    DDP = "ddp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    FSDP = "fsdp"
+    HSDP = "hsdp"
+    TP = "tp"
+    DDP_TP = "ddp+tp"
+    ZERO2_TP = "zero2+tp"
+    FSDP_TP = "fsdp+tp"
+    LOCAL_SGD = "local_sgd"
+
+    @classmethod
+    def parse(cls, name: str, auto: bool = True) -> Strategy:
+        """The strategy spelled ``name`` (the error lists ``auto`` too, which the api resolves by planning)."""
+        return _parse(list(cls), name, "strategy", extra=("auto",) if auto else ())
+
+    @classmethod
+    def compose(cls, data_parallel: DataParallel | None, tensor_parallel: bool) -> Strategy:
+        """The strategy of one data axis doing ``data_parallel`` (None: no data axis), with a tensor axis or not."""
+        return next(s for s in cls if s.data_parallel is data_parallel and s.tensor_parallel is tensor_parallel
+                    and len(s.roles) == (data_parallel is not None) + tensor_parallel)
+
+    @property
+    def data_parallel(self) -> DataParallel | None:
+        """What the data axes do; None for tp alone, which has none."""
+        return _SHAPES[self][0]
+
+    @property
+    def roles(self) -> tuple[AxisRole, ...]:
+        """The role of each mesh axis, in the mesh's order."""
+        return _SHAPES[self][1]
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The mesh's dimension names: ``("dp", "tp")`` with a data and a tensor axis (required by name),
+        else each axis named by its role (the names of an unnamed mesh's axes)."""
+        if len(self.roles) == 2 and self.tensor_parallel:
+            return ("dp", "tp")
+        return tuple(role.value for role in self.roles)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return AxisRole.TENSOR in self.roles
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters, gradients and optimizer state live as dim-0 shards over a data axis."""
+        return self.data_parallel is not None and self.data_parallel.shards_parameters
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Gathered parameters are freed after their forward use and gathered again in the backward
+        (fsdp); zero2 keeps them for the backward."""
+        return self.data_parallel is DataParallel.FSDP
+
+    @property
+    def all_reduces_gradients(self) -> bool:
+        """Whole parameters over the data axis, gradients all-reduced in buckets sized when compiling
+        (ddp, ddp+tp, zero1)."""
+        return self.data_parallel is not None and self.data_parallel.all_reduces_gradients
+
+    @property
+    def identical_gradients(self) -> bool:
+        """Every rank ends the backward with the same whole reduced gradients (ddp, zero1)."""
+        return self.all_reduces_gradients and not self.tensor_parallel
+
+    @property
+    def buckets_laid_out_by(self) -> str | None:
+        """Where ``bucket_cap_mb`` applies: ``"parallelize"`` (sharded: it lays out the buckets),
+        ``"compile"`` (sized from the order gradients become ready), or None (no gradient buckets)."""
+        return "parallelize" if self.shards_parameters else "compile" if self.all_reduces_gradients else None
+
+
+_SHAPES: dict[Strategy, tuple[DataParallel | None, tuple[AxisRole, ...]]] = {
+    Strategy.DDP: (DataParallel.DDP, (AxisRole.REPLICATE,)),
+    Strategy.ZERO1: (DataParallel.ZERO1, (AxisRole.REPLICATE,)),
+    Strategy.ZERO2: (DataParallel.ZERO2, (AxisRole.SHARD,)),
+    Strategy.FSDP: (DataParallel.FSDP, (AxisRole.SHARD,)),
+    Strategy.HSDP: (DataParallel.FSDP, (AxisRole.REPLICATE, AxisRole.SHARD)),
+    Strategy.TP: (None, (AxisRole.TENSOR,)),
+    Strategy.DDP_TP: (DataParallel.DDP, (AxisRole.REPLICATE, AxisRole.TENSOR)),
+    Strategy.ZERO2_TP: (DataParallel.ZERO2, (AxisRole.SHARD, AxisRole.TENSOR)),
+    Strategy.FSDP_TP: (DataParallel.FSDP, (AxisRole.SHARD, AxisRole.TENSOR)),
+    Strategy.LOCAL_SGD: (DataParallel.LOCAL_SGD, (AxisRole.REPLICATE,)),
+}
+
+_NO_BUCKETS = {
+    Strategy.TP: "its collectives carry activations, each where the graph needs it",
+    Strategy.LOCAL_SGD: "it averages the parameters every sync_every steps, one flattened all-reduce per dtype",
+}
+
+
+def check_bucket_cap(strategy: Strategy | None, given_to: str, bucket_cap_mb: float | None) -> None:
+    """The one place ``bucket_cap_mb`` is policed: given to ``given_to`` (``"parallelize"`` or ``"compile"``)
+    under ``strategy`` (None: ``auto``, not chosen yet), it must be where that strategy's buckets are laid out."""
+    if bucket_cap_mb is None:
+        return
+    if given_to == "parallelize" and not (
+        isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool) and bucket_cap_mb > 0
+    ):
+        raise OptionsError(f"bucket_cap_mb must be None (per block) or a number > 0, got {bucket_cap_mb!r}")
+    where = None if strategy is None else strategy.buckets_laid_out_by
+    if where == given_to:
+        return
+    if strategy is None:
+        raise OptionsError(
+            "strategy='auto' chooses the strategy, so where buckets are sized is not known yet: plan first, "
+            "plan = dpar.plan(...), then parallelize(model, plan=plan, bucket_cap_mb=...) for a sharded plan"
+        )
+    if given_to == "parallelize" and where is None:
+        raise OptionsError(
+            f"strategy {strategy.value!r} has no gradient buckets ({_NO_BUCKETS[strategy]}): leave bucket_cap_mb unset"
+        )
+    if given_to == "parallelize":
+        raise OptionsError(
+            f"under {strategy.value!r} gradient buckets are sized when compiling, in the order gradients become "
+            f"ready: pass torch.compile(model, backend='dpar', options={{'bucket_cap_mb': {bucket_cap_mb}}}) "
+            "instead of parallelize(..., bucket_cap_mb=...)"
+        )
+    if where == "parallelize":
+        why = ("sharded, and their buckets are laid out by parallelize: pass dpar.parallelize(model, "
+               "strategy=..., bucket_cap_mb=...) and leave it out of torch.compile's options")
+    elif strategy is Strategy.LOCAL_SGD:
+        why = "averaged by local SGD, one flattened all-reduce per dtype, with no gradient buckets: leave bucket_cap_mb out"
+    else:
+        why = f"split by strategy {strategy.value!r}, which has no gradient buckets: leave bucket_cap_mb out"
+    raise OptionsError("options={'bucket_cap_mb': ...} sizes ddp's gradient buckets; these parameters are " + why)
 
 
 @dataclasses.dataclass(frozen=True)

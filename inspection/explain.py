@@ -22,7 +22,7 @@ from dpar.compiler.logs import artifact
 from dpar.inspect.memory import per_rank_memory, step_peak
 from dpar.inspect.meta import differentiable_on_meta, is_meta
 from dpar.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
-from dpar.inspect.strategies import strategy as strategy_named
+from dpar.inspect.strategies import Parallelize, strategy as strategy_named
 from dpar.inspect.timeline import build_timeline
 from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
@@ -119,6 +119,7 @@ def explain(
     device: str | DeviceSpec = "h100",
     optimizer: str = "adamw",
     ranks_shown: int = 4,
+    parallelize: Parallelize | None = None,
     **pipeline: Any,
 ) -> Report | PipelineReport:
     """Compile a copy of ``model`` for ``world_size`` ranks, in this process, and report on it.
@@ -131,7 +132,8 @@ def explain(
     ``strategy`` (zero2, fsdp) runs ``dpar.parallelize`` on the copy, inside the
     simulated world. ``strategy="pipeline"`` takes ``explain_pipeline``'s keywords
     (``stages``, ``micro_batches``, ``schedule``, ``loss_fn``, ...) and returns its
-    ``PipelineReport``: the stage split, the schedule and its simulated timeline.
+    ``PipelineReport``: the stage split, the schedule and its simulated timeline. ``parallelize`` is
+    ``dpar.parallelize``, handed down by ``dpar.explain`` (inspection does not import the api).
     """
     if strategy == "pipeline":
         from dpar.inspect.pipeline import explain_pipeline
@@ -151,17 +153,13 @@ def explain(
     with fake_world(world_size), assumed_device(spec), on_meta:  # ddp's buckets planned for ``device``, not this CPU
         torch.compiler.reset()
         try:
-            work = chosen.prepare(copy.deepcopy(model), _positional(example_inputs), world_size, cap)
+            work = chosen.prepare(copy.deepcopy(model), _positional(example_inputs), world_size, cap, parallelize)
             captures = _capture(work, example_inputs, compile_options, world_size)
         finally:
             torch.compiler.reset()
     report = _report(type(model).__name__, work, captures, world_size, chosen.name, spec, parsed, optimizer, ranks_shown)
     artifact("explain_report", report.to_json, encoding="json")
     return report
-
-
-# Strategies whose backward must reduce gradients over data-parallel ranks (tp alone need not).
-_REDUCES_GRADIENTS = frozenset({"ddp", "zero2", "fsdp", "hsdp", "ddp+tp", "zero2+tp", "fsdp+tp"})
 
 
 def _check_gradients_reduced(name: str, strategy: str, params: Sequence[torch.Tensor], rows: Sequence[CollectiveRow]) -> None:
@@ -172,7 +170,7 @@ def _check_gradients_reduced(name: str, strategy: str, params: Sequence[torch.Te
     their gradients under the python dispatcher] in ``meta.py`` for one way that happened).
     """
     trainable = sum(p.numel() for p in params if p.requires_grad)
-    if strategy not in _REDUCES_GRADIENTS or trainable == 0:
+    if not strategy_named(strategy).reduces_gradients or trainable == 0:
         return
     reduced = [r for r in rows if r.graph.split(": ")[-1].startswith("backward") and r.kind in ("all_reduce", "reduce_scatter")]
     if not reduced:

@@ -39,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from dpar.compiler.collectives import WAIT
 from dpar.inspect.costs import N
-from dpar.inspect.strategies import Strategy
+from dpar.inspect.strategies import InspectedStrategy
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
@@ -257,7 +257,7 @@ def held_bytes(param: torch.Tensor, sharded: bool, local: bool = False) -> sympy
 
 def per_rank_memory(
     parameters: Sequence[torch.nn.Parameter],
-    strategy: Strategy,
+    strategy: InspectedStrategy,
     optimizer: str,
     peak: Live,
     world_size: int,

@@ -1,10 +1,12 @@
-"""How each parallel strategy plugs into ``explain``: what it shards at rest, how it prepares a model.
+"""How each parallel strategy plugs into ``explain``: what one rank holds at rest, how its model is placed.
 
-A strategy's passes run inside the backend; what inspection needs from it
-beyond the graphs is which kinds of state one rank holds only a dim-0 shard of
-(see [Note: what a rank's memory counts] in ``memory.py``), and any preparation
-of the model before compiling, run inside the simulated world. Adding a
-strategy is adding an entry to ``STRATEGIES``.
+A strategy's passes run inside the backend; what inspection needs from it beyond the graphs is
+which kinds of state one rank holds only a dim-0 shard of over the whole world (see [Note: what a
+rank's memory counts] in ``memory.py``), or that rank 0's own tensors must be read instead, and
+the model's placement before compiling, run inside the simulated world. The first follows from
+the strategy's mesh axes (core/plan.py); the placement is ``dpar.parallelize``, which the api hands
+down (``Parallelize``): inspection sits below the api and does not import it. Adding a strategy is
+adding an entry to ``STRATEGIES``.
 """
 
 from __future__ import annotations
@@ -15,72 +17,80 @@ from typing import Any
 
 import torch
 
-from dpar.core.errors import OptionsError
+from dpar.core.errors import InspectionError, OptionsError
+from dpar.core.plan import Strategy
 
-
-Prepare = Callable[[torch.nn.Module, Sequence[Any], int, "float | None"], torch.nn.Module]
-
-
-def _unchanged(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int, bucket_cap_mb: float | None) -> torch.nn.Module:
-    return model
-
-
-def _parallelized(strategy: str, *, mesh_names: tuple[str, str] | None = None, **kwargs: Any) -> Prepare:
-    """``dpar.parallelize`` as a user would call it, inside the simulated world: 2-D strategies on a
-    ``(world / 2, 2)`` mesh named ``mesh_names``; tensor-parallel ones planned from the example inputs."""
-
-    def prepare(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int, bucket_cap_mb: float | None) -> torch.nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from dpar.placement import parallelize  # the api layer; imported late, it imports the runtime
-
-        extra = dict(kwargs)
-        if mesh_names is not None:
-            if world_size % 2:
-                raise OptionsError(f"dpar.explain: {strategy!r} simulates a ({world_size} / 2, 2) mesh; choose an even world size")
-            extra["mesh"] = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=mesh_names)
-        if "tp" in strategy or strategy == "auto":
-            extra["example_inputs"] = example_inputs
-        if bucket_cap_mb is not None:
-            extra["bucket_cap_mb"] = bucket_cap_mb
-        return parallelize(model, strategy=strategy, **extra)
-
-    return prepare
+Parallelize = Callable[..., torch.nn.Module]  # dpar.parallelize
 
 
 @dataclasses.dataclass(frozen=True)
-class Strategy:
+class InspectedStrategy:
     name: str
-    shards_parameters: bool = False  # at rest, over the whole world; gathered parameters are counted from the graphs
-    shards_gradients: bool = False
-    shards_optimizer: bool = False
-    prepare: Prepare = _unchanged
-    """Applied to a copy of the model inside the simulated world, before compiling; a strategy that
-    shards parameters takes ``bucket_cap_mb`` here (parallelize's knob), not as a compile option."""
-    takes_bucket_cap: bool = False  # parallelize lays out its buckets
-    local_state: bool = False
-    """Memory at rest is read off rank 0's own tensors (a tensor-parallel block, an hsdp or 2-D shard),
-    not from a formula in N over the whole world."""
+    strategy: Strategy | None  # None: auto, the planner chooses
+    extra: tuple[tuple[str, Any], ...] = ()  # further keywords of parallelize (tp+sp: sequence_parallel)
+
+    @property
+    def local_state(self) -> bool:
+        """Memory at rest is read off rank 0's own tensors (a tensor-parallel block, an hsdp or 2-D shard),
+        not from a formula in N over the whole world."""
+        return self.strategy is None or self.strategy.tensor_parallel or len(self.strategy.roles) > 1
+
+    @property
+    def shards_parameters(self) -> bool:
+        """At rest, over the whole world (dpar's zero2 keeps shards of everything at rest, like fsdp; the two
+        differ in how long gathered parameters live during the step, which the graphs show)."""
+        return self.strategy is not None and self.strategy.shards_parameters and not self.local_state
+
+    shards_gradients = shards_optimizer = shards_parameters
+
+    @property
+    def takes_bucket_cap(self) -> bool:
+        """parallelize lays out its buckets, so ``bucket_cap_mb`` goes to it, not to the compile options."""
+        return self.strategy is not None and self.strategy.buckets_laid_out_by == "parallelize"
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """Its backward must reduce gradients over data-parallel ranks (tp alone need not)."""
+        return self.strategy is not None and self.strategy.data_parallel is not None
+
+    def prepare(
+        self, model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int, bucket_cap_mb: float | None,
+        parallelize: Parallelize | None,
+    ) -> torch.nn.Module:
+        """``parallelize`` as a user would call it, on a copy inside the simulated world: 2-D strategies on a
+        ``(world / 2, 2)`` mesh named as the strategy names its axes; tensor-parallel ones (and auto) planned
+        from the example inputs. ddp needs no placement."""
+        if self.strategy is Strategy.DDP:
+            return model
+        name = "auto" if self.strategy is None else self.strategy.value
+        if parallelize is None:
+            raise InspectionError(
+                f"dpar.inspect's explain: strategy {self.name!r} places the model with dpar.parallelize, which the "
+                "api hands down: call dpar.explain(...) with the same arguments"
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        extra = dict(self.extra)
+        if self.strategy is not None and len(self.strategy.roles) == 2:
+            if world_size % 2:
+                raise OptionsError(f"dpar.explain: {name!r} simulates a ({world_size} / 2, 2) mesh; choose an even world size")
+            extra["mesh"] = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=self.strategy.mesh_dim_names)
+        if self.strategy is None or self.strategy.tensor_parallel:
+            extra["example_inputs"] = example_inputs
+        if bucket_cap_mb is not None:
+            extra["bucket_cap_mb"] = bucket_cap_mb
+        return parallelize(model, strategy=name, **extra)
 
 
-STRATEGIES: dict[str, Strategy] = {
-    # DDP replicates everything: nothing per rank shrinks with N.
-    "ddp": Strategy("ddp"),
-    # dpar's zero2 keeps shards of everything at rest, like fsdp; the two differ in how
-    # long gathered parameters live during the step, which the graphs show.
-    "zero2": Strategy("zero2", True, True, True, _parallelized("zero2"), takes_bucket_cap=True),
-    "fsdp": Strategy("fsdp", True, True, True, _parallelized("fsdp"), takes_bucket_cap=True),
-    "hsdp": Strategy("hsdp", prepare=_parallelized("hsdp", mesh_names=("replicate", "shard")), takes_bucket_cap=True, local_state=True),
-    "tp": Strategy("tp", prepare=_parallelized("tp"), local_state=True),
-    "tp+sp": Strategy("tp+sp", prepare=_parallelized("tp", sequence_parallel=True), local_state=True),
-    "ddp+tp": Strategy("ddp+tp", prepare=_parallelized("ddp+tp", mesh_names=("dp", "tp")), local_state=True),
-    "zero2+tp": Strategy("zero2+tp", prepare=_parallelized("zero2+tp", mesh_names=("dp", "tp")), takes_bucket_cap=True, local_state=True),
-    "fsdp+tp": Strategy("fsdp+tp", prepare=_parallelized("fsdp+tp", mesh_names=("dp", "tp")), takes_bucket_cap=True, local_state=True),
-    "auto": Strategy("auto", prepare=_parallelized("auto"), local_state=True),
+STRATEGIES: dict[str, InspectedStrategy] = {
+    **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.DDP, Strategy.ZERO2, Strategy.FSDP, Strategy.HSDP, Strategy.TP)},
+    "tp+sp": InspectedStrategy("tp+sp", Strategy.TP, (("sequence_parallel", True),)),
+    **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.DDP_TP, Strategy.ZERO2_TP, Strategy.FSDP_TP)},
+    "auto": InspectedStrategy("auto", None),
 }
 
 
-def strategy(name: str) -> Strategy:
+def strategy(name: str) -> InspectedStrategy:
     if name not in STRATEGIES:
         raise OptionsError(
             f"dpar.explain: strategy {name!r} is not available for inspection yet; "

@@ -12,9 +12,12 @@ import dataclasses
 import itertools
 import math
 
-DATA_PARALLEL = ("replicate", "zero2", "fsdp")  # preference order when costs tie
+from dpar.core.plan import DataParallel, Strategy
+
+# The data-parallel modes the planner prices, by the name its plans keep, in preference order when costs tie.
+MODES = {"replicate": DataParallel.DDP, "zero2": DataParallel.ZERO2, "fsdp": DataParallel.FSDP}
+DATA_PARALLEL = tuple(MODES)
 ROLES = ("dp", "tp")
-DP_STRATEGY = {"replicate": "ddp", "zero2": "zero2", "fsdp": "fsdp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +50,8 @@ class Layout:
     @property
     def strategy(self) -> str:
         """``ddp``, ``zero2``, ``fsdp``, ``tp``, or ``<dp strategy>+tp``."""
-        if self.tp_degree == 1:
-            return DP_STRATEGY[self.data_parallel]
-        if self.dp_degree == 1:
-            return "tp"
-        return f"{DP_STRATEGY[self.data_parallel]}+tp"
+        tensor = self.tp_degree > 1
+        return Strategy.compose(None if tensor and self.dp_degree == 1 else MODES[self.data_parallel], tensor).value
 
 
 def layouts(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None) -> list[Layout]:

@@ -19,25 +19,32 @@ from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import Plan
 from dpar.planner.rules import FORWARD_CONVERT, Candidate, candidates
 from dpar.core.errors import OptionsError
+from dpar.core.plan import AxisRole, Strategy
+from dpar.planner.layout import MODES
 
-DP_MODES = {"ddp": "replicate", "zero2": "zero2", "fsdp": "fsdp"}
-STRATEGIES = ("ddp", "zero2", "fsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp")
+# The named strategies the planner prices: at most one data axis, doing a mode it knows, and a tensor axis or not.
+STRATEGIES = tuple(
+    s.value for s in Strategy
+    if s.data_parallel in (None, *MODES.values()) and sum(r is not AxisRole.TENSOR for r in s.roles) <= 1
+)
+LAYOUT_MODE = {mode: name for name, mode in MODES.items()}
 PREFERRED = {"embedding": ("vocab",)}  # a Linear is column or row by what arrives
 
 
 def strategy_layout(name: str, mesh_shape: tuple[int, ...]) -> Layout:
-    dp, _, tp = name.partition("+")
     if name not in STRATEGIES:
         raise OptionsError(f"unknown strategy {name!r}; the named strategies are {', '.join(STRATEGIES)}")
-    if name == "tp":
+    strategy = Strategy(name)
+    mode = LAYOUT_MODE.get(strategy.data_parallel, "replicate")  # tp alone: no data axis, replicated over none
+    if strategy.data_parallel is None:
         if len(mesh_shape) != 1:
             raise OptionsError(f"strategy 'tp' takes a 1-D mesh, not {mesh_shape}; use 'ddp+tp' or 'fsdp+tp' on 2-D")
-        return Layout(tuple(mesh_shape), ("tp",), "replicate")
-    if tp:
+        return Layout(tuple(mesh_shape), ("tp",), mode)
+    if strategy.tensor_parallel:
         if len(mesh_shape) != 2:
             raise OptionsError(f"strategy {name!r} takes a 2-D mesh (dp, tp), not {mesh_shape}")
-        return Layout(tuple(mesh_shape), ("dp", "tp"), DP_MODES[dp])
-    return Layout(tuple(mesh_shape), ("dp",) * len(mesh_shape), DP_MODES[dp])
+        return Layout(tuple(mesh_shape), ("dp", "tp"), mode)
+    return Layout(tuple(mesh_shape), ("dp",) * len(mesh_shape), mode)
 
 
 def megatron(graph: OpGraph, tp: int) -> tuple[int, ...]:

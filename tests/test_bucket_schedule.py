@@ -24,7 +24,7 @@ from dpar.compiler.costs import PRESETS, DeviceSpec, assumed_device, payload_byt
 from dpar.compiler.passes.bucket_schedule import schedule_buckets, step_overrun
 from dpar.compiler.passes.buckets import Bucket, Gradient, plan_buckets
 from dpar.compiler.passes.prefetch import _stall, choose_distance, gathers_by_need, prefetch_distance
-from dpar.inspect.explain import explain
+from dpar.explaining import explain
 
 MS = 1e-3
 

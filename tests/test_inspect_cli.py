@@ -12,7 +12,7 @@ import torch
 
 from dpar.cli import load_target, main
 from dpar.inspect.costs import PRESETS
-from dpar.inspect.explain import explain
+from dpar.explaining import explain
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = '''

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import dpar  # noqa: F401  (registers the backend)
 from dpar.inspect.costs import PRESETS
-from dpar.inspect.explain import explain
+from dpar.explaining import explain
 from dpar.compiler.registry import recording
 from dpar.core.errors import OptionsError, ProcessGroupError
 from torch.testing._internal.distributed.fake_pg import FakeStore

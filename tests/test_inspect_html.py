@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dpar.inspect.explain import explain
+from dpar.explaining import explain
 from dpar.inspect.render_html import write_html
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

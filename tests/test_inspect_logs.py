@@ -14,7 +14,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dpar  # noqa: F401
 from dpar.compiler import logs
-from dpar.inspect.explain import explain
+from dpar.explaining import explain
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dpar.inspect.explain import explain
+from dpar.explaining import explain
 from dpar.core.errors import InspectionError
 
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import dpar  # noqa: F401
 from dpar.inspect.costs import ALPHA, BETA, B, N, PRESETS, DeviceSpec, comm_time, comm_time_expr
-from dpar.inspect.explain import explain
+from dpar.explaining import explain
 from dpar.inspect.simulate import Op, OpKind, simulate
 from dpar.inspect.timeline import build_timeline, step_program
 

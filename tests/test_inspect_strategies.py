@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from rich.console import Console
 
-from dpar.inspect.explain import explain
+from dpar.explaining import explain
 from dpar.inspect.render_html import render_html
 from dpar.inspect.render_text import print_report
 

@@ -93,7 +93,7 @@ def test_uneven_shards_are_padded_once_and_explain_shows_the_program_that_trains
 
     from models import Uneven
 
-    from dpar.inspect.explain import explain
+    from dpar.explaining import explain
 
     def ops(gm: fx.GraphModule) -> Counter:
         return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")

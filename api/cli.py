@@ -159,8 +159,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def parser() -> argparse.ArgumentParser:
     from dpar.compiler.pipeline_parallel.schedules import SCHEDULES
-    from dpar.inspect.costs import PRESETS
-    from dpar.inspect.memory import OPTIMIZER_STATES
+    from dpar.compiler.costs import PRESETS
+    from dpar.compiler.memory import OPTIMIZER_STATES
     from dpar.inspect.strategies import STRATEGIES
 
     top = argparse.ArgumentParser(prog="dpar", description="dpar: graph-level data parallelism for torch.compile")

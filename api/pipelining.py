@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dpar.compiler.pipeline_parallel.data_parallel import sync_variant
-from dpar.compiler.pipeline_parallel.sharded import gather_variant, layout_of, reduce_scatter_variant
+from dpar.compiler.pass_listing import PipelinePassListing
+from dpar.compiler.pipeline_parallel.sharded import layout_of
 from dpar.compiler.pipeline_parallel.schedules import build_schedule, check_name, warn_if_bubble_large
 from dpar.compiler.pipeline_parallel.split import capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import retarget_device_pass, trace_stage
@@ -271,7 +271,7 @@ def _accept_pipeline_state(module: nn.Module, state_dict: dict, prefix: str, *_)
 
 def _shard_over_dp(
     model: nn.Module, graphs: dict[int, StageGraphs], parameters: dict[str, nn.Parameter], groups: PipelineGroups,
-    mesh: DeviceMesh, last: str,
+    mesh: DeviceMesh, passes: PipelinePassListing,
 ) -> tuple[dict[int, SyncVariant], dict[int, fx.GraphModule], dict[str, int]]:
     """[Note: sharded data parallel across pipelines]: the variants, each parameter replaced by its ``Shard(0)``
     DTensor over ``dp``, and each sharded name's padded chunk length."""
@@ -283,13 +283,12 @@ def _shard_over_dp(
             f"({', '.join(twice)}: a tied weight within a stage, or in two stages of one rank); "
             "untie it, place the stages so that each rank reads it once, or use dp_strategy='ddp'."
         )
-    group_name = groups.dp.group_name
     dp_mesh = mesh["dp"]
     sync, gather, chunks = {}, {}, {}
     for s, g in graphs.items():
         layout = layout_of(g, groups.dp_size)
-        gather[s] = gather_variant(g, layout, group_name)
-        sync[s] = reduce_scatter_variant(g, last, layout, group_name)
+        gather[s] = passes.gather_variant(g, layout)
+        sync[s] = passes.sync_variant(g, layout)
         for i, name in enumerate(g.parameter_names):
             param = parameters[name]
             start, length = layout.rows(i, groups.dp_rank)
@@ -392,16 +391,13 @@ def pipeline(
     _release(model, {n for n, p in parameters.items() if n in holders and id(p) not in held})
     shared = {name: (parameters[name].shape, parameters[name].dtype) for name in split.shared_parameters}
     sync, gather, chunks = {}, {}, {}
-    if groups.dp is not None and groups.dp_size > 1:
-        last = "backward_weight" if schedule == "zb_h1" else "backward"
+    if groups.dp is not None and groups.dp_size > 1:  # the passes over dp: compiler/pass_listing.py
+        passes = PipelinePassListing(data_parallel, groups.dp_size, schedule, group_name=groups.dp.group_name,
+                                     bucket_cap_mb=bucket_cap_mb)
         if data_parallel is DataParallel.DDP:  # [Note: data parallel across pipelines]
-            sync = {
-                s: sync_variant(g, last, group_name=groups.dp.group_name, dp_size=groups.dp_size,
-                                cap_bytes=int(bucket_cap_mb * 2**20))
-                for s, g in graphs.items()
-            }
+            sync = {s: passes.sync_variant(g) for s, g in graphs.items()}
         else:
-            sync, gather, chunks = _shard_over_dp(model, graphs, parameters, groups, mesh, last)
+            sync, gather, chunks = _shard_over_dp(model, graphs, parameters, groups, mesh, passes)
             dp = groups.dp_size  # each rank sums its shard of a shared parameter (padded to whole rows)
             shared = {n: ((-(-shape[0] // dp) * shape[1:].numel(),), dtype) for n, (shape, dtype) in shared.items()}
     executor = PipelineExecutor(plan, graphs, model, groups, shared, sync, gather, chunks)

@@ -44,7 +44,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import dpar
 from dpar.compiler import registry
-from dpar.inspect.memory import step_peak
+from dpar.compiler.memory import step_peak
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent / "tests")]

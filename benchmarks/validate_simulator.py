@@ -142,7 +142,7 @@ def run_ranks(target: str, bucket_cap_mb: float, timeout_s: float) -> dict[str, 
 
 def simulate(target: str, bucket_cap_mb: float, calibration: dict[str, float]):
     from dpar.cli import load_target
-    from dpar.inspect.costs import DeviceSpec
+    from dpar.compiler.costs import DeviceSpec
     from dpar.explaining import explain
 
     spec = DeviceSpec("this machine (calibrated)", calibration["flops"], calibration["flops"],

@@ -1,7 +1,8 @@
 """What things cost: device specs, the roofline for compute, the symbolic α-β model for comm.
 
 The compiler plans ddp's gradient buckets from these (``passes/bucket_schedule.py``);
-``dpar.inspect`` simulates and reports with the same figures (it re-exports them).
+``dpar.inspect`` simulates and reports with the same figures, and ``dpar.planner`` prices pipelines
+and layouts with them.
 
 [Note: the α-β ring model]
 A collective over N ranks costs ``steps * α + moved_bytes * β``: α is the

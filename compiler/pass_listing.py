@@ -21,6 +21,16 @@ tensor_parallel, tag_gathers, save_random_ops]; forward [broadcast_buffers,
 bucket_all_gathers, sink_waits, prefetch_all_gathers]; backward
 [bucket_all_gathers, bucket_reduce_scatters, sink_waits, prefetch_all_gathers].
 ``PassListing(...).listing()`` prints that for any plan.
+
+``dpar.pipeline`` runs each stage's graphs as traced (``pipeline_parallel/stage_graphs.py``: F, and B
+or its halves I and W); with ``dp > 1`` pipelines side by side on a ``("dp", "pp")`` mesh,
+``PipelinePassListing`` lists the data-parallel passes over ``dp`` and builds the variants they run in
+(the strategy modules ``pipeline_parallel/data_parallel.py`` and ``pipeline_parallel/sharded.py``
+supply the passes). The graph that ends a stage's step is its last B, or its last W under zb_h1:
+
+  ddp   B (sync), or W (sync): [all_reduce_gradients, sink_waits]
+  fsdp  F (gather), the stage's first F of a step: [gather_parameters];
+        B (sync), or W (sync): [reduce_scatter_gradients, sink_waits]
 """
 
 from __future__ import annotations
@@ -42,7 +52,9 @@ from dpar.compiler.passes.all_gather_ranges import UpdatedRange, all_gather_upda
 from dpar.compiler.passes.broadcast_buffers import average_inputs_pass, buffer_broadcast_groups
 from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.sink_waits import sink_waits_pass
-from dpar.core.plan import AxisRole, ParallelPlan, Strategy
+from dpar.compiler.pipeline_parallel.data_parallel import StageGradientBuckets
+from dpar.compiler.pipeline_parallel.sharded import ShardLayout, gather_parameters, reduce_scatter_gradients, scattered_variant
+from dpar.core.plan import AxisRole, DataParallel, ParallelPlan, Strategy
 from dpar.compiler.registry import STAGES_KEY, PassStage, record
 from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout
 from dpar.compiler.tensor_parallel import TensorParallel
@@ -50,6 +62,7 @@ from dpar.runtime.agreement import agree
 from dpar.runtime.gradient_sync import BackwardDispatch, ForwardDispatch, Variant
 from dpar.runtime.liveness import Watched
 from dpar.runtime.local_sgd import choose_variant, period_of
+from dpar.core.pipeline_program import StageGraphs, SyncVariant
 from dpar.core.world import World, group_ranks
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
@@ -288,3 +301,69 @@ class PassListing:
         dispatch = BackwardDispatch(self.gradients.parameters(), order, build)
         dispatch.prepare(Variant.SYNC)
         return dispatch
+
+
+class PipelinePassListing:
+    """``dpar.pipeline``'s data-parallel passes over ``dp``, graph by graph of a stage (see the module docstring).
+
+    ``mode``: ``DataParallel.DDP`` ([Note: data parallel across pipelines]) or ``DataParallel.FSDP`` ([Note: sharded
+    data parallel across pipelines]); with ``dp_size`` 1 there is nothing to average and no variant.
+    """
+
+    GRAPHS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
+    """A stage's graphs, by the letter schedules name their actions with."""
+
+    def __init__(self, mode: DataParallel, dp_size: int, schedule: str, *, group_name: str = "",
+                 bucket_cap_mb: float = 25) -> None:
+        self.mode = mode if dp_size > 1 else None
+        self.dp_size, self.group_name, self.bucket_cap_mb = dp_size, group_name, bucket_cap_mb
+        self.last = "backward_weight" if schedule == "zb_h1" else "backward"  # the graph that ends a stage's step
+
+    def gather_passes(self, graphs: StageGraphs | None = None, layout: ShardLayout | None = None) -> list[Pass]:
+        """The stage's first forward of a step (fsdp only)."""
+        if self.mode is not DataParallel.FSDP:
+            return []
+        return [("gather_parameters", lambda g: gather_parameters(g, graphs, layout, self.group_name))]
+
+    def sync_passes(
+        self, graphs: StageGraphs | None = None, planned: StageGradientBuckets | ShardLayout | None = None
+    ) -> list[Pass]:
+        """The graph that ends the stage's step (``planned``: ddp's buckets, fsdp's layout)."""
+        if self.mode is DataParallel.DDP:
+            passes = [("all_reduce_gradients", lambda g: planned.all_reduce(g))]
+        elif self.mode is DataParallel.FSDP:
+            passes = [("reduce_scatter_gradients",
+                       lambda g: reduce_scatter_gradients(g, graphs, self.last, planned, self.group_name))]
+        else:
+            return []
+        return [*passes, ("sink_waits", sink_waits_pass)]
+
+    def listing(self) -> dict[str, list[str]]:
+        """Graph -> the names of its passes, in order: the stage's graphs (none), then the variants built."""
+        rows: dict[str, list[str]] = {letter: [] for letter in self.GRAPHS}
+        if self.mode is DataParallel.FSDP:
+            rows["F (gather)"] = [name for name, _ in self.gather_passes()]
+        if self.mode is not None:
+            last = next(letter for letter, kind in self.GRAPHS.items() if kind == self.last)
+            rows[f"{last} (sync)"] = [name for name, _ in self.sync_passes()]
+        return rows
+
+    # Running them: each variant on its own copy of the stage's graph.
+
+    def gather_variant(self, graphs: StageGraphs, layout: ShardLayout) -> fx.GraphModule:
+        return run_passes(copy_graph_module(graphs.forward), self.gather_passes(graphs, layout),
+                          f"pipeline stage {graphs.stage.index} forward (gather over dp)")
+
+    def sync_variant(self, graphs: StageGraphs, layout: ShardLayout | None = None) -> SyncVariant:
+        """ddp: the gradients all-reduced in buckets; fsdp (``layout``): reduce-scattered into this rank's shards."""
+        gm = copy_graph_module(getattr(graphs, self.last))
+        if self.mode is DataParallel.DDP:
+            buckets = StageGradientBuckets(gm, graphs, self.last, group_name=self.group_name, dp_size=self.dp_size,
+                                           cap_bytes=int(self.bucket_cap_mb * 2**20))
+            gm = run_passes(gm, self.sync_passes(graphs, buckets),
+                            f"pipeline stage {graphs.stage.index} {self.last} (sync over dp)")
+            return buckets.variant(gm)
+        assert self.mode is DataParallel.FSDP and layout is not None
+        gm = run_passes(gm, self.sync_passes(graphs, layout),
+                        f"pipeline stage {graphs.stage.index} {self.last} (reduce-scatter over dp)")
+        return scattered_variant(gm, layout)

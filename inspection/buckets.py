@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.collectives import COLLECTIVE_KINDS, WAIT, is_compute
-from dpar.inspect.costs import payload_bytes
+from dpar.compiler.costs import payload_bytes
 from dpar.compiler.lowering import flat_inputs
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 from dpar.compiler.passes.all_gather import operand_chain

@@ -13,13 +13,13 @@ import torch.fx as fx
 
 from dpar.compiler.backend import dpar_backend
 from dpar.compiler.capture import GraphInput, classify_inputs
-from dpar.compiler.costs import assumed_device
 from dpar.compiler.passes.buckets import BUCKET_REASON
 from dpar.inspect.buckets import bucket_of, graph_buckets
-from dpar.inspect.costs import DeviceSpec, comm_time, device_spec, moved_bytes, payload_bytes
+from dpar.compiler.costs import DeviceSpec, assumed_device, comm_time, device_spec, moved_bytes, payload_bytes
 from dpar.inspect.fake_world import fake_world
 from dpar.compiler.logs import artifact
-from dpar.inspect.memory import per_rank_memory, step_peak
+from dpar.compiler.memory import step_peak
+from dpar.inspect.memory import per_rank_memory
 from dpar.inspect.meta import differentiable_on_meta, is_meta
 from dpar.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
 from dpar.inspect.strategies import Parallelize, strategy as strategy_named
@@ -127,7 +127,7 @@ def explain(
     ``example_inputs`` is a tuple of positional arguments, a dict of keyword
     arguments, or one tensor. ``options`` are the backend's (bucket_cap_mb,
     sink_waits, ...); the inner compiler is always aot_eager. ``device`` names a
-    preset of ``dpar.inspect.costs.PRESETS`` or is a ``DeviceSpec``.
+    preset of ``dpar.compiler.costs.PRESETS`` or is a ``DeviceSpec``.
     The model and any process group state are left as they were: a sharding
     ``strategy`` (zero2, fsdp) runs ``dpar.parallelize`` on the copy, inside the
     simulated world. ``strategy="pipeline"`` takes ``explain_pipeline``'s keywords

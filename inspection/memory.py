@@ -12,49 +12,26 @@ Where state is split over one mesh dimension only (hsdp, tensor parallel and
 the 2-D strategies), rank 0's own tensors are counted: a number, not a formula
 in N.
 
-During the step, graph intermediates come on top, read from the graphs by
-liveness (``step_peak``): at the moment their sum peaks, the part that is
-gathered parameters (an all-gather's buffer and the copies and views of it the
-graph makes, padded to N * ceil(d0 / N) rows) and the rest ("activations":
-saved activations, full gradients before their reduce-scatter or all-reduce,
-bucket buffers). How long gathered parameters live is the strategy's doing and
-the graphs show it: fsdp frees each after its last use in the forward and
-gathers again in the backward, so at most the in-flight gathers
-(``max_inflight_gathers``) and the bucket in use are live; zero2 saves what the
-backward reads from the forward to the backward.
+During the step, graph intermediates come on top: the live bytes of the
+step's graphs at their peak (``step_peak``, [Note: a step's live bytes] in
+``compiler/memory.py``), split into gathered parameters and activations.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Sequence
 
 import sympy
 import torch
-import torch.fx as fx
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from dpar.compiler.collectives import WAIT
-from dpar.inspect.costs import N
+from dpar.compiler.costs import N
+from dpar.compiler.memory import OPTIMIZER_STATES, Live
 from dpar.inspect.strategies import InspectedStrategy
-from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
-
-OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
-"""Tensors of a parameter's size (and dtype) each optimizer keeps per parameter."""
 
 P, G, S, W, A = sympy.symbols("P G S W A", nonnegative=True)
-
-aten = torch.ops.aten
-
-_KEEPS_GATHERED = {
-    WAIT, operator.getitem, aten.view.default, aten._unsafe_view.default, aten.slice.Tensor,
-    aten.clone.default, aten.t.default, aten.alias.default, aten.detach.default,
-    aten._to_copy.default, aten.split_with_sizes.default, aten.permute.default,
-}
-"""Ops whose result is still the gathered parameter: a copy, cast or view of it alone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,171 +52,6 @@ class Memory:
 
     def total_at(self, world_size: int) -> int:
         return int(self.formula.subs(N, world_size))
-
-
-@dataclasses.dataclass(frozen=True)
-class Live:
-    """Bytes of graph tensors alive at one moment: gathered parameters and everything else."""
-
-    gathered: int = 0
-    activations: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.gathered + self.activations
-
-    def __add__(self, other: Live) -> Live:
-        return Live(self.gathered + other.gathered, self.activations + other.activations)
-
-    def __sub__(self, other: Live) -> Live:
-        return Live(self.gathered - other.gathered, self.activations - other.activations)
-
-
-def _higher(a: Live, b: Live) -> Live:
-    return b if b.total > a.total else a
-
-
-Storage = tuple[object, int]  # (identity, bytes)
-
-
-def _storages(node: fx.Node) -> list[Storage]:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (list, tuple)) else [val]
-    return [
-        (StorageWeakRef(v.untyped_storage()), int(v.untyped_storage().nbytes()))
-        for v in vals
-        if isinstance(v, torch.Tensor)
-    ]
-
-
-def _gathered_nodes(gm: fx.GraphModule, gathered_inputs: set[str]) -> set[fx.Node]:
-    """All-gathers, the placeholders named in ``gathered_inputs``, and copies, casts and views of them."""
-    gathered: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        parameter_gather = (
-            node.target is torch.ops._c10d_functional.all_gather_into_tensor.default
-            and not node.meta.get(ACTIVATION_COLLECTIVE)  # tensor parallel's gathers carry activations
-        )
-        if parameter_gather or (node.op == "placeholder" and node.name in gathered_inputs):
-            gathered.add(node)
-        elif node.target in _KEEPS_GATHERED and node.all_input_nodes and all(
-            a in gathered for a in node.all_input_nodes
-        ):
-            gathered.add(node)
-    return gathered
-
-
-@dataclasses.dataclass(frozen=True)
-class _Liveness:
-    peak: Live
-    live_at_end: Live
-    counted: dict[object, Live]  # storage -> bytes counted, by kind (nothing: parameter shard or input)
-
-
-def _liveness(
-    gm: fx.GraphModule,
-    same_as: dict[object, object],
-    counted_inputs: set[str],
-    gathered_inputs: set[str],
-    exclude_outputs: bool,
-) -> _Liveness:
-    """Bytes of storages alive over ``gm``'s nodes, a storage dying after its last reader.
-
-    Placeholders count only if named in ``counted_inputs``; other placeholders (and
-    views of them) are parameters (or their shards) or user data. ``same_as`` renames
-    storages so that a backward input is the forward storage it was saved from;
-    ``gathered_inputs`` are the inputs that are gathered parameters. A storage the
-    graph returns stays alive to the end, or (``exclude_outputs``, for the gradients
-    a backward returns) is not counted at all.
-    """
-    nodes = list(gm.graph.nodes)
-    last_use: dict[fx.Node, int] = {}
-    for i, node in enumerate(nodes):
-        for arg in node.all_input_nodes:
-            last_use[arg] = i
-
-    same_as = dict(same_as)
-    for node in nodes:  # a wait returns the collective's own buffer (fake tensors give it a new one)
-        if node.target is WAIT:
-            for (key, _), (arg_key, _) in zip(_storages(node), _storages(node.args[0])):
-                same_as[key] = same_as.get(arg_key, arg_key)
-
-    def storages(node: fx.Node) -> list[Storage]:
-        return [(same_as.get(key, key), nbytes) for key, nbytes in _storages(node)]
-
-    gathered = _gathered_nodes(gm, gathered_inputs)
-    kept = {key for n in gm.graph.output_node().all_input_nodes for key, _ in storages(n)}
-    counted: dict[object, Live] = {}
-    alive_until: dict[object, int] = {}
-    live = peak = Live()
-    for i, node in enumerate(nodes):
-        skip = node.op == "placeholder" and node.name not in counted_inputs
-        for key, nbytes in storages(node):
-            if key not in counted:
-                nbytes = 0 if skip or (exclude_outputs and key in kept) else nbytes
-                counted[key] = Live(nbytes, 0) if node in gathered else Live(0, nbytes)
-                live += counted[key]
-            if counted[key].total:
-                end = len(nodes) if key in kept else last_use.get(node, i)
-                alive_until[key] = max(alive_until.get(key, i), end)
-        peak = _higher(peak, live)
-        for key in [k for k, end in alive_until.items() if end == i]:
-            live -= counted[key]
-            del alive_until[key]
-    return _Liveness(peak, live, counted)
-
-
-@dataclasses.dataclass(frozen=True)
-class _SavedInputs:
-    """How a backward graph's inputs relate to what its forward saved."""
-
-    same_as: dict[object, object]  # backward storage -> the forward storage it is
-    counted: set[str]  # placeholders that are activations (or gathered parameters) saved by the forward
-    gathered: set[str]  # those of them that are gathered parameters
-
-
-def _saved_inputs(forward: fx.GraphModule, fw: _Liveness, backward: fx.GraphModule) -> _SavedInputs:
-    forward_nodes = {n.name: n for n in forward.graph.nodes}
-    saved = _SavedInputs({}, set(), set())
-    for node in backward.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        source = forward_nodes.get(node.name)
-        if source is None:  # tangents: made by the caller of backward
-            saved.counted.add(node.name)
-            continue
-        for (key, _), (fw_key, _) in zip(_storages(node), _storages(source)):
-            saved.same_as[key] = fw_key
-        held = [fw.counted.get(k, Live()) for k, _ in _storages(source)]
-        if source.op != "placeholder" and any(h.total for h in held):
-            saved.counted.add(node.name)
-            if any(h.gathered for h in held):
-                saved.gathered.add(node.name)
-    return saved
-
-
-def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]]) -> Live:
-    """Peak live bytes over the forward graphs in order, then the backward graphs in reverse.
-
-    What a forward graph returns (saved activations, gathered parameters kept
-    for the backward, outputs) stays live until its backward; parameters (or
-    their shards), user inputs and views of them are not counted.
-    """
-    peak = saved = Live()
-    forwards = []
-    for forward, _ in pairs:
-        fw = _liveness(forward, {}, set(), set(), exclude_outputs=False)
-        peak = _higher(peak, saved + fw.peak)
-        saved += fw.live_at_end
-        forwards.append(fw)
-    for (forward, backward), fw in reversed(list(zip(pairs, forwards))):
-        saved -= fw.live_at_end
-        if backward is None:
-            continue
-        inputs = _saved_inputs(forward, fw, backward)
-        bw = _liveness(backward, inputs.same_as, inputs.counted, inputs.gathered, exclude_outputs=True)
-        peak = _higher(peak, saved + bw.peak)
-    return peak
 
 
 def held_bytes(param: torch.Tensor, sharded: bool, local: bool = False) -> sympy.Expr:

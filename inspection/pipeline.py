@@ -1,7 +1,7 @@
 """``dpar.explain(..., strategy="pipeline")``: the stage split, the schedule and its simulated timeline.
 
 Everything comes from one process and no process group: the model and loss are captured at one
-micro-batch's shape, cut into stages, each stage priced (``pipeline_costs``), the named schedule
+micro-batch's shape, cut into stages, each stage priced (``compiler/pipeline_parallel/costs.py``), the named schedule
 built for the pipeline's ranks and replayed with those costs (``simulate``). The ranks of one
 pipeline are simulated; at ``world_size = pp x dp`` the ``dp`` pipelines run the same and then
 all-reduce each stage's gradients.
@@ -20,10 +20,13 @@ import torch.nn as nn
 from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule
 from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
 from dpar.core.pipeline_program import PipelineSchedule, StageSplit
-from dpar.inspect.costs import DeviceSpec, comm_time, device_spec
-from dpar.inspect.memory import OPTIMIZER_STATES
-from dpar.inspect.pipeline_costs import LossFn, StageCost, action_cost, hop_latency, micro_batch_of, price_stages, with_loss
+from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
+from dpar.compiler.memory import OPTIMIZER_STATES
+from dpar.compiler.pipeline_parallel.costs import (
+    LossFn, StageCost, action_cost, hop_latency, micro_batch_of, price_stages, with_loss,
+)
 from dpar.inspect.report import Table, _mib, _time
+from dpar.inspect.trace import write_schedule_trace
 from dpar.core.errors import OptionsError
 
 if TYPE_CHECKING:
@@ -134,7 +137,7 @@ class PipelineReport:
 
     def save(self, path: str | Path) -> Path:
         """The simulated schedule as Perfetto JSON (a process per rank, compute and send/recv threads)."""
-        return self.timeline.save(path)
+        return write_schedule_trace(self.timeline, path)
 
 
 def _blocks(blocks: Sequence[str]) -> str:

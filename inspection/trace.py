@@ -1,4 +1,7 @@
-"""Chrome / Perfetto trace JSON of a simulated timeline: a process per rank, a thread per stream."""
+"""Chrome / Perfetto trace JSON of a simulated timeline: a process per rank, a thread per stream.
+
+Two timelines are written: a strategy's step (``timeline.Timeline``) and a pipeline schedule replayed
+with per-action costs (``dpar.compiler.pipeline_parallel.simulate``), in the same format."""
 
 from __future__ import annotations
 
@@ -7,12 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline
     from dpar.inspect.timeline import Timeline
 
 STREAMS = {"compute": 0, "comm": 1}
 
 
-def trace_events(timeline: Timeline) -> list[dict[str, Any]]:
+def trace_events(timeline: Timeline | SimulatedTimeline) -> list[dict[str, Any]]:
     """Complete ("X") events in microseconds, preceded by the names of ranks and streams."""
     events: list[dict[str, Any]] = []
     for rank in range(timeline.ranks_shown):
@@ -40,5 +44,18 @@ def write_trace(timeline: Timeline, path: Path) -> Path:
             "overlap": timeline.overlap,
         },
     }
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def write_schedule_trace(timeline: SimulatedTimeline, path: str | Path) -> Path:
+    """A simulated pipeline schedule: a process per rank, compute and send/recv threads."""
+    doc: dict[str, Any] = {
+        "traceEvents": trace_events(timeline),
+        "displayTimeUnit": "ms",
+        "otherData": {"schedule": str(timeline.schedule).splitlines()[0], "span_s": timeline.span,
+                      "bubble": list(timeline.bubble), "peak_in_flight": list(timeline.peak_in_flight)},
+    }
+    path = Path(path)
     path.write_text(json.dumps(doc))
     return path

@@ -7,7 +7,7 @@ F the op's FLOPs and M the bytes it reads and writes, both divided by how the op
 replicated weight is read whole by every rank). Backward costs one more forward per
 gradient it produces (dX and dW of a Linear; twice the forward for ops without weights).
 
-Communication is the α-β ring model of ``dpar.inspect.costs`` per mesh dimension,
+Communication is the α-β ring model of ``dpar.compiler.costs`` per mesh dimension,
 each with its own α and β. Data-parallel collectives run per bucket, one bucket per
 numbered block (``blocks.3``) and one for the rest, as dpar's sharded runtime buckets them:
 their α terms depend on the layout only, their β terms on each parameter's tp placement. A collective over several data-parallel dimensions runs
@@ -38,7 +38,7 @@ from collections import defaultdict
 
 import sympy
 
-from dpar.inspect.costs import ALPHA, BETA, B, N, comm_time_expr, moved_bytes_expr
+from dpar.compiler.costs import ALPHA, BETA, B, N, comm_time_expr, moved_bytes_expr
 from dpar.planner.hardware import Hardware
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import Edge, Op, OpGraph, ParamInfo

@@ -6,7 +6,7 @@ Every divisor ``pp`` of the world size up to the model's number of blocks is a c
 ``micro_batch_rows`` rows (one capture, at that shape, serves every candidate), so a pipeline
 runs ``m = rows / (dp x micro_batch_rows)`` of them: a deeper pipeline gets more micro-batches,
 which is what keeps its bubble down. Each candidate is cut (``split_stages``), its stages priced
-as ``dpar inspect`` prices them ([Note: the pipeline cost model] in ``inspection/pipeline_costs.py``)
+as ``dpar inspect`` prices them ([Note: the pipeline cost model] in ``compiler/pipeline_parallel/costs.py``)
 and its schedule replayed with those costs. Its modelled step:
 
     step = pipeline span (compute + bubble + sends on the critical path) + dp all-reduce of the
@@ -31,9 +31,11 @@ import torch.nn as nn
 from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule
 from dpar.compiler.pipeline_parallel.simulate import simulate
 from dpar.compiler.pipeline_parallel.split import capture, find_blocks, split_stages
-from dpar.inspect.costs import DeviceSpec, comm_time, device_spec
-from dpar.inspect.memory import OPTIMIZER_STATES
-from dpar.inspect.pipeline_costs import LossFn, StageCost, action_cost, cut_and_price, hop_latency, micro_batch_of, with_loss
+from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
+from dpar.compiler.memory import OPTIMIZER_STATES
+from dpar.compiler.pipeline_parallel.costs import (
+    LossFn, StageCost, action_cost, cut_and_price, hop_latency, micro_batch_of, with_loss,
+)
 from dpar.core.errors import OptionsError, PipelineMemoryError
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1")

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpar.inspect.costs import DeviceSpec
+from dpar.compiler.costs import DeviceSpec
 
 BLOCKS, SEQ, WIDTH = 4, 8, 16
 FLOPS_ONLY = DeviceSpec("flops-only", 1e9, 1e9, float("inf"), alpha=0.0, link_bandwidth=float("inf"))

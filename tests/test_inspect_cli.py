@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dpar.cli import load_target, main
-from dpar.inspect.costs import PRESETS
+from dpar.compiler.costs import PRESETS
 from dpar.explaining import explain
 
 ROOT = Path(__file__).resolve().parent.parent

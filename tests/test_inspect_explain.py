@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import dpar  # noqa: F401  (registers the backend)
-from dpar.inspect.costs import PRESETS
+from dpar.compiler.costs import PRESETS
 from dpar.explaining import explain
 from dpar.compiler.registry import recording
 from dpar.core.errors import OptionsError, ProcessGroupError

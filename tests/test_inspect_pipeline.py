@@ -15,7 +15,7 @@ from pipeline_models import FLOPS_ONLY, mse, stack
 
 import dpar
 from dpar.cli import main
-from dpar.inspect.costs import DeviceSpec
+from dpar.compiler.costs import DeviceSpec
 from dpar.inspect.pipeline import PipelineReport, explain_pipeline
 
 MODELS = Path(__file__).resolve().parent / "pipeline_models.py"

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import dpar
 from dpar.cli import main
-from dpar.inspect.costs import PRESETS
+from dpar.compiler.costs import PRESETS
 from dpar.explaining import explain
 from dpar.runtime.sharding import block_of
 from fake_world import fake_world

@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import dpar  # noqa: F401
-from dpar.inspect.costs import ALPHA, BETA, B, N, PRESETS, DeviceSpec, comm_time, comm_time_expr
+from dpar.compiler.costs import ALPHA, BETA, B, N, PRESETS, DeviceSpec, comm_time, comm_time_expr
 from dpar.explaining import explain
 from dpar.inspect.simulate import Op, OpKind, simulate
 from dpar.inspect.timeline import build_timeline, step_program

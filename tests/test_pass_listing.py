@@ -2,7 +2,8 @@
 
 Four simulated ranks; 2-D strategies on a (2, 2) mesh. The listing is read off
 ``PassListing.listing()`` for the plan ``parallelize`` left on the model, and the
-passes that ran off the graphs the backend recorded.
+passes that ran off the graphs the backend recorded. ``dpar.pipeline``'s rows
+(``PipelinePassListing``) are held to the graphs its step runs, on a ("dp", "pp") mesh.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
 from dpar.compiler.options import Options
-from dpar.compiler.pass_listing import PassListing
-from dpar.core.plan import AxisRole, ParallelPlan, Strategy, replicated
+from dpar.compiler.pass_listing import PassListing, PipelinePassListing
+from dpar.compiler.registry import STAGES_KEY
+from dpar.core.plan import AxisRole, DataParallel, ParallelPlan, Strategy, replicated
 from dpar.placement import plan_of
 from dpar.core.errors import OptionsError
 from dpar.core.world import current_world
 from fake_world import fake_world
+from pipeline_models import mse, stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -90,6 +93,53 @@ def test_the_listed_passes_are_the_ones_that_run(strategy: str) -> None:
     for stage in ("joint", "forward", "backward (sync)"):
         if listing[stage] or stage in ran:
             assert ran.get(stage, []) == listing[stage], stage
+
+
+# dpar.pipeline over dp: the stage's graphs run as traced; the variants carry the data-parallel passes.
+PIPELINE_EXPECTED = {
+    ("ddp", "1f1b"): {"B (sync)": ["all_reduce_gradients", "sink_waits"]},
+    ("ddp", "zb_h1"): {"W (sync)": ["all_reduce_gradients", "sink_waits"]},
+    ("fsdp", "1f1b"): {"F (gather)": ["gather_parameters"], "B (sync)": ["reduce_scatter_gradients", "sink_waits"]},
+    ("fsdp", "zb_h1"): {"F (gather)": ["gather_parameters"], "W (sync)": ["reduce_scatter_gradients", "sink_waits"]},
+}
+
+
+def _ran(gm: torch.fx.GraphModule) -> list[str]:
+    return [s.pass_name for s in gm.meta.get(STAGES_KEY, ())[1:]]
+
+
+def test_the_listed_pipeline_passes_are_the_ones_its_step_runs() -> None:
+    """Each variant's passes as listed, built from the graph the listing names (its code before the passes) and
+    run by the executor at the action the listing names (the stage's first F; its last B, or W under zb_h1)."""
+    for (dp_strategy, schedule), variants in PIPELINE_EXPECTED.items():
+        with fake_world(4):
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+            model, (x, y) = stack(rows=4)
+            step = dpar.pipeline(model, mse, example_inputs=(x, y), stages=2, micro_batches=8, schedule=schedule,
+                                 mesh=mesh, dp_strategy=dp_strategy)
+        listing = PipelinePassListing(DataParallel(dp_strategy), 2, schedule).listing()
+        assert listing == {"F": [], "B": [], "I": [], "W": [], **variants}, (dp_strategy, schedule)
+        executor = step.executor
+        for s, g in step.graphs.items():
+            kinds = PipelinePassListing.GRAPHS
+            ran = {letter: _ran(getattr(g, kind)) for letter, kind in kinds.items()}
+            built = {}
+            if s in executor.gather:
+                ran["F (gather)"] = _ran(executor.gather[s])
+                built["F (gather)"] = (executor.gather[s], executor.first_forward[s].op)
+            if s in executor.sync:
+                action = executor.last_backward[s]
+                ran[f"{action.op.value} (sync)"] = _ran(executor.sync[s].graph)
+                built[f"{action.op.value} (sync)"] = (executor.sync[s].graph, action.op)
+            assert ran == listing, (dp_strategy, schedule, s)
+            for row, (gm, op) in built.items():
+                assert row.startswith(op.value)
+                assert gm.meta[STAGES_KEY][0].code == getattr(g, kinds[op.value]).code, row
+    with fake_world(2):  # one pipeline: nothing to average, no variant
+        model, (x, y) = stack(rows=4)
+        step = dpar.pipeline(model, mse, example_inputs=(x, y), stages=2, micro_batches=8, dp_strategy="fsdp")
+    assert PipelinePassListing(DataParallel.FSDP, 1, "1f1b").listing() == {"F": [], "B": [], "I": [], "W": []}
+    assert not step.executor.sync and not step.executor.gather
 
 
 def test_the_plan_is_one_frozen_value_with_an_axis_per_mesh_dimension() -> None:

@@ -15,6 +15,7 @@ from dpar.compiler.pipeline_parallel.schedules import (
 )
 from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 from dpar.compiler.pipeline_parallel.simulate import Costs, simulate
+from dpar.inspect.trace import write_schedule_trace
 
 RANKS = (1, 2, 3, 4, 8)
 EQUAL = Costs(forward=1, backward=1, backward_input=1, backward_weight=1)
@@ -189,7 +190,7 @@ def test_bad_schedule_arguments_name_the_fix():
 
 def test_timeline_saves_as_a_perfetto_trace_with_a_process_per_rank(tmp_path):
     timeline = simulate(build("zb_h1", 4, 8), EQUAL)
-    doc = json.loads(timeline.save(tmp_path / "zb_h1.json").read_text())
+    doc = json.loads(write_schedule_trace(timeline, tmp_path / "zb_h1.json").read_text())
     names = [e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"]
     assert names == [f"rank {r}" for r in range(4)]
     slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]

@@ -22,7 +22,7 @@ from pipeline_models import FLOPS_ONLY, mse, stack
 
 import dpar
 from dpar.cli import main
-from dpar.inspect.costs import DeviceSpec
+from dpar.compiler.costs import DeviceSpec
 from dpar import PipelineMemoryError
 from dpar.planner import plan_pipeline
 

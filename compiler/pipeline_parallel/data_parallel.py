@@ -9,7 +9,7 @@ over the earlier micro-batches as extra inputs, adds its own, and all-reduces th
 buckets, each issued as soon as its last gradient is computed. It is ddp's own pass
 (``all_reduce_gradients_pass`` with ``accumulate=True``, the variant ``no_sync`` accumulation
 uses) followed by ``sink_waits``, so the bucketing, the averaging and the overlap inside the graph
-are the ones ddp's tests pin.
+are the ones ddp's tests pin. ``PipelinePassListing`` in ``pass_listing.py`` runs them, in that order.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from dpar.compiler.graph_utils import copy_graph_module, fake_like, refresh_fake_values
+from dpar.compiler.graph_utils import fake_like, refresh_fake_values
 from dpar.compiler.passes.all_reduce import accumulated_gradient_order, all_reduce_gradients_pass
 from dpar.compiler.passes.buckets import Gradient, plan_buckets
-from dpar.compiler.passes.sink_waits import sink_waits_pass
-from dpar.compiler.pass_listing import run_passes
 from dpar.core.pipeline_program import StageGraphs, SyncVariant
 
 
@@ -37,26 +35,29 @@ def _gradients(gm: fx.GraphModule, graphs: StageGraphs, first: int) -> list[Grad
     return gradients
 
 
-def sync_variant(graphs: StageGraphs, which: str, *, group_name: str, dp_size: int, cap_bytes: int) -> SyncVariant:
-    """``which``: ``"backward"`` or ``"backward_weight"``, the graph that ends the stage's step."""
-    gm = copy_graph_module(getattr(graphs, which))
-    first = len(graphs.grad_inputs) if which == "backward" else 0  # B returns input gradients first
-    gradients = _gradients(gm, graphs, first)
-    outputs = gm.graph.output_node().args[0]
-    like = {g.output_index: outputs[g.output_index].meta["val"] for g in gradients}  # before the pass rewires them
-    buckets = plan_buckets(gradients, cap_bytes)
-    gm = run_passes(
-        gm,
-        [
-            ("all_reduce_gradients", lambda g: all_reduce_gradients_pass(
-                g, buckets, group_name=group_name, world_size=dp_size, accumulate=True)),
-            ("sink_waits", sink_waits_pass),
-        ],
-        f"pipeline stage {graphs.stage.index} {which} (sync over dp)",
-    )
-    order = accumulated_gradient_order(buckets)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, index in zip(placeholders[len(placeholders) - len(order):], order):
-        node.meta["val"] = fake_like(like[index])  # the accumulated gradient: shaped as the gradient
-    refresh_fake_values(gm, [n.meta["val"] for n in placeholders])  # the tables and Inductor read them
-    return SyncVariant(gm, tuple(index - first for index in order))
+class StageGradientBuckets:
+    """The parameter gradients of the graph that ends a stage's step, in buckets, planned on a copy of that graph
+    (``which``: ``"backward"`` or ``"backward_weight"``) before ``all_reduce`` rewrites it."""
+
+    def __init__(self, gm: fx.GraphModule, graphs: StageGraphs, which: str, *, group_name: str, dp_size: int,
+                 cap_bytes: int) -> None:
+        self.first = len(graphs.grad_inputs) if which == "backward" else 0  # B returns input gradients first
+        gradients = _gradients(gm, graphs, self.first)
+        outputs = gm.graph.output_node().args[0]
+        self.like = {g.output_index: outputs[g.output_index].meta["val"] for g in gradients}  # before the rewiring
+        self.buckets = plan_buckets(gradients, cap_bytes)
+        self.group_name, self.dp_size = group_name, dp_size
+
+    def all_reduce(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """ddp's pass, accumulating: the earlier micro-batches' gradients come in as inputs."""
+        return all_reduce_gradients_pass(
+            gm, self.buckets, group_name=self.group_name, world_size=self.dp_size, accumulate=True)
+
+    def variant(self, gm: fx.GraphModule) -> SyncVariant:
+        """The rewritten graph, its accumulated-gradient inputs shaped as the gradients."""
+        order = accumulated_gradient_order(self.buckets)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, index in zip(placeholders[len(placeholders) - len(order):], order):
+            node.meta["val"] = fake_like(self.like[index])  # the accumulated gradient: shaped as the gradient
+        refresh_fake_values(gm, [n.meta["val"] for n in placeholders])  # the tables and Inductor read them
+        return SyncVariant(gm, tuple(index - self.first for index in order))

@@ -19,7 +19,8 @@ A parameter's shard is its rows cut as ``torch.chunk`` cuts them (``ceil(rows / 
 rank, the last ranks fewer or none), flattened and zero-padded to ``ceil(rows / dp)`` rows: the
 rows of the ``Shard(0)`` DTensor that ``model.state_dict()`` shows for it (torch's convention, as
 under ``dpar.parallelize``'s fsdp), laid out as FSDP's flat parameters are. ``ShardLayout``
-records it so that both passes and the runtime agree.
+records it so that both passes and the runtime agree. ``PipelinePassListing`` in ``pass_listing.py`` runs the
+passes, each variant on its own copy of the stage's graph.
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from dpar.compiler.graph_utils import copy_graph_module, refresh_fake_values
-from dpar.compiler.passes.sink_waits import sink_waits_pass
-from dpar.compiler.pass_listing import run_passes
+from dpar.compiler.graph_utils import refresh_fake_values
 from dpar.core.pipeline_program import StageGraphs, SyncVariant
 from dpar.core.errors import OptionsError
 
@@ -180,29 +179,23 @@ def _refresh(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def gather_variant(graphs: StageGraphs, layout: ShardLayout, group_name: str) -> fx.GraphModule:
+def gather_parameters(gm: fx.GraphModule, graphs: StageGraphs, layout: ShardLayout, group_name: str) -> fx.GraphModule:
     """The stage's first forward of a step: ``(flat_shard, *buffers, *batch, *carried) -> (..., *parameters)``."""
-    return run_passes(
-        copy_graph_module(graphs.forward),
-        [("gather_parameters", lambda g: _refresh(gather_parameters_pass(g, graphs, layout, group_name)))],
-        f"pipeline stage {graphs.stage.index} forward (gather over dp)",
-    )
+    return _refresh(gather_parameters_pass(gm, graphs, layout, group_name))
 
 
-def reduce_scatter_variant(graphs: StageGraphs, which: str, layout: ShardLayout, group_name: str) -> SyncVariant:
-    """The stage's last backward of a step; its parameter gradients are this rank's averaged shards."""
-    gm = copy_graph_module(getattr(graphs, which))
+def reduce_scatter_gradients(
+    gm: fx.GraphModule, graphs: StageGraphs, which: str, layout: ShardLayout, group_name: str
+) -> fx.GraphModule:
+    """The stage's last backward of a step (``which``); its parameter gradients are this rank's averaged shards."""
     first = len(graphs.grad_inputs) if which == "backward" else 0
+    gm = reduce_scatter_gradients_pass(gm, layout, first, group_name)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, shape in zip(placeholders[len(placeholders) - len(layout.shapes):], layout.shapes):
+        node.meta["val"] = placeholders[0].meta["val"].new_empty(shape, dtype=layout.dtype)
+    return _refresh(gm)
 
-    def scatter(g: fx.GraphModule) -> fx.GraphModule:
-        g = reduce_scatter_gradients_pass(g, layout, first, group_name)
-        placeholders = [n for n in g.graph.nodes if n.op == "placeholder"]
-        for node, shape in zip(placeholders[len(placeholders) - len(layout.shapes):], layout.shapes):
-            node.meta["val"] = placeholders[0].meta["val"].new_empty(shape, dtype=layout.dtype)
-        return _refresh(g)
 
-    gm = run_passes(
-        gm, [("reduce_scatter_gradients", scatter), ("sink_waits", sink_waits_pass)],
-        f"pipeline stage {graphs.stage.index} {which} (reduce-scatter over dp)",
-    )
+def scattered_variant(gm: fx.GraphModule, layout: ShardLayout) -> SyncVariant:
+    """``reduce_scatter_gradients``' graph: every parameter's accumulated gradient comes in, in order."""
     return SyncVariant(gm, tuple(range(len(layout.shapes))))

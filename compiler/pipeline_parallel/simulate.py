@@ -34,9 +34,7 @@ W(m-1) ends no earlier than ``3m + 2p - 2``: two thirds of 1F1B's bubble, not on
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from dpar.compiler.pipeline_parallel.schedules import replay
@@ -60,7 +58,8 @@ class Costs:
 
 @dataclasses.dataclass(frozen=True)
 class TimedAction:
-    """One action's interval on its rank; ``stream``/``name``/``graph`` are what trace files show."""
+    """One action's interval on its rank; ``stream``/``name``/``graph`` are what trace files show
+    (``dpar.inspect.trace.write_schedule_trace``)."""
 
     rank: int
     action: Action
@@ -100,20 +99,6 @@ class SimulatedTimeline:
     def peak_in_flight_of_rank(self, rank: int) -> int:
         """Micro-batch activations a rank holds at once, over all its stages."""
         return _peak(a for a in self.schedule.actions[rank])
-
-    def save(self, path: str | Path) -> Path:
-        """Chrome/Perfetto trace JSON: a process per rank, compute and send/recv threads."""
-        from dpar.inspect.trace import trace_events  # the same format as `dpar inspect`'s timelines
-
-        doc: dict[str, Any] = {
-            "traceEvents": trace_events(self),  # type: ignore[arg-type]
-            "displayTimeUnit": "ms",
-            "otherData": {"schedule": str(self.schedule).splitlines()[0], "span_s": self.span,
-                          "bubble": list(self.bubble), "peak_in_flight": list(self.peak_in_flight)},
-        }
-        path = Path(path)
-        path.write_text(json.dumps(doc))
-        return path
 
 
 def _peak(actions: Any) -> int:

@@ -12,7 +12,7 @@ tensors: nothing runs) and priced on one micro-batch:
   schedules its input-gradient (I) and weight-gradient (W) halves one forward each;
 - activations held per micro-batch, from its forward until its backward: the distinct storages of
   what the forward saves for the backward (the received activations included, the parameters and
-  the batch not), by ``memory``'s liveness over the traced forward graph;
+  the batch not), by ``compiler/memory.py``'s liveness over the traced forward graph;
 - a send: the carried-out values' bytes, priced α + bytes·β (one point-to-point hop); the gradient
   going back is as large. The simulator takes one latency for every hop: the largest stage's.
 
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from dpar.core.pipeline_program import Action, Op, Stage, StageSplit
 from dpar.compiler.pipeline_parallel.split import capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import trace_stage
-from dpar.inspect.costs import DeviceSpec, node_cost
-from dpar.inspect.memory import OPTIMIZER_STATES, Live, _liveness, _storages
+from dpar.compiler.costs import DeviceSpec, node_cost
+from dpar.compiler.memory import OPTIMIZER_STATES, Live, liveness, storages_of
 from dpar.core.errors import OptionsError
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -106,10 +106,10 @@ def _held_bytes(stage_graphs) -> int:
     placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     first_carried = len(stage_graphs.parameter_names) + len(stage_graphs.buffer_names) + len(stage_graphs.stage.batch_inputs)
     carried = {n.name for n in placeholders[first_carried:]}
-    liveness = _liveness(forward, {}, carried, set(), exclude_outputs=False)
+    live = liveness(forward, {}, carried, set(), exclude_outputs=False)
     saved = forward.graph.output_node().args[0][stage_graphs.num_outputs:]
-    keys = {key for node in saved for key, _ in _storages(node)}
-    return sum(liveness.counted.get(key, Live()).total for key in keys)
+    keys = {key for node in saved for key, _ in storages_of(node)}
+    return sum(live.counted.get(key, Live()).total for key in keys)
 
 
 def _stage_cost(stage: Stage, last: bool, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec) -> StageCost:

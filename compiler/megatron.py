@@ -1,13 +1,13 @@
 """The hand-written tensor-parallel plan (Megatron-LM): which dimension of each parameter to split.
 
-A Linear is *column* parallel (weight and bias split on their output
-dimension, output split on its last dim) unless its input is a column-parallel
-Linear's output still split along its last dim, through ops that keep each
-rank's block of hidden units independent: then it is *row* parallel (weight
-split on its input dimension), and its partial-sum output ends the pair. An
-embedding whose weight a Linear also reads (a tied LM head) is split by
-vocabulary rows, the layout the column-parallel head needs; other parameters
-are replicated.
+A Linear is *column* parallel (``rules.COLUMN``: weight and bias split on their
+output dimension, output split on its last dim) unless its input is a
+column-parallel Linear's output still split along its last dim, through ops that
+keep each rank's block of hidden units independent: then it is *row* parallel
+(``rules.ROW``: weight split on its input dimension), and its partial-sum output
+ends the pair. An embedding whose weight a Linear also reads (a tied LM head)
+takes the head's split: by vocabulary rows (``rules.VOCAB``) under a column
+head. Other parameters are replicated.
 
 The pairing comes from running the forward once on fake tensors and following,
 for every value derived from a column-parallel output, which dimension carries
@@ -18,6 +18,12 @@ op that combines values across it (a norm over the hidden size, a contraction)
 makes the result ``_MIXED``, and a Linear reading that is column parallel
 again. This only chooses the plan: sharding propagation places every value
 exactly whatever the plan, so a wrong guess costs communication, not numbers.
+
+``RULES`` below is not ``propagation.rules.RULES`` again: it runs on the eager
+forward's torch functions, before any graph is traced (the plan must be chosen
+before compiling), and follows one thing only, where the split of a column
+Linear's units goes; propagation places every ATen op of the traced forward and
+backward.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dpar.compiler.propagation.rules import view_dim
+from dpar.compiler.propagation.rules import COLUMN, ROW, view_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,17 +247,18 @@ class _Follow(TorchFunctionMode):
         return out
 
     def _classify(self, out: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dim: int) -> None:
-        """Row parallel where the input is split along its last dim (the units this Linear
-        contracts), else column parallel; first use decides."""
+        """Row parallel where the input arrives as ``ROW`` reads it (split along its last dim, the
+        units this Linear contracts), else column parallel; first use decides."""
         state = self.state.get(x)
-        row = isinstance(state, _Split) and state.dim == x.dim() - 1
+        layout = ROW if isinstance(state, _Split) and state.dim == ROW.inputs[0].dim % x.dim() else COLUMN
         name = self.names[id(weight)]
         if name not in self.dims:
-            self.dims[name] = 1 - out_dim if row else out_dim
+            dim = layout.params[0].dim  # of a (out, in) weight; GPT-2's Conv1D stores it (in, out)
+            self.dims[name] = dim if out_dim == 0 else 1 - dim
             if bias is not None and id(bias) in self.names:
-                self.dims[self.names[id(bias)]] = None if row else 0
-        if not row:
-            self.state[out] = _Split(name, out.dim() - 1)
+                self.dims[self.names[id(bias)]] = getattr(layout.params[1], "dim", None)
+        if layout is COLUMN:
+            self.state[out] = _Split(name, COLUMN.outputs[0].dim % out.dim())
 
     def _mark(self, value: Any, state: State) -> None:
         tree_map(lambda t: self.state.__setitem__(t, state) if isinstance(t, torch.Tensor) else None, value)
@@ -268,11 +275,5 @@ def megatron_dims(model: nn.Module, example_inputs: Sequence[Any]) -> dict[str, 
         follow = _Follow({id(p): n for n, p in parameters.items()})
         with follow, torch.no_grad():
             functional_call(model, state, tuple(tree_map(fake, list(example_inputs))))
-    names = {id(p): n for n, p in model.named_parameters()}
-    dims = {name: follow.dims.get(name) for name in parameters}
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            name = names[id(module.weight)]
-            if follow.dims.get(name) == 0:  # tied to a column-parallel head
-                dims[name] = 0
-    return dims
+    # A tied embedding's weight was classified where the head read it: its split is the head's.
+    return {name: follow.dims.get(name) for name in parameters}

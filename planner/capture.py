@@ -35,23 +35,22 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from dpar.compiler.propagation import rules
 from dpar.planner.opgraph import Op, OpGraph
 from dpar.planner.repeats import collapse_repeats
 from dpar.core.errors import OptionsError
 
 aten = torch.ops.aten
 
+# Op kinds: the families of compiler/propagation/rules.py (the ATen ops of a decomposed graph) with the
+# composite ops that export keeps whole (aten.linear, softmax.int, scaled_dot_product_attention, ...).
 LINEAR = {aten.linear.default}
-EMBEDDING = {aten.embedding.default}
-NORM = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default, aten.group_norm.default}
-ATTENTION = {
-    aten.scaled_dot_product_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-}
-SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
+EMBEDDING = rules.EMBEDDING
+NORM = {aten.layer_norm.default, aten.rms_norm.default, aten.group_norm.default} | rules.LAYER_NORM
+ATTENTION = {aten.scaled_dot_product_attention.default} | rules.ATTENTION
+SOFTMAX = {aten.softmax.int, aten.log_softmax.int} | rules.SOFTMAX
 LOSS = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default, aten.nll_loss_nd.default}
-MATMUL = {aten.matmul.default, aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+MATMUL = {aten.matmul.default, aten.addmm.default, aten.baddbmm.default} | rules.MATMUL
 DROPOUT = {aten.dropout.default, aten.native_dropout.default}
 NOT_VIEWS = {aten.clone.default, aten._unsafe_view.default, aten.lift_fresh_copy.default}  # copies that act as views here
 

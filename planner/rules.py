@@ -10,31 +10,22 @@ hands back for each input, its output's placement and the placement it needs its
 gradient in (Megatron's f / g pair: a column Linear takes ``R`` and returns a ``P``
 gradient, a row Linear returns ``P`` and wants an ``R`` gradient). Resharding between
 producer and consumer is priced on the edges (``CONVERT``).
+
+The type is the one ``Candidate`` of compiler/propagation/rules.py, and a Linear's and an
+embedding's candidates are Megatron's layouts defined there (``COLUMN``, ``ROW``, ``VOCAB``)
+in this vocabulary. What stays here only the planner knows: it prices a module-level forward
+whose backward is never traced, so it names placements up to the dimension (``S`` follows
+the split through views), says what gradients come back (f / g), and shards attention,
+softmax, the loss and pointwise ops by kind rather than by the ATen op's rule.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement
 
+from dpar.compiler.propagation.rules import COLUMN, ROW, VOCAB, Candidate
 from dpar.planner.opgraph import Op
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    name: str  # replicate, column, row, vocab, shard
-    inputs: tuple[str, ...]  # required placement of each activation input
-    input_grads: tuple[str, ...]  # placement of the gradient handed back to each input
-    output: str
-    output_grad: str  # placement the output's gradient must arrive in
-    params: tuple[str, ...]  # tp placement of each parameter read: R, S(0), S(1)
-    split: bool  # compute (and the sharded tensors) divided by the tp degree
-    stats: int = 0  # fp32 all-reduces of one value per row (vocab-parallel softmax / loss)
-
-    @property
-    def splits_a_parameter(self) -> bool:
-        """What makes a tp axis tensor parallel: see [Note: a tp axis must split a parameter] in solver.py."""
-        return any(p != "R" for p in self.params)
-
 
 # Forward: what turning a producer's placement into a consumer's costs (None: free).
 # P -> S all-reduces and slices: a row Linear's output is reduced whole, as Megatron's g does.
@@ -47,30 +38,59 @@ LOSS_STATS = 3  # vocab-parallel cross-entropy: row max, sum of exponentials, ta
 SOFTMAX_STATS = 2  # row max, sum of exponentials
 
 
+def _candidate(
+    name: str, inputs: tuple[str, ...], input_grads: tuple[str, ...], output: str, output_grad: str,
+    params: tuple[str, ...], split: bool, stats: int = 0,
+) -> Candidate:
+    return Candidate(inputs, (output,), name, params, input_grads, (output_grad,), split, stats)
+
+
 def _uniform(name: str, op: Op, placement: str, params: tuple[str, ...], split: bool, stats: int = 0) -> Candidate:
     n = len(op.inputs)
-    return Candidate(name, (placement,) * n, (placement,) * n, placement, placement, params, split, stats)
+    return _candidate(name, (placement,) * n, (placement,) * n, placement, placement, params, split, stats)
 
 
 def replicate(op: Op) -> Candidate:
     return _uniform("replicate", op, "R", ("R",) * len(op.params), split=False)
 
 
+def _named(placement: Placement, activation: bool) -> str:
+    """torch's placement in the planner's vocabulary: ``R``, ``P``, a parameter's ``S(dim)``, an activation's ``S``."""
+    if isinstance(placement, Shard):
+        return "S" if activation else f"S({placement.dim})"
+    return "P" if placement.is_partial() else "R"
+
+
+# Megatron's f / g, which only the planner prices (propagation places the traced backward's
+# ops like any other): the gradient handed back to each input, the placement the output's
+# gradient must arrive in. A column Linear's replicated input gets a partial sum back; a row
+# Linear's partial-sum output wants its gradient whole; an embedding's indices get none.
+_GRADIENTS = {"column": (("P",), "S"), "row": (("S",), "R"), "vocab": (("R",), "R")}
+
+
+def _megatron(layout: Candidate, op: Op) -> Candidate:
+    """One of Megatron's layouts (``rules.COLUMN``, ``ROW``, ``VOCAB``) for ``op``, in the planner's vocabulary."""
+    input_grads, output_grad = _GRADIENTS[layout.name]
+    return _candidate(
+        layout.name, tuple(_named(p, True) for p in layout.inputs), input_grads, _named(layout.output, True),
+        output_grad, tuple(_named(p, False) for p in layout.params[: len(op.params)]), layout.split,
+    )
+
+
 def _linear(op: Op, tp: int) -> list[Candidate]:
     out_features, in_features = op.param_shapes[0]
-    bias = len(op.params) > 1
     found = []
     if out_features % tp == 0:
-        found.append(Candidate("column", ("R",), ("P",), "S", "S", ("S(0)", "S(0)")[: len(op.params)], True))
+        found.append(_megatron(COLUMN, op))
     if in_features % tp == 0:
-        found.append(Candidate("row", ("S",), ("S",), "P", "R", ("S(1)", "R") if bias else ("S(1)",), True))
+        found.append(_megatron(ROW, op))
     return found
 
 
 def _embedding(op: Op, tp: int) -> list[Candidate]:
     if op.param_shapes[0][0] % tp:
         return []
-    return [Candidate("vocab", ("R",), ("R",), "P", "R", ("S(0)",), True)]
+    return [_megatron(VOCAB, op)]
 
 
 def _attention(op: Op, tp: int) -> list[Candidate]:
@@ -78,7 +98,7 @@ def _attention(op: Op, tp: int) -> list[Candidate]:
     if len(heads) < 3 or any(h % tp for h in heads):
         return []
     rest = ("R",) * (len(op.inputs) - 3)  # an attention mask broadcasts over heads
-    return [Candidate("shard", ("S",) * 3 + rest, ("S",) * 3 + rest, "S", "S", (), True)]
+    return [_candidate("shard", ("S",) * 3 + rest, ("S",) * 3 + rest, "S", "S", (), True)]
 
 
 def _softmax_or_loss(op: Op, tp: int) -> list[Candidate]:
@@ -87,7 +107,7 @@ def _softmax_or_loss(op: Op, tp: int) -> list[Candidate]:
     if op.kind == "softmax":
         return [_uniform("shard", op, "S", (), True, SOFTMAX_STATS)]
     rest = ("R",) * (len(op.inputs) - 1)  # the targets
-    return [Candidate("shard", ("S",) + rest, ("S",) + rest, "R", "R", (), True, LOSS_STATS)]
+    return [_candidate("shard", ("S",) + rest, ("S",) + rest, "R", "R", (), True, LOSS_STATS)]
 
 
 def _pointwise(op: Op, tp: int) -> list[Candidate]:

@@ -8,6 +8,18 @@ independently (a batch or head dimension, a matmul's free dimension); a
 contraction over a sharded dimension gives a partial sum; anything nonlinear
 in a partial sum needs it reduced first. An op without a rule runs replicated,
 which is always right and only costs communication.
+
+[Note: one rule table]
+This module is where tensor parallel's knowledge of ops lives once: ``Candidate`` (the one
+type for "an op may run with its inputs and outputs placed so"), the op families
+(``MATMUL``, ``EMBEDDING``, ``SOFTMAX``, ``ATTENTION``, ``LAYER_NORM``) that key both
+``RULES`` and the planner's op kinds (planner/capture.py), and Megatron-LM's layouts of the
+layers it splits (``COLUMN``, ``ROW``, ``VOCAB``), from which ``megatron.py``'s plan and the
+planner's linear and embedding candidates (planner/rules.py) are made. What stays elsewhere
+is knowledge only one of them needs: ``megatron.py`` follows a split through the eager
+forward's torch functions (before any trace exists, to choose the plan); the planner prices
+gradients' placements (Megatron's f / g), per-row statistics and compute on a module-level
+forward whose backward is never traced.
 """
 
 from __future__ import annotations
@@ -30,10 +42,59 @@ R, P = Replicate(), Partial()
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """Placements for the node's tensor inputs (in ``tensor_inputs`` order) and for each output."""
+    """One way an op may run over the tp mesh dimension: the placement each tensor input must
+    arrive in (in ``tensor_inputs`` order) and each output leaves in.
 
-    inputs: tuple[Placement, ...]
-    outputs: tuple[Placement | None, ...]  # one per output; a single-tensor op has one
+    Propagation fills ``inputs`` and ``outputs`` only, with torch's placements; parameters are
+    inputs like any other, and gradients are ops of the traced backward with rules of their own.
+    The planner's candidates (planner/rules.py, in its abstract ``R`` / ``S`` / ``P``) price a
+    forward whose backward is never traced, so they also carry the rest, which only it reads.
+    """
+
+    inputs: tuple[Placement | str, ...]
+    outputs: tuple[Placement | str | None, ...]  # one per output; a single-tensor op has one
+    name: str = ""  # the planner's and Megatron's: replicate, column, row, vocab, shard
+    params: tuple[Placement | str, ...] = ()  # each parameter the layer reads, in argument order
+    input_grads: tuple[str, ...] = ()  # the planner's: placement of the gradient handed back to each input
+    output_grads: tuple[str, ...] = ()  # the planner's: placement each output's gradient must arrive in
+    split: bool = False  # the planner's: compute (and the sharded tensors) divided by the tp degree
+    stats: int = 0  # the planner's: fp32 all-reduces of one value per row (vocab-parallel softmax / loss)
+
+    @property
+    def output(self) -> Placement | str | None:
+        return self.outputs[0]
+
+    @property
+    def output_grad(self) -> str:
+        return self.output_grads[0]
+
+    @property
+    def splits_a_parameter(self) -> bool:
+        """What makes a tp axis tensor parallel: see [Note: a tp axis must split a parameter] in planner/solver.py."""
+        return any(p not in ("R", R) for p in self.params)
+
+
+# --- op families: the ATen ops of the traced graphs, keyed alike by RULES and the planner's kinds ---
+
+MATMUL = {aten.mm.default, aten.bmm.default}
+EMBEDDING = {aten.embedding.default}
+SOFTMAX = {aten._softmax.default, aten._log_softmax.default}
+LAYER_NORM = {aten.native_layer_norm.default}
+ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+}
+# Their backward ops, which only propagation sees (the planner traces no backward).
+SOFTMAX_BACKWARD = {aten._softmax_backward_data.default, aten._log_softmax_backward_data.default}
+LAYER_NORM_BACKWARD = {aten.native_layer_norm_backward.default}
+ATTENTION_BACKWARD = {
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
+}
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
@@ -478,8 +539,7 @@ Rule = Callable[[fx.Node, int], list[Candidate]]
 
 RULES: dict[object, Rule] = {
     **{op: pointwise for op in POINTWISE},
-    aten.mm.default: matmul,
-    aten.bmm.default: matmul,
+    **dict.fromkeys(MATMUL, matmul),
     aten.t.default: transpose,
     aten.transpose.int: transpose,
     aten.permute.default: transpose,
@@ -499,21 +559,10 @@ RULES: dict[object, Rule] = {
     aten.sum.dim_IntList: reduction,
     aten.sum.default: reduction,
     aten.mean.dim: reduction,
-    aten._softmax.default: softmax,
-    aten._log_softmax.default: softmax,
-    aten._softmax_backward_data.default: softmax,
-    aten._log_softmax_backward_data.default: softmax,
-    aten.native_layer_norm.default: layer_norm,
-    aten.native_layer_norm_backward.default: layer_norm,
-    aten._scaled_dot_product_flash_attention_for_cpu.default: attention,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: attention,
-    aten._scaled_dot_product_efficient_attention.default: attention,
-    aten._scaled_dot_product_efficient_attention_backward.default: attention,
-    aten._scaled_dot_product_flash_attention.default: attention,
-    aten._scaled_dot_product_flash_attention_backward.default: attention,
-    aten._scaled_dot_product_cudnn_attention.default: attention,
-    aten._scaled_dot_product_cudnn_attention_backward.default: attention,
-    aten.embedding.default: embedding,
+    **dict.fromkeys(SOFTMAX | SOFTMAX_BACKWARD, softmax),
+    **dict.fromkeys(LAYER_NORM | LAYER_NORM_BACKWARD, layer_norm),
+    **dict.fromkeys(ATTENTION | ATTENTION_BACKWARD, attention),
+    **dict.fromkeys(EMBEDDING, embedding),
     aten.embedding_dense_backward.default: embedding_backward,
     operator.getitem: getitem,
     c10d.all_gather_into_tensor.default: along_other_group,
@@ -526,3 +575,20 @@ RULES: dict[object, Rule] = {
 def candidates_for(node: fx.Node, tp: int) -> list[Candidate]:
     rule = RULES.get(node.target, replicated)
     return rule(node, tp)
+
+
+# --- Megatron-LM's layers ----------------------------------------------------------------------
+
+# [Note: Megatron's layouts]
+# The layers tensor parallel splits, in a Linear's own orientation (weight (out, in)): a
+# *column* Linear splits its output features (weight and bias by rows) and hands on its
+# output split along the last dim; a *row* Linear reads an input split along the last dim
+# (the units it contracts), splits its weight by columns and keeps its bias whole, giving a
+# partial sum; a *vocabulary-parallel* embedding splits its table by rows and gives a partial
+# sum (each rank's lookup is zero outside its rows). ``matmul`` and ``embedding`` above place
+# the same at ATen level whatever the plan; these say which layers the plan splits how:
+# ``megatron.py`` chooses column or row per Linear with them, the planner's linear and
+# embedding candidates are them in its own vocabulary.
+COLUMN = Candidate((R,), (Shard(-1),), name="column", params=(Shard(0), Shard(0)), split=True)
+ROW = Candidate((Shard(-1),), (P,), name="row", params=(Shard(1), R), split=True)
+VOCAB = Candidate((R,), (P,), name="vocab", params=(Shard(0),), split=True)

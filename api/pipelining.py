@@ -10,7 +10,6 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dpar.compiler.pass_listing import PipelinePassListing
 from dpar.compiler.pipeline_parallel.sharded import layout_of
@@ -22,6 +21,7 @@ from dpar.runtime.agreement import agree
 from dpar.core.errors import OptionsError, UnmaterializedStateError
 from dpar.core.plan import DataParallel
 from dpar.core.model_state import check_materialized, local_part, record_meta_buffers, state_of
+from dpar.core.torch_internals import compute_local_shape_and_global_offset
 from dpar.runtime.liveness import PIPELINE_STEP, watching
 from dpar.runtime.pipeline_parallel import PipelineExecutor, PipelineGroups
 from dpar.core.world import current_world

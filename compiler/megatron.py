@@ -35,13 +35,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dpar.compiler.propagation.rules import COLUMN, ROW, view_dim
+from dpar.core.torch_internals import FakeTensorMode, grouped_mm, pytree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,11 +196,11 @@ _ANY_OPERAND = {_pointwise, _joined, _attention, _batched_product}
 def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, *args: Any, out_dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
     """``torch._grouped_mm``'s fake kernel takes bf16 only, while its CPU kernel also runs float32
     (Hugging Face Mixtral's experts call it so, eagerly): planning needs only the result's shape."""
-    return torch._grouped_mm(a.bfloat16(), b.bfloat16(), *args, **kwargs).to(out_dtype or a.dtype)
+    return grouped_mm(a.bfloat16(), b.bfloat16(), *args, **kwargs).to(out_dtype or a.dtype)
 
 
 # Ops whose fake kernel refuses inputs the real one takes: what computes their fake result instead.
-_FAKE_STAND_INS: dict[Any, Callable[..., Any]] = {torch._grouped_mm: _grouped_mm_shape}
+_FAKE_STAND_INS: dict[Any, Callable[..., Any]] = {grouped_mm: _grouped_mm_shape}
 
 
 def _linear(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
@@ -230,7 +229,7 @@ class _Follow(TorchFunctionMode):
         if linear is not None and id(linear[1]) in self.names:
             self._classify(out, *linear)
             return out
-        operands = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        operands = [t for t in pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         states = [self.state.get(t) for t in operands]
         if all(s is None for s in states):
             return out
@@ -261,7 +260,7 @@ class _Follow(TorchFunctionMode):
             self.state[out] = _Split(name, COLUMN.outputs[0].dim % out.dim())
 
     def _mark(self, value: Any, state: State) -> None:
-        tree_map(lambda t: self.state.__setitem__(t, state) if isinstance(t, torch.Tensor) else None, value)
+        pytree.tree_map(lambda t: self.state.__setitem__(t, state) if isinstance(t, torch.Tensor) else None, value)
 
 
 def megatron_dims(model: nn.Module, example_inputs: Sequence[Any]) -> dict[str, int | None]:
@@ -274,6 +273,6 @@ def megatron_dims(model: nn.Module, example_inputs: Sequence[Any]) -> dict[str, 
         state = {**parameters, **{n: fake(b) for n, b in model.named_buffers()}}
         follow = _Follow({id(p): n for n, p in parameters.items()})
         with follow, torch.no_grad():
-            functional_call(model, state, tuple(tree_map(fake, list(example_inputs))))
+            functional_call(model, state, tuple(pytree.tree_map(fake, list(example_inputs))))
     # A tied embedding's weight was classified where the head read it: its split is the head's.
     return {name: follow.dims.get(name) for name in parameters}

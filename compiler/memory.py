@@ -26,6 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from dpar.compiler.collectives import WAIT
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
+from dpar.core.torch_internals import C10D_FUNCTIONAL
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
 """Tensors of a parameter's size (and dtype) each optimizer keeps per parameter."""
@@ -80,7 +81,7 @@ def _gathered_nodes(gm: fx.GraphModule, gathered_inputs: set[str]) -> set[fx.Nod
     gathered: set[fx.Node] = set()
     for node in gm.graph.nodes:
         parameter_gather = (
-            node.target is torch.ops._c10d_functional.all_gather_into_tensor.default
+            node.target is C10D_FUNCTIONAL.all_gather_into_tensor.default
             and not node.meta.get(ACTIVATION_COLLECTIVE)  # tensor parallel's gathers carry activations
         )
         if parameter_gather or (node.op == "placeholder" and node.name in gathered_inputs):

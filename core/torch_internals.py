@@ -34,6 +34,8 @@ from torch.optim.optimizer import _use_grad_for_differentiable as use_grad_for_d
 
 # The op namespace functional collectives trace into: what dpar's passes insert and match.
 C10D_FUNCTIONAL = torch.ops._c10d_functional
+OpOverload = torch._ops.OpOverload  # the type of an ATen overload (``aten.mm.default``) in a graph
+grouped_mm = torch._grouped_mm  # MoE experts' batched matmul (torchtitan's DeepSeek), which tp must follow
 
 # (module, attribute): what the test resolves. An attribute of None: the module itself.
 PRIVATE_NAMES: tuple[tuple[str, str | None], ...] = (
@@ -204,7 +206,7 @@ def must_recompute(node: torch.fx.Node) -> bool:
 
 
 __all__ = [
-    "C10D_FUNCTIONAL", "DispatchKey", "FailOnRecompileLimitHit", "FakeScriptObject", "FakeTensorMode", "PRIVATE_NAMES",
+    "C10D_FUNCTIONAL", "DispatchKey", "OpOverload", "grouped_mm", "FailOnRecompileLimitHit", "FakeScriptObject", "FakeTensorMode", "PRIVATE_NAMES",
     "ShortenTraceback", "Unsupported", "aot_autograd", "compute_local_shape_and_global_offset", "default_store",
     "detect_fake_mode", "full_state_dict_loader_code", "functional_collectives", "functorch_config", "groups_and_ranks",
     "inductor", "must_recompute", "python_meta_kernels_lifted", "pad_tensor", "per_chunk_shard_reducer", "pytree", "register_dynamo_backend",

@@ -39,6 +39,7 @@ from dpar.compiler.propagation import rules
 from dpar.planner.opgraph import Op, OpGraph
 from dpar.planner.repeats import collapse_repeats
 from dpar.core.errors import OptionsError
+from dpar.core.torch_internals import OpOverload, pytree
 
 aten = torch.ops.aten
 
@@ -70,7 +71,7 @@ class _TensorOutputs(nn.Module):
 
     def forward(self, *inputs: object) -> list[torch.Tensor]:
         out = self.model(*inputs, **self.kwargs)
-        return [leaf for leaf in torch.utils._pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        return [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
 
 
 def capture(model: nn.Module, example_inputs: Sequence[object]) -> torch.export.ExportedProgram:
@@ -106,7 +107,7 @@ def _kind(node: fx.Node, params: list[str]) -> str:
         return "loss"
     if target in MATMUL and not params:
         return "matmul"
-    if target in DROPOUT or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
+    if target in DROPOUT or (isinstance(target, OpOverload) and torch.Tag.pointwise in target.tags):
         return "pointwise"
     return "other"
 
@@ -131,7 +132,7 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
     signature = program.graph_signature
     placeholder_param = {ph: names[id(model.get_parameter(fqn.removeprefix("model.")))] for ph, fqn in signature.inputs_to_parameters.items()}
     user_inputs = set(signature.user_inputs)
-    flat_inputs = [x for x in torch.utils._pytree.tree_leaves(tuple(example_inputs)) if isinstance(x, torch.Tensor)]
+    flat_inputs = [x for x in pytree.tree_leaves(tuple(example_inputs)) if isinstance(x, torch.Tensor)]
     batch_size = int(flat_inputs[0].shape[0]) if flat_inputs and flat_inputs[0].dim() else 1
     batch_bytes = sum(x.numel() * x.element_size() for x in flat_inputs if x.dim() and x.shape[0] == batch_size)
     user_grad = any(x.requires_grad for x in flat_inputs)
@@ -153,7 +154,7 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
             continue
         leaves = node.args[0] if node.op == "output" else (node.args, dict(node.kwargs))
         inputs, in_shapes, in_batched, params, in_grad = [], [], [], [], False
-        for arg in torch.utils._pytree.tree_leaves(leaves):
+        for arg in pytree.tree_leaves(leaves):
             src = source.get(arg) if isinstance(arg, fx.Node) else None
             if isinstance(src, tuple):
                 params.append(src[1])

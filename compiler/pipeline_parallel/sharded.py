@@ -35,9 +35,10 @@ import torch.fx as fx
 from dpar.compiler.graph_utils import refresh_fake_values
 from dpar.core.pipeline_program import StageGraphs, SyncVariant
 from dpar.core.errors import OptionsError
+from dpar.core.torch_internals import C10D_FUNCTIONAL
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
+c10d = C10D_FUNCTIONAL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from dpar.compiler.megatron import megatron_dims
 from dpar.core.plan import AxisRole, MeshAxis, ParallelPlan, Strategy, attach, plan_of_model
 from dpar.core import model_state
-from dpar.runtime import local_sgd, sharding, tensor_parallel, zero1
+from dpar.runtime import optimizer_hooks
+from dpar.surgery import local_sgd, sharding, tensor_parallel, zero1
 from dpar.core.errors import OptionsError, ProcessGroupError
 
 if TYPE_CHECKING:
@@ -191,7 +192,7 @@ def parallelize(
             model, strategy, mesh, tp_plan, example_inputs, world, device_type, max_inflight_gathers,
             sequence_parallel, same_batch_in_tp_group, bucket_cap_mb,
         )
-        sharding.guard_optimizers_built_too_early()
+        optimizer_hooks.watch_optimizers()
         return model
     if strategy == "hsdp":
         if mesh is None or mesh.ndim != 2 or mesh.size() != world:
@@ -215,7 +216,7 @@ def parallelize(
     _record_plan(model, ParallelPlan(
         Strategy(strategy), _axes(mesh, roles), buckets, max_inflight_gathers, param_dtype, reduce_dtype,
     ))
-    sharding.guard_optimizers_built_too_early()
+    optimizer_hooks.watch_optimizers()
     return model
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from dpar.runtime.tensor_parallel import tensor_parallel_spec_of
+from dpar.core.facts import tensor_parallel_spec_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from dpar.runtime.tensor_parallel import can_split
+from dpar.core.facts import can_split
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dpar.compiler.megatron import megatron_dims
+from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
 from dpar.core.plan import AxisRole, MeshAxis, ParallelPlan, Strategy, attach, plan_of_model
 from dpar.core import model_state
 from dpar.runtime import optimizer_hooks
@@ -182,6 +183,8 @@ def parallelize(
         )
         if strategy == "zero1":  # each rank's optimizer steps and keeps state for its range of each parameter
             zero1.shard_optimizer_state(model.parameters(), placed.get_group())
+            # The optimizer stage that steps them, from the first step on (dpar.checkpoint.load steps before compiling).
+            optimizer_hooks.hand_down(OPTIMIZER_STAGE, model.parameters())
         else:  # where the model is in its averaging period, read by the backend and saved with checkpoints
             local_sgd.attach(local_sgd.Period(sync_every, outer_optimizer), model)
         return model

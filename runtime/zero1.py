@@ -182,12 +182,7 @@ def _ranged(value: Any, r: Range) -> Any:
 def _switch_to_ranges(optimizer: torch.optim.Optimizer) -> Stepping:
     """Switch ``optimizer`` to the views, and decide how its steps run (see the Note above)."""
     stage = stage_of(p for group in optimizer.param_groups for p in group["params"])
-    if stage is None:
-        raise OptionsError(
-            "this optimizer steps zero1 parameters of a model that was never compiled: zero1's step gathers the "
-            "stepped ranges by a graph the backend builds, so compile the model first, "
-            "torch.compile(model, backend='dpar'), and run its forward and backward before opt.step()"
-        )
+    assert stage is not None, "parallelize and the backend hand zero1's models the optimizer stage"
     for group in optimizer.param_groups:
         group["params"] = [_view_of(optimizer, p) for p in group["params"]]
     # Replaces the instance's zero_grad: torch has no zero_grad hook, and the views' zero_grad misses the whole gradients.

@@ -18,7 +18,7 @@ from dpar.core.errors import (
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
-from dpar.runtime.local_sgd import OuterSGD
+from dpar.core.facts import OuterSGD
 
 register()
 _configure_logs()  # DPAR_LOGS applies from the first compile on

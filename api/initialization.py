@@ -34,7 +34,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from dpar.runtime import sharding, tensor_parallel
+from dpar.core.facts import local_block, retired_of, tensor_parallel_spec_of
+from dpar.runtime.tensor_parallel import tensor_parallel_weight
+from dpar.surgery import sharding, tensor_parallel
 from dpar.core.errors import InitializationError
 from dpar.core.torch_internals import compute_local_shape_and_global_offset, resolve_process_group
 
@@ -51,7 +53,7 @@ def _user_class(module: nn.Module) -> type[nn.Module]:
 
 def _is_parallelized(param: torch.Tensor) -> bool:
     """Whether ``param`` holds only part of its parameter on this rank (a shard, a tp block, or both)."""
-    spec = tensor_parallel.tensor_parallel_spec_of(param)
+    spec = tensor_parallel_spec_of(param)
     return isinstance(param, DTensor) or (spec is not None and spec.dim is not None)
 
 
@@ -60,9 +62,9 @@ def _gather(param: torch.Tensor) -> torch.Tensor:
     value = param.detach()
     if isinstance(value, DTensor):
         value = value.full_tensor()  # fsdp+tp: the tensor-parallel block
-    spec = tensor_parallel.tensor_parallel_spec_of(param)
+    spec = tensor_parallel_spec_of(param)
     if spec is not None and spec.dim is not None:
-        value = tensor_parallel.tensor_parallel_weight(
+        value = tensor_parallel_weight(
             value, spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim], spec.name
         )
     return value.clone()
@@ -70,11 +72,11 @@ def _gather(param: torch.Tensor) -> torch.Tensor:
 
 def _scatter_locally(full: torch.Tensor, param: torch.Tensor) -> None:
     """Copy this rank's part of ``full`` into ``param`` in place; no collective."""
-    spec = tensor_parallel.tensor_parallel_spec_of(param)
+    spec = tensor_parallel_spec_of(param)
     part = full.detach()
     if spec is not None and spec.dim is not None:
         rank = dist.get_rank(resolve_process_group(spec.group_name))
-        part = part.narrow(spec.dim, *tensor_parallel.local_block(part.shape[spec.dim], spec.tp_size, rank))
+        part = part.narrow(spec.dim, *local_block(part.shape[spec.dim], spec.tp_size, rank))
     if isinstance(param, DTensor):
         shape, offset = compute_local_shape_and_global_offset(part.shape, param.device_mesh, param.placements)
         for dim, (length, start) in enumerate(zip(shape, offset)):
@@ -169,7 +171,7 @@ class _RefuseLostWrites(TorchFunctionMode):
             if _is_parallelized(param):
                 local = param._local_tensor if isinstance(param, DTensor) else param
                 self._add(local, f"the {'shard' if isinstance(param, DTensor) else 'block'} of {name}")
-        for retired in list(sharding._retired.keys()):
+        for retired in retired_of(model):
             self._add(retired, "a full parameter that dpar.parallelize replaced by its shard")
         self.module_name = ""
         self.active = False  # only while the initializer runs: dpar's own write-back is allowed

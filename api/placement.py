@@ -19,9 +19,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dpar.compiler.megatron import megatron_dims
+from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
 from dpar.core.plan import AxisRole, DataParallel, MeshAxis, ParallelPlan, Strategy, attach, check_bucket_cap, plan_of_model
 from dpar.core import model_state
-from dpar.runtime import local_sgd, sharding, tensor_parallel, zero1
+from dpar.runtime import optimizer_hooks
+from dpar.surgery import local_sgd, sharding, tensor_parallel, zero1
 from dpar.core.errors import OptionsError, ProcessGroupError
 
 if TYPE_CHECKING:
@@ -149,7 +151,7 @@ def _place(
     if chosen.data_parallel in _APPLY_MODE:
         _APPLY_MODE[chosen.data_parallel](model, mesh, options["sync_every"], options["outer_optimizer"])
     if chosen.shards_parameters or chosen.tensor_parallel:
-        sharding.guard_optimizers_built_too_early()
+        optimizer_hooks.watch_optimizers()
 
 
 def _world(strategy: str) -> int:
@@ -278,6 +280,8 @@ def _shard(
 def _apply_zero1(model: nn.Module, mesh: DeviceMesh, sync_every: int | None, outer: local_sgd.OuterSGD | None) -> None:
     """zero1: each rank's optimizer steps and keeps state for its range of each parameter."""
     zero1.shard_optimizer_state(model.parameters(), mesh.get_group())
+    # The optimizer stage that steps them, from the first step on (dpar.checkpoint.load steps before compiling).
+    optimizer_hooks.hand_down(OPTIMIZER_STAGE, model.parameters())
 
 
 def _apply_local_sgd(model: nn.Module, mesh: DeviceMesh, sync_every: int | None, outer: local_sgd.OuterSGD | None) -> None:

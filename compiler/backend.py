@@ -8,7 +8,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
@@ -18,17 +17,18 @@ from dpar.compiler.options import Options
 from dpar.compiler.pass_listing import PassListing
 from dpar.core.plan import ParallelPlan, Strategy, check_bucket_cap, plan_of_parameters, replicated
 from dpar.compiler.sharded_data_parallel import flat_layout
+from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
 from dpar.core.errors import OptionsError
+from dpar.core.facts import period_of, tensor_parallel_spec_of
 from dpar.runtime.finite_gradients import FiniteGradients
-from dpar.runtime.local_sgd import period_of
 from dpar.core.model_state import check_materialized
-from dpar.runtime.optimizer_graph import step_in_graph
+from dpar.core.torch_internals import register_dynamo_backend, resolve_process_group
+from dpar.runtime.optimizer_hooks import hand_down
 from dpar.runtime.replicate import synchronize_replicas
 from dpar.runtime.same_rows import checking_same_rows
 from dpar.runtime.sharding import uneven_shards_padded_once
-from dpar.runtime.tensor_parallel import tensor_parallel_spec_of
 from dpar.core.world import check_devices, current_world
-from dpar.runtime.zero1 import shard_optimizer_state
+from dpar.surgery.zero1 import shard_optimizer_state
 
 
 def _single_device_hook(
@@ -71,14 +71,16 @@ def dpar_backend(
     plan = plan if plan is not None else replicated(world.group_name, world.size)
     check_bucket_cap(plan.strategy, "compile", parsed.bucket_cap_mb)  # ddp's buckets are sized here; a sharded plan's by parallelize
     if plan.strategy is Strategy.ZERO1:  # a model materialized after parallelize (to_empty, assign=True) has new tensors
-        group = dist.distributed_c10d._resolve_process_group(plan.axes[0].group_name)
+        group = resolve_process_group(plan.axes[0].group_name)
         shard_optimizer_state((t for kind, _, t in state if kind == "parameter"), group)
     # Shards and tensor-parallel blocks were placed by parallelize (from rank 0's values); every
     # whole tensor still starts from rank 0's.
     whole = [s for s in state if not isinstance(s[2], DTensor) and tensor_parallel_spec_of(s[2]) is None]
     synchronize_replicas(whole, world, parsed.check_timeout_s, broadcast=not _resumed_local_sgd(plan, state))
-    if parsed.steps_optimizer_in_graph:
-        step_in_graph(i.tensor() for i in inputs if i.kind is InputKind.PARAMETER and i.requires_grad)
+    # The optimizer stage, handed to the runtime's optimizer hooks (see [Note: optimizer hooks, per optimizer]).
+    in_graph = [i.tensor() for i in inputs if i.kind is InputKind.PARAMETER and i.requires_grad]
+    hand_down(OPTIMIZER_STAGE, (t for kind, _, t in state if kind == "parameter"),
+              in_graph if parsed.steps_optimizer_in_graph else ())
     passes = PassListing(plan, inputs, world, parsed)
     gm = passes.prepare(gm)
     hook: GraphHook = passes
@@ -121,7 +123,4 @@ def _resumed_local_sgd(plan: ParallelPlan, state: list[tuple[str, str, torch.Ten
 
 def register() -> None:
     """Make ``backend="dpar"`` resolvable even where the entry point is not installed."""
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
-
-    if "dpar" not in _BACKENDS:
-        register_backend(name="dpar")(dpar_backend)
+    register_dynamo_backend("dpar", dpar_backend)

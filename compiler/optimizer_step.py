@@ -5,7 +5,7 @@
 attributes of the graph (``get_attr``), their gradients its inputs, and the update
 a sequence of in-place ops on them. Two wrappers are left out of the capture:
 the hook wrapper ``Optimizer`` puts around every ``step`` (its pre- and post-hooks
-keep running around the captured step, see ``runtime/zero1.py``), and
+keep running around the captured step, see ``runtime/optimizer_hooks.py``), and
 ``_use_grad_for_differentiable``, whose graph breaks only toggle grad mode: the
 captured body runs under ``no_grad`` (``differentiable=True`` is refused). With
 ``fullgraph=True`` a step Dynamo cannot capture whole raises at once instead of
@@ -21,6 +21,11 @@ same numbers bit for bit. Should Dynamo run a step eagerly all the same
 (``torch.compiler.disable``, ``set_stance("force_eager")``), ``ran`` stays False,
 and the caller runs the same passes over a graph that only reads the parameters
 (``PassesAfterEagerStep``), as it does after a step it chose to run eagerly.
+
+This is the pass listing's "optimizer" stage. The runtime's optimizer hooks decide when a step is
+captured and which runs; they reach this module only through ``OptimizerStage``, which the backend
+hands down on each compiled model's ``ModelState`` (``runtime/optimizer_hooks.py``), so the runtime
+imports no compiler module.
 """
 
 from __future__ import annotations
@@ -33,12 +38,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._dynamo.exc import FailOnRecompileLimitHit, Unsupported
-from torch.optim.optimizer import _use_grad_for_differentiable
 
 from dpar.compiler.collectives import collectives
-from dpar.compiler.pass_listing import Pass, run_passes
+from dpar.compiler.pass_listing import Pass, optimizer_passes, run_passes
+from dpar.compiler.passes.all_gather_ranges import UpdatedRange
 from dpar.compiler.registry import record
+from dpar.core.errors import StepNotCaptured
+from dpar.core.plan import Strategy
+from dpar.core.torch_internals import FailOnRecompileLimitHit, Unsupported, inductor, use_grad_for_differentiable
+from dpar.runtime.optimizer_graph import unhooked
 
 PassesFor = Callable[[Sequence[Any]], list[Pass]]
 """The passes for a step graph, given its example inputs (to match graph inputs to tensors)."""
@@ -46,25 +54,15 @@ StepLower = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 """What runs a step graph after its passes: its Python code, or Inductor's kernels."""
 
 LABEL = "optimizer step graph"
-_USE_GRAD = _use_grad_for_differentiable(lambda: None).__code__
-
-
-def _unhooked(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-    """The class's step without the wrapper that runs the step hooks."""
-    step = type(optimizer).step
-    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
-
-
-def eager_step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-    """One eager step, from inside a step that already ran the hooks."""
-    return _unhooked(optimizer)(optimizer, *args, **kwargs)
+_USE_GRAD = use_grad_for_differentiable(lambda: None).__code__
 
 
 def _step_body(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     """The class's step without the hook and grad-mode wrappers, as a function with its own code object."""
-    step = _unhooked(optimizer)
+    step = unhooked(optimizer)
     if step.__code__ is _USE_GRAD:
         step = step.__wrapped__
+    # A copy of the code object: Dynamo caches per code object, and each optimizer needs its own cache (no public way).
     body = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__)
     body.__kwdefaults__ = step.__kwdefaults__
     return body
@@ -78,18 +76,8 @@ def inductor_step(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
     """Inductor's kernels for a step graph. Dynamo's compile id comes off first: AOTAutograd reads a
     graph with one as Dynamo's and looks up a source for every attribute, which the tensors a pass
     added (zero1's whole parameters) do not have."""
-    from torch._inductor.compile_fx import compile_fx
-
     gm.meta.pop("dynamo_compile_id", None)
-    return compile_fx(gm, example_inputs)
-
-
-class StepNotCaptured(Exception):
-    """Dynamo cannot capture an optimizer's step whole; ``reason`` is the first line of why."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, reason: str) -> None:
-        super().__init__(f"Dynamo cannot capture {type(optimizer).__name__}'s step: {reason}")
-        self.reason = reason
+    return inductor().compile_fx(gm, example_inputs)
 
 
 class CapturedStep:
@@ -154,24 +142,26 @@ class PassesAfterEagerStep:
             self._graph()
 
 
-def install_step(optimizer: torch.optim.Optimizer, run: Callable[..., Any]) -> Callable[..., Any]:
-    """Make ``run(optimizer, *args, **kwargs)`` the optimizer's ``step``, inside torch's hook wrapper (so
-    every step pre- and post-hook still runs around it, in order); returns the step it replaces."""
-    previous = optimizer.step
-    step = types.MethodType(torch.optim.Optimizer.profile_hook_step(run), optimizer)
-    if getattr(previous, "_wrapped_by_lr_sched", False):  # an LR scheduler's check that step() ran before its own
-        step = _marking_called(step, optimizer)
-    optimizer.step = step  # type: ignore[method-assign]
-    return previous
+class OptimizerStage:
+    """The "optimizer" stage as the runtime calls it (``core.model_state.OptimizerStage``): a step captured
+    through the stage's passes and compiled by Inductor, and the same passes alone after an eager step."""
+
+    def capture(
+        self, optimizer: torch.optim.Optimizer, ranges: Sequence[UpdatedRange] = (), group: tuple[str, int] = ("", 1)
+    ) -> CapturedStep:
+        return CapturedStep(optimizer, _passes(ranges, group), inductor_step)
+
+    def after_eager(
+        self, optimizer: torch.optim.Optimizer, ranges: Sequence[UpdatedRange], group: tuple[str, int]
+    ) -> PassesAfterEagerStep:
+        return PassesAfterEagerStep(optimizer, _passes(ranges, group))
 
 
-def _marking_called(step: Callable[..., Any], optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-    """``step``, still telling an LR scheduler built before it that the optimizer stepped."""
-    reference = weakref.ref(optimizer)
+def _passes(ranges: Sequence[UpdatedRange], group: tuple[str, int]) -> PassesFor:
+    """zero1's gather of the stepped ranges where there are ranges; no pass otherwise."""
+    if not ranges:
+        return lambda inputs: []
+    return lambda inputs: optimizer_passes(Strategy.ZERO1, ranges, inputs, group)
 
-    def marked(*args: Any, **kwargs: Any) -> Any:
-        reference()._opt_called = True  # type: ignore[union-attr]
-        return step(*args, **kwargs)
 
-    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    return marked
+OPTIMIZER_STAGE = OptimizerStage()

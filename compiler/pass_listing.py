@@ -12,6 +12,7 @@ A graph goes through these stages, each a list of named passes run by
              passes, then the forward's
   optimizer  zero1's optimizer step, captured by ``optimizer_step.CapturedStep``:
              after the update, the stepped ranges are gathered into the parameters
+             (``optimizer_step.OptimizerStage``, which the backend hands the runtime)
 
 ``PassListing`` lists them for one ``ParallelPlan``; the strategy modules
 (``data_parallel``, ``sharded_data_parallel``, ``tensor_parallel``) supply the
@@ -61,8 +62,9 @@ from dpar.compiler.tensor_parallel import TensorParallel
 from dpar.runtime.agreement import agree
 from dpar.runtime.gradient_sync import BackwardDispatch, ForwardDispatch, Variant
 from dpar.runtime.liveness import Watched
-from dpar.runtime.local_sgd import choose_variant, period_of
+from dpar.core.facts import period_of
 from dpar.core.pipeline_program import StageGraphs, SyncVariant
+from dpar.runtime.local_sgd import choose_variant
 from dpar.core.world import World, group_ranks
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]

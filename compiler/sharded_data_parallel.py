@@ -20,8 +20,8 @@ from dpar.compiler.passes.prefetch import prefetch_all_gathers_pass, prefetch_di
 from dpar.compiler.passes.reduce_scatter import bucket_reduce_scatters_pass
 from dpar.compiler.passes.reshard import tag_gathers
 from dpar.core.plan import AxisRole, ParallelPlan
+from dpar.core.facts import spec_of
 from dpar.core.torch_internals import FakeScriptObject
-from dpar.runtime.sharding import spec_of
 
 log = logging.getLogger("dpar")
 

@@ -85,3 +85,12 @@ class UnmaterializedStateError(DparError):
 class InspectionError(DparError):
     """``dpar.explain`` / ``dpar inspect`` captured graphs that cannot be what training runs: a report
     on them would be wrong (a data-parallel backward with no gradient reduction)."""
+
+
+class StepNotCaptured(Exception):
+    """Dynamo cannot capture an optimizer's step whole; ``reason`` is the first line of why. Not a user's
+    error: the compiler's optimizer stage raises it, the runtime's optimizer hooks then step eagerly and warn."""
+
+    def __init__(self, optimizer: object, reason: str) -> None:
+        super().__init__(f"Dynamo cannot capture {type(optimizer).__name__}'s step: {reason}")
+        self.reason = reason

@@ -21,7 +21,8 @@ The same holds for what the first compile and the first optimizer step learn: a
 compiled graph reaches its parameters and buffers through their ``Slot`` (the
 owning module, weakly, and the leaf name), so it reads whatever tensor the model
 holds there now; zero1's ranges and ``optimizer_in_graph`` are facts by name here;
-the zero1 views are the optimizer's (runtime/zero1.py). Facts about a tensor's
+the zero1 views are the optimizer's (runtime/zero1.py); what kinds of facts there are is
+``facts.py``'s. Facts about a tensor's
 *values* (broadcast from rank 0; a gradient accumulated under ``no_sync``) are
 marks in the tensor's own ``__dict__``, which ``swap_tensors`` moves together with
 the values. What is left that ``swap_tensors`` refuses is torch's: Dynamo's weak
@@ -32,8 +33,8 @@ and plain ``torch.compile(optimizer.step)`` alike).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -48,12 +49,21 @@ _models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # roots that have a Mod
 generation = 0  # moves whenever any state gains a fact: a tensor found in none before may be in one now
 
 
+def changed() -> None:
+    """Some tensor gained a fact (in a state, or a mark): answers cached by ``generation`` are stale."""
+    global generation
+    generation += 1
+
+
 class ModelState:
     """The plan ``parallelize`` chose for one model and its per-parameter facts, by qualified name."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model = weakref.ref(model)  # the model holds its state; the state must not hold the model
-        self.plan: Any = None  # compiler.plan.ParallelPlan; None: parallelize chose ddp
+        self.plan: Any = None  # core.plan.ParallelPlan; None: parallelize chose ddp
+        # The pass listing's optimizer stage, handed down by the backend when it compiles the model's graphs, so
+        # that the runtime's optimizer hooks capture and run the step without importing the compiler.
+        self.optimizer_stage: OptimizerStage | None = None
         self._facts: dict[str, dict[str, Any]] = {}  # kind -> qualified name -> fact
         self._names: dict[int, list[str]] = {}  # id(tensor) -> the qualified names it is reachable under (tied: several)
         # Buffers on meta when parallelize ran, not yet seen written: id(owning module) -> leaf name -> qualified name.
@@ -67,9 +77,8 @@ class ModelState:
         return self.facts(kind).get("")
 
     def set_fact(self, kind: str, name: str, fact: Any) -> None:
-        global generation
         self._facts.setdefault(kind, {})[name] = fact
-        generation += 1
+        changed()
 
     def facts(self, kind: str) -> dict[str, Any]:
         return self._facts.get(kind, {})
@@ -116,25 +125,33 @@ class ModelState:
         return next((facts[n] for n in self.names_of(tensor) if n in facts), None)
 
 
-class AnsweredNo:
-    """Optimizers for which a per-step question about their parameters (are they zero1's? do they step in a graph?)
-    was answered no, remembered until some model gains a fact or the optimizer's parameters change: the
-    post-step hooks ask after every step of every optimizer, and the answer costs a walk of the models' names."""
+class CapturedStep(Protocol):
+    """An optimizer's step as a compiled graph: calling it steps (``StepNotCaptured`` where Dynamo cannot
+    capture it whole); ``ran`` says whether the last call ran the graph (Dynamo may run a frame eagerly)."""
 
-    def __init__(self) -> None:
-        self._asked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[int, ...]]] = (
-            weakref.WeakKeyDictionary()
-        )
+    ran: bool
 
-    @staticmethod
-    def _key(params: list[torch.Tensor]) -> tuple[int, tuple[int, ...]]:
-        return generation, tuple(map(id, params))  # the optimizer holds its parameters: no id is reused
+    def __call__(self) -> Any: ...
 
-    def still_no(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
-        return self._asked.get(optimizer) == self._key(params)
 
-    def no(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-        self._asked[optimizer] = self._key(params)
+class OptimizerStage(Protocol):
+    """The "optimizer" stage of the pass listing (compiler/optimizer_step.py), as the runtime calls it.
+
+    ``ranges`` are zero1's (the views the optimizer steps and their whole parameters), with ``group``
+    (process group name, size) to gather them over; none for a step with no passes.
+    """
+
+    def capture(
+        self, optimizer: torch.optim.Optimizer, ranges: Sequence[Any] = (), group: tuple[str, int] = ("", 1)
+    ) -> CapturedStep:
+        """The step captured by Dynamo, through the stage's passes, compiled by Inductor."""
+        ...
+
+    def after_eager(
+        self, optimizer: torch.optim.Optimizer, ranges: Sequence[Any], group: tuple[str, int]
+    ) -> Callable[[], None]:
+        """The stage's passes alone, to run after a step that ran eagerly (zero1's gather)."""
+        ...
 
 
 class Slot:
@@ -180,20 +197,25 @@ def state_of(model: nn.Module, create: bool = False) -> ModelState | None:
     return state
 
 
+def states() -> list[ModelState]:
+    """The states of every parallelized model still alive."""
+    return [s for m in list(_models) if (s := state_of(m)) is not None]
+
+
 def owners_of(tensors: Iterable[torch.Tensor]) -> list[ModelState | None]:
     """For each tensor, the state of the parallelized model that holds it (None: none does).
 
     Every map is rebuilt at most once per call, and only when some tensor is not found.
     """
     tensors = list(tensors)
-    states = [s for m in list(_models) if (s := state_of(m)) is not None]
+    alive = states()
 
     def find(t: torch.Tensor) -> ModelState | None:
-        return next((s for s in states if s.cached_names_of(t)), None)
+        return next((s for s in alive if s.cached_names_of(t)), None)
 
     found = [find(t) for t in tensors]
     if any(f is None for f in found):
-        for s in states:
+        for s in alive:
             s.rebuild()
         found = [f if f is not None else find(t) for f, t in zip(found, tensors)]
     return found
@@ -231,7 +253,7 @@ def _note_buffer_write(module: nn.Module, name: str, buffer: torch.Tensor | None
             state._unwritten[id(module)].pop(name, None)
 
 
-_hook_installed = False
+_hook_installed = False  # torch's buffer-registration hooks are process-wide only: one, registered once
 
 
 def record_meta_buffers(model: nn.Module) -> None:

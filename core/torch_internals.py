@@ -110,10 +110,12 @@ def sequence_number(group: dist.ProcessGroup) -> int:
 def full_state_dict_loader_code() -> Any:
     """The code object of torch's own model state-dict loader (``set_model_state_dict`` with
     ``full_state_dict=True`` loads through it; see [Note: torch's full-state-dict loader] in
-    runtime/tensor_parallel.py)."""
+    surgery/tensor_parallel.py)."""
+    import inspect
+
     from torch.distributed.checkpoint import state_dict
 
-    return state_dict._load_model_state_dict.__code__
+    return inspect.unwrap(state_dict._load_model_state_dict).__code__  # under its torch.no_grad() wrapper
 
 
 def per_chunk_shard_reducer() -> Any:

@@ -10,7 +10,7 @@ process) and whichever of fsdp / zero2 sharded them (same layout).
 
 torch's ``get_state_dict`` / ``set_state_dict`` give the same numbers but resolve every
 parameter name with ``getattr(module, name)``, which on a sharded module is the attribute that
-returns the gathered full tensor (runtime/sharding.py): each call all-gathers every parameter
+returns the gathered full tensor (surgery/sharding.py): each call all-gathers every parameter
 about three times, eagerly, outside the graph (86 gathers for the 28 parameters of the tiny
 GPT; as many again in ``set_state_dict``). So the model goes through ``model.state_dict()``,
 and the optimizer through ``optimizer.state_dict()`` keyed by parameter name, as torch's
@@ -40,8 +40,8 @@ from torch.distributed.tensor import DTensor
 from dpar.runtime.checkpoint_files import publish, published, read_manifest, reached, staging_directory
 from dpar.core.errors import CheckpointError, OptionsError, UnmaterializedStateError
 from dpar.core import model_state
+from dpar.core.facts import Period, is_zero1, period_of
 from dpar.runtime import zero1
-from dpar.runtime.local_sgd import Period, period_of
 from dpar.runtime import safetensors_io
 from dpar.runtime.safetensors_io import save_safetensors
 from dpar.runtime.tensor_parallel import as_block, as_dtensor
@@ -175,7 +175,7 @@ def _whole_weights_into_zero1(module: nn.Module, optimizer: torch.optim.Optimize
     strategy's checkpoint at any world size, as ddp's do. Its optimizer ranges do not (``_check_same_model``)."""
     return (
         optimizer is None and not saved["per_rank"] and _period(module) is None
-        and any(zero1.is_zero1(p) for p in module.parameters())
+        and any(is_zero1(p) for p in module.parameters())
     )
 
 
@@ -327,7 +327,7 @@ def _period(module: nn.Module) -> Period | None:
 def _rank_local(module: nn.Module) -> bool:
     """Whether ranks hold different state under the same names: local SGD's replicas mid-period,
     zero1's optimizer ranges."""
-    return _period(module) is not None or any(zero1.is_zero1(p) for p in module.parameters())
+    return _period(module) is not None or any(is_zero1(p) for p in module.parameters())
 
 
 def _per_rank(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:

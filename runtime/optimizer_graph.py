@@ -20,21 +20,25 @@ with a closure runs eagerly. An optimizer Dynamo cannot capture whole (or built
 with ``differentiable=True``) steps eagerly from then on, with a
 ``StepNotCapturedWarning`` naming why. zero1 captures its own steps where
 ``steps_in_graph`` says so (it appends the gather of the stepped ranges to them) and
-otherwise steps eagerly, as the ddp model beside it would.
+otherwise steps eagerly, as the ddp model beside it would. The capture is the
+compiler's optimizer stage, which the backend hands down (``OptimizerStage`` on the
+model's ``ModelState``, or on the parameters of a model that has none); this module
+decides when it runs and makes it the optimizer's step.
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from dpar.compiler.optimizer_step import CapturedStep, StepNotCaptured, eager_step, inductor_step, install_step
 from dpar.core import model_state
+from dpar.core.errors import StepNotCaptured
+from dpar.core.model_state import CapturedStep, OptimizerStage
 
 
 class StepNotCapturedWarning(UserWarning):
@@ -42,58 +46,66 @@ class StepNotCapturedWarning(UserWarning):
 
 
 # Parameters whose optimizers step in a graph: a fact of the model by parameter name (ModelState), so that
-# it survives swap_tensors and load_state_dict(assign=True); a mark on the tensor for a model compiled
-# without dpar.parallelize, which has no state.
+# it survives swap_tensors and load_state_dict(assign=True); for a model compiled without dpar.parallelize,
+# which has no state, a mark on the tensor holding the optimizer stage.
 _KIND = "optimizer_in_graph"
 _IN_GRAPH = "_dpar_optimizer_in_graph"
-_decided: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # captured, or stepping eagerly for good
-_not_in_graph = model_state.AnsweredNo()  # optimizers found stepping other parameters
-_hook_installed = False
 
 
-def step_in_graph(parameters: Iterable[torch.Tensor]) -> None:
+def step_in_graph(parameters: Iterable[torch.Tensor], stage: OptimizerStage) -> None:
     """Optimizers over only these (and other such) parameters step in a compiled graph from their second step."""
-    global _hook_installed
     parameters = list(parameters)
     for p, owner in zip(parameters, model_state.owners_of(parameters)):
         names = owner.names_of(p) if owner is not None else []
         for name in names:
             if not owner.facts(_KIND).get(name):
                 owner.set_fact(_KIND, name, True)
-        if not names:
-            setattr(p, _IN_GRAPH, True)
-    if not _hook_installed:
-        register_optimizer_step_post_hook(_capture_after_first_step)
-        _hook_installed = True
+        if not names and getattr(p, _IN_GRAPH, None) is not stage:
+            setattr(p, _IN_GRAPH, stage)
+            model_state.changed()
 
 
 def steps_in_graph(parameters: Iterable[torch.Tensor]) -> bool:
     """Whether an optimizer over ``parameters`` (all of them dpar's) compiles its step. Stops at the
-    first other parameter: the post-step hook asks this after every step of every other optimizer."""
+    first other parameter."""
     seen = False
     for p in parameters:
-        if not (getattr(p, _IN_GRAPH, False) or model_state.fact_of(_KIND, p)):
+        if not (getattr(p, _IN_GRAPH, None) is not None or model_state.fact_of(_KIND, p)):
             return False
         seen = True
     return seen
 
 
-def _capture_after_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer in _decided:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if _not_in_graph.still_no(optimizer, params):
-        return  # asked before, and no model has gained facts since
-    if not steps_in_graph(params):
-        _not_in_graph.no(optimizer, params)
-        return  # not (yet) all dpar's: a model compiled later may make them so
-    _decided.add(optimizer)
-    try:
-        captured = CapturedStep(optimizer, lambda inputs: [], inductor_step)
-    except StepNotCaptured as exc:
-        warn_eager(exc)
-        return
-    install_captured_step(optimizer, captured)
+def stage_of(parameters: Iterable[torch.Tensor]) -> OptimizerStage | None:
+    """The optimizer stage the backend handed down for the first of ``parameters`` (None: never compiled)."""
+    for p in parameters:
+        stage = getattr(p, _IN_GRAPH, None)
+        if stage is not None:
+            return stage
+        (owner,) = model_state.owners_of([p])
+        if owner is not None and owner.optimizer_stage is not None:
+            return owner.optimizer_stage
+    return None
+
+
+class CaptureAfterFirstStep:
+    """One optimizer's post-step hook: after the step it was registered in, capture its step (once)."""
+
+    def __init__(self) -> None:
+        self.decided = False  # captured, or stepping eagerly for good
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.decided:
+            return
+        self.decided = True
+        stage = stage_of(p for group in optimizer.param_groups for p in group["params"])
+        assert stage is not None, "steps_in_graph found these parameters compiled, and the backend handed a stage"
+        try:
+            captured = stage.capture(optimizer)
+        except StepNotCaptured as exc:
+            warn_eager(exc)
+            return
+        install_captured_step(optimizer, captured)
 
 
 def install_captured_step(optimizer: torch.optim.Optimizer, captured: CapturedStep) -> None:
@@ -121,3 +133,38 @@ def warn_eager(exc: StepNotCaptured) -> None:
         StepNotCapturedWarning,
         stacklevel=3,
     )
+
+
+def unhooked(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The class's step without the wrapper that runs the step hooks."""
+    step = type(optimizer).step
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
+def eager_step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """One eager step, from inside a step that already ran the hooks."""
+    return unhooked(optimizer)(optimizer, *args, **kwargs)
+
+
+def install_step(optimizer: torch.optim.Optimizer, run: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``run(optimizer, *args, **kwargs)`` the optimizer's ``step``, inside torch's hook wrapper (so
+    every step pre- and post-hook still runs around it, in order); returns the step it replaces."""
+    previous = optimizer.step
+    step = types.MethodType(torch.optim.Optimizer.profile_hook_step(run), optimizer)
+    if getattr(previous, "_wrapped_by_lr_sched", False):  # an LR scheduler's check that step() ran before its own
+        step = _marking_called(step, optimizer)
+    # Replaces the instance's step: a pre-hook cannot skip the eager step, and torch has no other way to run another.
+    optimizer.step = step  # type: ignore[method-assign]
+    return previous
+
+
+def _marking_called(step: Callable[..., Any], optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """``step``, still telling an LR scheduler built before it that the optimizer stepped."""
+    reference = weakref.ref(optimizer)
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        reference()._opt_called = True  # type: ignore[union-attr]
+        return step(*args, **kwargs)
+
+    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return marked

@@ -36,28 +36,18 @@ would see only its range.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from dpar.compiler.optimizer_step import CapturedStep, PassesAfterEagerStep, StepNotCaptured, inductor_step
-from dpar.compiler.passes.all_gather_ranges import UpdatedRange
-from dpar.compiler.pass_listing import optimizer_passes
-from dpar.core.plan import Strategy
 from dpar.core import model_state
-from dpar.core.errors import OptionsError
-from dpar.runtime.optimizer_graph import install_captured_step, steps_in_graph, warn_eager
-
-
-def owned_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[lo, hi) of a parameter's flattened elements that ``rank`` steps: ranges of ceil(numel / N)."""
-    chunk = -(-numel // world_size)
-    return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+from dpar.core.errors import OptionsError, StepNotCaptured
+from dpar.core.facts import ZERO1, Range, UpdatedRange
+from dpar.core.model_state import CapturedStep
+from dpar.runtime.optimizer_graph import install_captured_step, stage_of, steps_in_graph, warn_eager
 
 
 # [Note: zero1's ranges by parameter name]
@@ -74,16 +64,6 @@ def owned_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
 #   switches to the views, state it holds for a whole parameter moves to its view, cut to the range where it
 #   is whole-sized (a state dict of an optimizer that stepped whole parameters). The old optimizer, stepped
 #   again, would update parameters the model no longer holds (as under torch): zero1 refuses that by name.
-
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """This rank's range [lo, hi) of one parameter's flattened elements."""
-
-    lo: int
-    hi: int
-    numel: int
-    group: dist.ProcessGroup
 
 
 @dataclasses.dataclass
@@ -112,31 +92,13 @@ class Owned:
         return whole
 
 
-_KIND = "zero1"
 _OWNED = "_dpar_zero1"  # on a view: its Owned (the view is the optimizer's tensor, made here)
-_hooks_installed = False
 
 
-def shard_optimizer_state(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Record each trained parameter's range for this rank; optimizers switch to views of them at their first step."""
-    global _hooks_installed
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    parameters = [p for p in parameters if p.requires_grad]
-    for p, owner in zip(parameters, model_state.owners_of(parameters)):
-        if owner is None:
-            raise OptionsError("zero1's parameters must belong to a model dpar.parallelize was called on")
-        for name in owner.names_of(p):
-            if name not in owner.facts(_KIND):
-                lo, hi = owned_range(p.numel(), world_size, rank)
-                owner.set_fact(_KIND, name, Range(lo, hi, p.numel(), group))
-    if not _hooks_installed:
-        register_optimizer_step_pre_hook(_step_on_owned_ranges)
-        register_optimizer_step_post_hook(_after_step)
-        _hooks_installed = True
-
-
-def is_zero1(parameter: torch.Tensor) -> bool:
-    return model_state.fact_of(_KIND, parameter) is not None
+def any_zero1(parameters: Iterable[torch.Tensor]) -> bool:
+    """Whether some of ``parameters`` have a zero1 range (an optimizer over them steps ranges)."""
+    parameters = list(parameters)
+    return any(o is not None and o.fact_of(ZERO1, p) is not None for p, o in zip(parameters, model_state.owners_of(parameters)))
 
 
 def whole_of(parameter: torch.Tensor) -> torch.Tensor:
@@ -151,27 +113,43 @@ class Stepping:
 
     owned: list[Owned]  # the optimizer's views, in its order
     captured: CapturedStep | None  # the step with the gather appended, where the model's step is in a graph
-    gather_after_eager: PassesAfterEagerStep  # the gather alone, after a step that ran eagerly
+    gather_after_eager: Callable[[], None]  # the gather alone, after a step that ran eagerly
 
 
-_stepping: weakref.WeakKeyDictionary[torch.optim.Optimizer, Stepping] = weakref.WeakKeyDictionary()
-_not_zero1 = model_state.AnsweredNo()  # optimizers found stepping no zero1 parameter
+class OwnedRanges:
+    """One optimizer's zero1 hooks: before its first step it switches to views of this rank's ranges; before
+    every step the views' gradients are the ranges of the whole gradients; after it, the stepped ranges are
+    gathered into the whole parameters (by the captured step itself, or after an eager one)."""
 
+    def __init__(self) -> None:
+        self.stepping: Stepping | None = None
 
-def _step_on_owned_ranges(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    stepping = _stepping.get(optimizer)
-    if stepping is None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if _not_zero1.still_no(optimizer, params):
+    def register(self, optimizer: torch.optim.Optimizer) -> None:
+        handle = optimizer.register_step_pre_hook(self.before)
+        # First among the optimizer's own pre-hooks (torch has no prepend= for them): hooks registered before the
+        # first step then read the views' gradients, as when this was a process-wide hook.
+        optimizer._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
+        optimizer.register_step_post_hook(self.after)
+
+    def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.stepping is None:
+            self.stepping = _switch_to_ranges(optimizer)
+        for owned in self.stepping.owned:
+            grad = owned.follow().grad
+            owned.view.grad = None if grad is None else grad.reshape(-1)[owned.lo : owned.hi]
+
+    def after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Drop the views' gradients (views of the whole ones, which stay, as DDP's do); after a step that ran
+        no captured graph (an eager one, or one Dynamo ran eagerly), gather the stepped ranges by the same pass."""
+        stepping = self.stepping
+        if stepping is None:
             return
-        ranges = [model_state.fact_of(_KIND, p) for p in params]
-        if all(r is None for r in ranges):
-            _not_zero1.no(optimizer, params)
-            return
-        stepping = _switch_to_ranges(optimizer)
-    for owned in stepping.owned:
-        grad = owned.follow().grad
-        owned.view.grad = None if grad is None else grad.reshape(-1)[owned.lo : owned.hi]
+        for owned in stepping.owned:
+            owned.view.grad = None
+        if stepping.captured is None or not stepping.captured.ran:
+            stepping.gather_after_eager()
+        if stepping.captured is not None:
+            stepping.captured.ran = False
 
 
 def _view_of(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
@@ -179,7 +157,7 @@ def _view_of(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
     with any state the optimizer holds for ``p`` moved to it."""
     (owner,) = model_state.owners_of([p])
     names = owner.names_of(p) if owner is not None else []
-    r = owner.facts(_KIND).get(names[0]) if names else None
+    r = owner.facts(ZERO1).get(names[0]) if names else None
     if r is None:
         return p
     slot = owner.slot(names[0])
@@ -203,8 +181,11 @@ def _ranged(value: Any, r: Range) -> Any:
 
 def _switch_to_ranges(optimizer: torch.optim.Optimizer) -> Stepping:
     """Switch ``optimizer`` to the views, and decide how its steps run (see the Note above)."""
+    stage = stage_of(p for group in optimizer.param_groups for p in group["params"])
+    assert stage is not None, "parallelize and the backend hand zero1's models the optimizer stage"
     for group in optimizer.param_groups:
         group["params"] = [_view_of(optimizer, p) for p in group["params"]]
+    # Replaces the instance's zero_grad: torch has no zero_grad hook, and the views' zero_grad misses the whole gradients.
     optimizer.zero_grad = _clearing_whole_gradients(optimizer)  # type: ignore[method-assign]
     owned = _owned_of(optimizer)
     ranges = [UpdatedRange(o.view, o.whole, o.lo, o.hi) for o in owned]
@@ -214,20 +195,15 @@ def _switch_to_ranges(optimizer: torch.optim.Optimizer) -> Stepping:
                            "give each model its own optimizer")
     group = groups.pop()
     where = (group.group_name, dist.get_world_size(group))
-
-    def passes(inputs):
-        return optimizer_passes(Strategy.ZERO1, ranges, inputs, where)
-
     captured = None
     if steps_in_graph(o.whole for o in owned):
         try:
-            captured = CapturedStep(optimizer, passes, inductor_step)
+            captured = stage.capture(optimizer, ranges, where)
         except StepNotCaptured as exc:
             warn_eager(exc)
         else:
             install_captured_step(optimizer, captured)
-    stepping = _stepping[optimizer] = Stepping(owned, captured, PassesAfterEagerStep(optimizer, passes))
-    return stepping
+    return Stepping(owned, captured, stage.after_eager(optimizer, ranges, where))
 
 
 def _owned_of(optimizer: torch.optim.Optimizer) -> list[Owned]:
@@ -252,17 +228,3 @@ def _clearing_whole_gradients(optimizer: torch.optim.Optimizer) -> Callable[...,
                     owned.whole.grad.zero_()
 
     return clearing
-
-
-def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Drop the views' gradients (views of the whole ones, which stay, as DDP's do); after a step that ran
-    no captured graph (an eager one, or one Dynamo ran eagerly), gather the stepped ranges by the same pass."""
-    stepping = _stepping.get(optimizer)
-    if stepping is None:
-        return
-    for owned in stepping.owned:
-        owned.view.grad = None
-    if stepping.captured is None or not stepping.captured.ran:
-        stepping.gather_after_eager()
-    if stepping.captured is not None:
-        stepping.captured.ran = False

@@ -91,7 +91,7 @@ def _born_on_meta(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, 
         if strategy == "local_sgd":  # the forward that follows a step averages it (tests/test_local_sgd.py)
             runner(*tp.rank_slice(tp.global_batch(tp.STEPS, tp.ROWS_PER_RANK * world_size), rank, world_size))
         if strategy == "zero1":  # the optimizer stepped this rank's ranges of the materialized parameters
-            from dpar.runtime.zero1 import is_zero1
+            from dpar.core.facts import is_zero1
 
             assert all(is_zero1(p) for p in model.parameters() if p.requires_grad), label
         got = dpar.checkpoint.full_state_dict(model)
@@ -135,7 +135,7 @@ def test_facts_survive_to_empty_swap_and_assign(one_rank) -> None:
     """Sharded parameters are DTensors, which to_empty swaps in place (swap_tensors refuses a tensor any weak
     reference points at) and load_state_dict(assign=True) replaces: the plan and the shards' facts stay."""
     from dpar.core.plan import plan_of_parameters
-    from dpar.runtime.sharding import spec_of
+    from dpar.core.facts import spec_of
 
     torch.manual_seed(0)
     full = _Tiny().state_dict()

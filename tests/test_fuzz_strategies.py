@@ -89,7 +89,7 @@ def torch_ddp(spec: ModelSpec, optimizer: str, rank: int, world_size: int) -> nn
 def tensor_parallel_plan(model: nn.Module, x: torch.Tensor, world_size: int) -> dict[str, int | None]:
     """Megatron's plan for ``model``, each dimension narrower than a block per rank replicated."""
     from dpar.compiler.megatron import megatron_dims
-    from dpar.runtime.tensor_parallel import can_split
+    from dpar.core.facts import can_split
 
     shapes = {n: p.shape for n, p in model.named_parameters()}
     dims = megatron_dims(model, (x,))

@@ -28,7 +28,7 @@ import dpar
 from dpar.cli import main
 from dpar.compiler.costs import PRESETS
 from dpar.explaining import explain
-from dpar.runtime.sharding import block_of
+from dpar.surgery.sharding import block_of
 from fake_world import fake_world
 
 ROOT_DIR = Path(__file__).resolve().parent.parent

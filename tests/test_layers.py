@@ -1,9 +1,11 @@
 """dpar's folders import each other downwards only (docs/architecture.md has the picture).
 
-    api -> planner | inspect -> compiler -> surgery | runtime -> core
+    api -> planner | inspect -> compiler -> surgery -> runtime -> core
 
-Every import of a ``dpar`` module is counted, lazy ones and ``TYPE_CHECKING`` ones included; peers (planner and
-inspect, surgery and runtime) import neither each other nor anything above. ``python tests/test_layers.py``
+Every import of a ``dpar`` module is counted, lazy ones and ``TYPE_CHECKING`` ones included; the peers planner
+and inspect import neither each other nor anything above. Surgery sits above the runtime: what ``parallelize``
+installs on a model (a module class whose attribute calls a tensor-parallel marker op) runs the runtime's code,
+and the runtime never reaches back for what installed it. ``python tests/test_layers.py``
 prints the folder-to-folder import counts.
 """
 
@@ -17,7 +19,7 @@ import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Height of each layer; an import must go to a strictly lower one.
-HEIGHT = {"api": 4, "planner": 3, "inspect": 3, "compiler": 2, "surgery": 1, "runtime": 1, "core": 0}
+HEIGHT = {"api": 5, "planner": 4, "inspect": 4, "compiler": 3, "surgery": 2, "runtime": 1, "core": 0}
 
 
 def _packages() -> dict[str, pathlib.Path]:

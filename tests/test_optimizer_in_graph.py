@@ -83,11 +83,12 @@ def test_captured_step_gives_torch_compiled_steps_numbers(strategy: str, referen
 
 
 def _marked_linear() -> nn.Linear:
-    from dpar.runtime.optimizer_graph import step_in_graph
+    from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
+    from dpar.runtime.optimizer_hooks import hand_down
 
     torch.manual_seed(0)
     layer = nn.Linear(4, 3)
-    step_in_graph(layer.parameters())
+    hand_down(OPTIMIZER_STAGE, layer.parameters(), in_graph=layer.parameters())  # as the backend does at compile
     return layer
 
 

@@ -9,7 +9,7 @@ same numbers without a compile.
 
 The 2-D strategies (4 ranks, mesh 2x2 and an uneven tiny stack): ``set_model_state_dict(full_state_dict=True,
 broadcast_from_rank0=True)`` into a model born on meta equals the full state dict exactly, and 5 AdamW steps then
-match torch DDP (see [Note: a 2-D parameter in torch's full-state-dict load] in runtime/tensor_parallel.py).
+match torch DDP (see [Note: a 2-D parameter in torch's full-state-dict load] in surgery/tensor_parallel.py).
 
 One ``run_ranks`` call at 2 ranks saves, one at 4 loads and saves, one at 2 loads what 4 saved.
 """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -11,21 +10,11 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.collectives import WAIT
+from dpar.core.facts import UpdatedRange
 from dpar.core.torch_internals import C10D_FUNCTIONAL
 
 aten = torch.ops.aten
 c10d = C10D_FUNCTIONAL
-
-
-@dataclasses.dataclass(frozen=True)
-class UpdatedRange:
-    """Elements [lo, hi) of ``whole``'s flattened elements, which ``view`` (the tensor the optimizer
-    steps) shares storage with."""
-
-    view: torch.Tensor
-    whole: torch.Tensor
-    lo: int
-    hi: int
 
 
 def _graph_tensor(gm: fx.GraphModule, node: fx.Node, example_inputs: Sequence[Any]) -> Any:

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from dpar.core.facts import tensor_parallel_spec_of
 from dpar.core.torch_internals import C10D_FUNCTIONAL
-from dpar.runtime.tensor_parallel import tensor_parallel_spec_of
 
 aten = torch.ops.aten
 c10d = C10D_FUNCTIONAL

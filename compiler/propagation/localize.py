@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from dpar.compiler.propagation.propagate import GRAD_MARKER, WEIGHT_MARKER, MeshDim
-from dpar.runtime.tensor_parallel import local_block
+from dpar.core.facts import local_block
 
 aten = torch.ops.aten
 

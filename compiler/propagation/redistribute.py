@@ -17,8 +17,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from dpar.core.facts import local_block
 from dpar.core.torch_internals import C10D_FUNCTIONAL
-from dpar.runtime.tensor_parallel import local_block
 
 # [Note: partial sums in low precision]
 # One device computes a bf16 product (autocast's mm, addmm, bmm) by accumulating in fp32 and

@@ -33,8 +33,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from dpar.core.facts import can_split
 from dpar.core.torch_internals import C10D_FUNCTIONAL
-from dpar.runtime.tensor_parallel import can_split
 
 aten = torch.ops.aten
 c10d = C10D_FUNCTIONAL

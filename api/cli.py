@@ -119,7 +119,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         result = plan(
             model, example_inputs, mesh_shape=args.mesh_shape, memory_budget_gb=args.memory_budget_gb,
-            mesh_dim_names=args.mesh_dim_names,
+            mesh_dim_names=args.mesh_dim_names, device=args.device,
         )
     except OptionsError as error:
         console.print(f"dpar plan: {error}")
@@ -193,6 +193,7 @@ def parser() -> argparse.ArgumentParser:
                    help="example_inputs are one rank's slice (as strategy='auto' takes them): plan for mesh-size slices")
     p.add_argument("--mesh-shape", type=_ints, required=True, help="ranks per mesh dimension: 8, or 2,4")
     p.add_argument("--memory-budget-gb", type=float, default=None, help="per rank; default: no limit")
+    p.add_argument("--device", default="h100", choices=sorted(PRESETS), help="cost-model preset, as dpar inspect's")
     p.add_argument("--mesh-dim-names", type=lambda t: tuple(t.split(",")), default=None,
                    help="fix each dimension's role instead of letting the solver choose: dp,tp")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON (Plan.from_json reads it)")
@@ -202,7 +203,6 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-rows", type=int, default=None, help="default: global rows / ranks")
     g.add_argument("--loss", metavar="FILE.py:fn", help="loss_fn(output, target), the target the last input; "
                    "default: next-token cross-entropy against targets shaped like the first input")
-    g.add_argument("--device", default="h100", choices=sorted(PRESETS), help="cost-model preset (--pipeline only)")
     p.set_defaults(run=_plan)
     return top
 

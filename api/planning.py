@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from dpar.planner.capture import build_op_graph
 from dpar.planner.evaluate import evaluate
-from dpar.planner.hardware import Hardware, h100
+from dpar.compiler.costs import DeviceSpec, device_spec
 from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan
@@ -23,7 +23,7 @@ from dpar.planner.rules import candidates
 from dpar.core.errors import OptionsError
 from dpar.core.torch_internals import pytree
 
-__all__ = ["CostBreakdown", "Hardware", "ParameterPlan", "Plan", "global_batch", "plan"]
+__all__ = ["CostBreakdown", "DeviceSpec", "ParameterPlan", "Plan", "global_batch", "plan"]
 
 
 def plan(
@@ -33,7 +33,7 @@ def plan(
     mesh_shape: int | Sequence[int],
     memory_budget_gb: float | None = None,
     mesh_dim_names: Sequence[str] | None = None,
-    hardware: Hardware | None = None,
+    device: str | DeviceSpec = "h100",
 ) -> Plan:
     """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank.
 
@@ -44,19 +44,21 @@ def plan(
     takes that slice and plans for it times the world size (``global_batch``). Real, fake or
     meta tensors all work, and the model may live on the meta device.
     ``mesh_dim_names`` fixes each dimension's role (``"dp"`` or ``"tp"``) instead of letting
-    the solver choose. ``hardware`` defaults to H100 nodes of 8 (see ``hardware.h100``).
+    the solver choose. ``device`` is a preset (``"h100"``, ``"h200"``, ``"cpu"``) or a ``DeviceSpec``:
+    the one device description ``dpar inspect`` prices with too (``dpar.compiler.costs``); a preset's
+    last mesh dimension is node-local (NVLink) when it fits in a node, the others cross nodes.
     """
     from dpar.planner.solver import solve  # scipy.optimize: loaded when planning, not on import dpar
 
     shape = _mesh_shape(mesh_shape)
     names = _mesh_dim_names(mesh_dim_names, shape)
-    hardware = hardware or h100(shape)
-    hardware.check_mesh(shape)
+    device = device_spec(device)
+    device.links(shape)  # refuses hand-given links that do not match the mesh, before capturing
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     graph = build_op_graph(model, inputs)
     found = _usable_layouts(graph, shape, names)
     budget = None if memory_budget_gb is None else memory_budget_gb * 1e9
-    return evaluate(graph, solve(graph, found, hardware, budget), hardware)
+    return evaluate(graph, solve(graph, found, device, budget), device)
 
 
 def global_batch(rank_slice: Sequence[object], ranks: int) -> tuple[object, ...]:

@@ -31,38 +31,90 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from dpar.compiler.collectives import is_compute
+from dpar.core.errors import OptionsError
 from dpar.core.torch_internals import pytree
 
 N, B, ALPHA, BETA = sympy.symbols("N B alpha beta", positive=True)
 
 
+GPUS_PER_NODE = 8
+"""A mesh dimension of at most this many ranks stays inside one node (NVLink) on the GPU presets."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
-    """One rank's peak throughput and its link to the others."""
+    """The one device description: one rank's peak throughput per dtype, its memory bandwidth, and
+    its links, as the backend's bucket and prefetch plans, ``dpar inspect``, the planner and the
+    pipeline planner all price it.
+
+    [Note: the device's links]
+    ``alpha`` and ``link_bandwidth`` are the link between nodes (a GPU's NIC); ``intra_alpha`` and
+    ``intra_link_bandwidth`` the link inside one node of ``node_size`` ranks (NVLink), the same as
+    the inter-node link where not given. ``links(mesh_shape)`` gives one (α, β) per mesh dimension:
+    the last dimension is node-local when it fits in a node, the others cross nodes, which is what
+    lets the planner put data parallel on a slow dimension and tensor parallel on a fast one.
+    ``mesh_links`` (one (α, β) per dimension) replaces that rule for a machine given by hand.
+    A collective over the whole world (what ``dpar inspect`` simulates) runs on the inter-node link.
+    """
 
     name: str
-    flops_fp32: float  # FLOP/s
+    flops_fp32: float  # FLOP/s of fp32 math (and of fp32 matmuls where there is no TF32)
     flops_16bit: float  # FLOP/s for bf16/fp16 (tensor cores where there are some)
     memory_bandwidth: float  # bytes/s
-    alpha: float  # seconds per ring step
-    link_bandwidth: float  # bytes/s per rank
+    alpha: float  # seconds per ring step between nodes
+    link_bandwidth: float  # bytes/s per rank between nodes
     overlap: float = 1.0
     """Share of a collective's time that can run hidden under compute: 1 where communication has
     its own engine (a GPU's copy engines and NIC), 0 where it competes with compute for the cores."""
+    flops_tf32: float | None = None
+    """FLOP/s of fp32 matmuls run as TF32 (tensor cores); None: no TF32, ``flops_fp32``. dpar prices an
+    fp32 model's matmuls at TF32, as ``torch.set_float32_matmul_precision("high")`` runs them on GPUs."""
+    node_size: int = GPUS_PER_NODE
+    intra_alpha: float | None = None  # seconds per ring step inside a node; None: ``alpha``
+    intra_link_bandwidth: float | None = None  # bytes/s per rank inside a node; None: ``link_bandwidth``
+    mesh_links: tuple[tuple[float, float], ...] | None = None
+    """(α seconds, β seconds/byte) per mesh dimension, given by hand: replaces the node rule."""
 
     @property
     def beta(self) -> float:
         return 1.0 / self.link_bandwidth
 
     def flops(self, dtype: torch.dtype) -> float:
-        return self.flops_16bit if dtype in (torch.bfloat16, torch.float16) else self.flops_fp32
+        """Peak FLOP/s of a matmul in ``dtype``: bf16/fp16 at the 16-bit peak, fp32 at TF32 where there is one."""
+        if dtype in (torch.bfloat16, torch.float16):
+            return self.flops_16bit
+        return self.flops_tf32 or self.flops_fp32
 
+    def links(self, mesh_shape: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
+        """One (α, β) per mesh dimension (see [Note: the device's links])."""
+        if self.mesh_links is not None:
+            if len(self.mesh_links) != len(mesh_shape):
+                raise OptionsError(
+                    f"device {self.name!r} has links for {len(self.mesh_links)} mesh dimension(s) but mesh_shape "
+                    f"{mesh_shape} has {len(mesh_shape)}; give one (alpha, beta) per mesh dimension, or use a preset"
+                )
+            return self.mesh_links
+        inter = (self.alpha, self.beta)
+        intra = (
+            self.alpha if self.intra_alpha is None else self.intra_alpha,
+            1.0 / (self.intra_link_bandwidth or self.link_bandwidth),
+        )
+        found = [inter] * len(mesh_shape)
+        if mesh_shape and mesh_shape[-1] <= self.node_size:
+            found[-1] = intra
+        return tuple(found)
+
+
+# H100 SXM datasheet: dense FP32 67, TF32 494, BF16 989 TFLOP/s, HBM3 3.35 TB/s; NVLink 4 450 GB/s per
+# direction inside a node of 8, one 400 Gb/s (50 GB/s) NIC per GPU across nodes. α: NCCL's per-step
+# latency, roughly (1 us over NVLink, 5 us across nodes).
+_H100 = dict(flops_fp32=67e12, flops_tf32=494e12, flops_16bit=989e12, alpha=5e-6, link_bandwidth=50e9,
+             intra_alpha=1e-6, intra_link_bandwidth=450e9)
 
 PRESETS: dict[str, DeviceSpec] = {
-    # H100 SXM datasheet (dense TF32 / BF16, HBM3), one 400 Gb/s NIC per GPU across nodes.
-    "h100": DeviceSpec("h100", 494e12, 989e12, 3.35e12, alpha=5e-6, link_bandwidth=50e9),
-    # H200 SXM datasheet: the H100 SXM's compute, 141 GB of HBM3e at 4.8 TB/s; the same NIC.
-    "h200": DeviceSpec("h200", 494e12, 989e12, 4.8e12, alpha=5e-6, link_bandwidth=50e9),
+    "h100": DeviceSpec("h100", memory_bandwidth=3.35e12, **_H100),
+    # H200 SXM datasheet: the H100 SXM's compute and links, 141 GB of HBM3e at 4.8 TB/s.
+    "h200": DeviceSpec("h200", memory_bandwidth=4.8e12, **_H100),
     # The 2-core development/CI machine, rounded from benchmarks/validate_simulator.py's
     # calibration (one thread per rank: 512^2 matmul ~95 GFLOP/s, 16 MiB copy ~2.6 GB/s,
     # 2-rank gloo all-reduce over loopback alpha ~175 us, ~0.7 GB/s).
@@ -71,6 +123,7 @@ PRESETS: dict[str, DeviceSpec] = {
     # a step more than buckets issued as the backward goes, so about a third of the communication
     # hides. A loop of matmuls hides none of it (gloo's thread and MKL's share the two cores); what
     # hides in a real backward is the time its memory-bound kernels leave a core waiting.
+    # One machine: every mesh dimension is the same loopback link.
     "cpu": DeviceSpec("cpu", 90e9, 20e9, 2.5e9, alpha=150e-6, link_bandwidth=0.7e9, overlap=0.3),
 }
 
@@ -79,7 +132,7 @@ def device_spec(name_or_spec: str | DeviceSpec) -> DeviceSpec:
     if isinstance(name_or_spec, DeviceSpec):
         return name_or_spec
     if name_or_spec not in PRESETS:
-        raise ValueError(f"unknown device {name_or_spec!r}; presets: {sorted(PRESETS)}")
+        raise OptionsError(f"unknown device {name_or_spec!r}; presets: {sorted(PRESETS)}, or a DeviceSpec")
     return PRESETS[name_or_spec]
 
 
@@ -200,15 +253,46 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
+_aten = torch.ops.aten
+_ATTENTION = {_aten.scaled_dot_product_attention, _aten._scaled_dot_product_flash_attention_for_cpu}
+
+
 def node_flops(node: fx.Node) -> int:
-    """FLOPs from torch's flop counter formulas; 0 for ops it has none for (elementwise)."""
+    """Forward FLOPs of one ATen node: the one count the inspector, the planner and the pipeline split use.
+
+    torch's flop counter formulas (mm, addmm, bmm, baddbmm, convolution, the fused attention
+    kernels), and the composite ops a non-decomposed (exported) graph keeps whole: ``aten.linear``
+    (2·M·K·N; the bias's M·N is not counted, as addmm's formula does not), ``aten.matmul``
+    (2·out·K) and scaled-dot-product attention (Q·Kᵀ and P·V: 2·B·H·S_q·S_k·(D_qk + D_v), torch's
+    formula; no causal halving). 0 for every other op (elementwise, norms, softmax, embedding, loss):
+    their time is the bytes they move (``node_cost``'s roofline), not their arithmetic.
+    """
+    if node.op != "call_function":
+        return 0
     packet = getattr(node.target, "_overloadpacket", None)
+    out = _val(node)
+    if packet is _aten.linear:
+        return 2 * int(_tensor_numel(out)) * int(_val(node.args[1]).shape[-1])
+    if packet is _aten.matmul:
+        return 2 * int(_tensor_numel(out)) * int(_val(node.args[0]).shape[-1])
+    if packet in _ATTENTION:
+        q, k, v = (_val(a) for a in node.args[:3])
+        return 2 * (int(q.numel()) // int(q.shape[-1])) * int(k.shape[-2]) * (int(q.shape[-1]) + int(v.shape[-1]))
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
     args = pytree.tree_map(_val, node.args)
     kwargs = pytree.tree_map(_val, dict(node.kwargs))
-    return int(formula(*args, out_val=_val(node), **kwargs))
+    return int(formula(*args, out_val=out, **kwargs))
+
+
+def _tensor_numel(value: Any) -> int:
+    return int(value.numel()) if isinstance(value, torch.Tensor) else int(value[0].numel())
+
+
+def roofline(flops: float, nbytes: float, dtype: torch.dtype, spec: DeviceSpec) -> float:
+    """Seconds of one kernel: its FLOPs at ``dtype``'s peak or its bytes at the memory bandwidth, the larger."""
+    return max(flops / spec.flops(dtype), nbytes / spec.memory_bandwidth)
 
 
 def node_cost(node: fx.Node, spec: DeviceSpec) -> NodeCost:
@@ -219,8 +303,7 @@ def node_cost(node: fx.Node, spec: DeviceSpec) -> NodeCost:
     out = _val(node)
     nbytes = sum(_tensor_bytes(_val(a)) for a in node.all_input_nodes) + _tensor_bytes(out)
     dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
-    seconds = max(flops / spec.flops(dtype), nbytes / spec.memory_bandwidth)
-    return NodeCost(flops, nbytes, seconds)
+    return NodeCost(flops, nbytes, roofline(flops, nbytes, dtype, spec))
 
 
 def compute_done(gm: fx.GraphModule, spec: DeviceSpec) -> dict[fx.Node, float]:

@@ -26,7 +26,6 @@ edge runs from the op that produced a tensor to the op that reads it, through an
 from __future__ import annotations
 
 import inspect
-import math
 import operator
 from collections.abc import Sequence
 
@@ -35,6 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from dpar.compiler.costs import node_flops
 from dpar.compiler.propagation import rules
 from dpar.planner.opgraph import Op, OpGraph
 from dpar.planner.repeats import collapse_repeats
@@ -55,8 +55,6 @@ MATMUL = {aten.matmul.default, aten.addmm.default, aten.baddbmm.default} | rules
 DROPOUT = {aten.dropout.default, aten.native_dropout.default}
 NOT_VIEWS = {aten.clone.default, aten._unsafe_view.default, aten.lift_fresh_copy.default}  # copies that act as views here
 
-# FLOPs per output element of the ops whose cost is elementwise (norm: mean, var, scale, shift).
-ELEMENTWISE_FLOPS = {"norm": 8, "softmax": 5, "loss": 5, "pointwise": 1, "other": 1, "embedding": 0}
 
 
 class _TensorOutputs(nn.Module):
@@ -112,19 +110,6 @@ def _kind(node: fx.Node, params: list[str]) -> str:
     return "other"
 
 
-def _flops(kind: str, node: fx.Node, in_shapes: list[tuple[int, ...]], param_shapes: list[tuple[int, ...]]) -> int:
-    out = _shape(node.meta["val"]) if isinstance(node.meta.get("val"), torch.Tensor) else ()
-    if kind == "linear":  # 2·M·K·N (+ M·N for the bias)
-        return 2 * math.prod(out) * param_shapes[0][1] + (math.prod(out) if len(param_shapes) > 1 else 0)
-    if kind == "matmul" or (node.target in MATMUL):
-        return 2 * math.prod(out) * in_shapes[0][-1]
-    if kind == "attention":  # Q·Kᵀ and P·V: 4·B·H·S_q·S_k·D
-        q, k = in_shapes[0], in_shapes[1]
-        return 4 * math.prod(q[:-1]) * k[-2] * q[-1]
-    per_element = math.prod(in_shapes[0]) if kind == "loss" and in_shapes else math.prod(out)
-    return per_element * ELEMENTWISE_FLOPS[kind]
-
-
 def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGraph:
     """Capture ``model`` and turn its ATen graph into ops, edges and parameter owners, repeats collapsed."""
     program = capture(model, example_inputs)
@@ -174,7 +159,8 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
                 input_shapes=tuple(in_shapes),
                 input_batched=tuple(in_batched),
                 output_shape=() if kind == "output" else _shape(node.meta.get("val")),
-                flops=0 if kind == "output" else _flops(kind, node, in_shapes, p_shapes),
+                flops=0 if kind == "output" else node_flops(node),
+                dtype=_dtype(node, kind),
                 params=tuple(params),
                 param_shapes=tuple(p_shapes),
                 param_grad=any(parameters[p].requires_grad for p in params),
@@ -184,6 +170,13 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
         )
         source[node] = len(ops) - 1
     return collapse_repeats(ops, list(parameters.items()), batch_size, batch_bytes)
+
+
+def _dtype(node: fx.Node, kind: str) -> torch.dtype:
+    """The dtype an op computes in, which picks its peak: its output's (a loss's or an index op's: its float input's)."""
+    values = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
+    floats = [v.dtype for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return floats[0] if floats else torch.float32
 
 
 def _is_view(node: fx.Node) -> bool:

@@ -1,20 +1,23 @@
 """The planner's cost model: sympy closed forms, evaluated for every op, candidate and layout.
 
 [Note: the planner's cost model]
-Compute is a roofline on each rank's share: ``max(F / peak_flops, M / mem_bandwidth)`` with
-F the op's FLOPs and M the bytes it reads and writes, both divided by how the op is split
-(the batch over the data-parallel degree D, the sharded tensors over the tp degree T; a
-replicated weight is read whole by every rank). Backward costs one more forward per
+Compute is a roofline on each rank's share (``dpar.compiler.costs.roofline``, the one the
+inspector prices each node with): ``max(F / peak(dtype), M / mem_bandwidth)`` with F the op's
+FLOPs (``costs.node_flops``, the one count) and M the bytes it reads and writes in the dtype it
+computes in (the model's own: an fp32 model at the device's TF32 peak, one under bf16 at its bf16
+peak), both divided by how the op is split (the batch over the data-parallel degree D, the
+sharded tensors over the tp degree T; a replicated weight is read whole by every rank). Backward costs one more forward per
 gradient it produces (dX and dW of a Linear; twice the forward for ops without weights).
 
 Communication is the α-β ring model of ``dpar.compiler.costs`` per mesh dimension,
-each with its own α and β. Data-parallel collectives run per bucket, one bucket per
+each with its own α and β (``DeviceSpec.links``: node-local or across nodes). Data-parallel collectives run per bucket, one bucket per
 numbered block (``blocks.3``) and one for the rest, as dpar's sharded runtime buckets them:
 their α terms depend on the layout only, their β terms on each parameter's tp placement. A collective over several data-parallel dimensions runs
 hierarchically, innermost (last, fastest) dimension first on the whole payload, the next
 on what is left: all-reduce over (a, b) = all-reduce_b(B) + all-reduce_a(B / n_b).
 
-Precision follows ZeRO's mixed-precision accounting: parameters, gradients, activations
+Memory and communication follow ZeRO's mixed-precision accounting (compute does not yet: it is
+priced in the model's dtype, as ``dpar inspect`` prices it): parameters, gradients, activations
 and every collective payload in 2-byte bf16, optimizer state 12 bytes per parameter (fp32
 master copy and AdamW's two moments), so a replicated trained parameter costs 16Ψ, zero2
 2Ψ + 14Ψ/D and fsdp 16Ψ/D. Activations saved for backward: every op's output that a
@@ -26,7 +29,9 @@ all-gathers the group's slices of the inputs that carry the batch (their own dty
 
 Overlap: data-parallel collectives of the forward (zero2/fsdp gathers) hide behind forward
 compute and those of the backward (gradient reduction, fsdp's second gather) behind
-backward compute: exposed = max(0, comm - compute) per phase. Tensor-parallel collectives
+backward compute: exposed = max(0, comm - compute) per phase. That is the device's
+``overlap`` = 1 (the GPU presets'); a device whose collectives only partly hide (the cpu
+preset's 0.3, which ``dpar inspect`` and the bucket plan use) is not yet priced so here. Tensor-parallel collectives
 sit on the critical path and are never hidden.
 """
 
@@ -38,8 +43,7 @@ from collections import defaultdict
 
 import sympy
 
-from dpar.compiler.costs import ALPHA, BETA, B, N, comm_time_expr, moved_bytes_expr
-from dpar.planner.hardware import Hardware
+from dpar.compiler.costs import ALPHA, BETA, B, N, DeviceSpec, comm_time_expr, moved_bytes_expr, roofline
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import Edge, Op, OpGraph, ParamInfo
 from dpar.planner.rules import BACKWARD_CONVERT, FORWARD_CONVERT, Candidate
@@ -48,10 +52,8 @@ BYTES = 2  # bf16 parameters, gradients, activations and collective payloads
 STATS_BYTES = 4  # fp32 per-row statistics of a vocab-parallel softmax / loss
 OPTIMIZER_BYTES = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq
 
-F, M, PEAK, BW = sympy.symbols("F M peak_flops mem_bandwidth", positive=True)
 PSI, D, G = sympy.symbols("Psi D g", nonnegative=True)  # elements per rank after tp, dp degree, trained (0/1)
 
-ROOFLINE = sympy.Max(F / PEAK, M / BW)
 STATE_BYTES = {  # parameter + gradient + optimizer state of Ψ elements
     "replicate": BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI,
     "zero2": BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI / D,
@@ -65,7 +67,6 @@ DP_COLLECTIVES = {
 }
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
-_roofline = sympy.lambdify((F, M, PEAK, BW), ROOFLINE, "math")
 _comm_time = {k: sympy.lambdify((N, B, ALPHA, BETA), comm_time_expr(k), "math") for k in KINDS}
 _moved = {k: sympy.lambdify((N, B), moved_bytes_expr(k), "math") for k in KINDS}
 _state_bytes = {k: sympy.lambdify((PSI, D, G), e, "math") for k, e in STATE_BYTES.items()}
@@ -103,8 +104,9 @@ def local_numel(shape: tuple[int, ...], placement: str, tp: int) -> float:
 class CostModel:
     """Prices ops, edges and parameters of one graph under one layout on one machine."""
 
-    def __init__(self, graph: OpGraph, layout: Layout, hardware: Hardware) -> None:
-        self.graph, self.layout, self.hw = graph, layout, hardware
+    def __init__(self, graph: OpGraph, layout: Layout, device: DeviceSpec) -> None:
+        self.graph, self.layout, self.device = graph, layout, device
+        self.links = device.links(layout.mesh_shape) if math.prod(layout.mesh_shape) > 1 else ()  # one rank: no link
         self.dp, self.tp = layout.dp_degree, layout.tp_degree
         self.owned: dict[int, list[ParamInfo]] = defaultdict(list)
         for info in graph.params:
@@ -118,7 +120,7 @@ class CostModel:
         seconds, payload = 0.0, nbytes
         for axis in sorted(axes, reverse=True):
             n = self.layout.mesh_shape[axis]
-            seconds += _comm_time[kind](n, payload, self.hw.alpha[axis] if alpha else 0.0, self.hw.beta[axis])
+            seconds += _comm_time[kind](n, payload, self.links[axis][0] if alpha else 0.0, self.links[axis][1])
             payload /= n
         return seconds
 
@@ -171,7 +173,7 @@ class CostModel:
         moved += sum(local_numel(s, p, self.tp) * BYTES for s, p in zip(op.param_shapes, cand.params))
         moved += self.activation_bytes(op.output_numel, op.batched, cand.output)
         flops = op.flops / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
-        fwd = _roofline(flops, moved, self.hw.peak_flops, self.hw.mem_bandwidth)
+        fwd = roofline(flops, moved / BYTES * op.dtype.itemsize, op.dtype, self.device)  # bytes in the op's dtype
         grads = int(op.input_grad) + int(op.param_grad) if op.params else 2 * int(op.input_grad)
         stats = cand.stats * self.tp_collective("all_reduce", self.stats_bytes(op)) if cand.stats else 0.0
         saved = self.activation_bytes(op.output_numel, op.batched, cand.output) if op.needs_grad else 0.0

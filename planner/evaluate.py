@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+from dpar.compiler.costs import DeviceSpec
 from dpar.planner.costs import BYTES, CostModel, OpCost, local_numel
-from dpar.planner.hardware import Hardware
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import CollectivePlan, CostBreakdown, OpPlan, ParameterPlan, Plan
@@ -45,9 +45,9 @@ def backward_arrivals(graph: OpGraph, picked: list[Candidate]) -> dict[int, set[
     return arriving
 
 
-def evaluate(graph: OpGraph, assignment: Assignment, hardware: Hardware) -> Plan:
+def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan:
     layout = assignment.layout
-    model = CostModel(graph, layout, hardware)
+    model = CostModel(graph, layout, device)
     picked = chosen(graph, assignment)
     costs = [model.op_cost(i, c) for i, c in enumerate(picked)]
     total = OpCost(*(sum(getattr(c, f.name) for c in costs) for f in dataclasses.fields(OpCost)))

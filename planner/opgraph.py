@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 
 @dataclasses.dataclass(frozen=True)
 class Op:
@@ -24,6 +26,7 @@ class Op:
     input_grad: bool  # some activation input needs a gradient
     batched: bool  # the output carries the batch dimension (split by data parallel)
     count: int = 1
+    dtype: torch.dtype = torch.float32  # what it computes in: picks the device's peak (``DeviceSpec.flops``)
 
     @property
     def output_numel(self) -> int:

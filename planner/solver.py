@@ -40,9 +40,9 @@ import numpy as np
 from scipy.optimize import LinearConstraint, milp
 from scipy.sparse import coo_array
 
+from dpar.compiler.costs import DeviceSpec
 from dpar.planner.costs import CostModel
 from dpar.planner.evaluate import Assignment
-from dpar.planner.hardware import Hardware
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.rules import candidates
@@ -88,24 +88,24 @@ class _Problem:
         return result.x if result.status == 0 else None
 
 
-def single_device_compute(graph: OpGraph, hardware: Hardware) -> float:
-    model = CostModel(graph, Layout((1,), ("dp",), "replicate"), hardware)
+def single_device_compute(graph: OpGraph, device: DeviceSpec) -> float:
+    model = CostModel(graph, Layout((1,), ("dp",), "replicate"), device)
     costs = [model.op_cost(i, candidates(op, 1)[0]) for i, op in enumerate(graph.ops)]
     return sum(c.compute_fwd + c.compute_bwd for c in costs) or 1.0
 
 
-def solve(graph: OpGraph, layouts: list[Layout], hardware: Hardware, memory_budget: float | None) -> Assignment:
+def solve(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, memory_budget: float | None) -> Assignment:
     """The optimal assignment; ``OptionsError`` when none fits ``memory_budget`` bytes per rank."""
-    if memory_budget is not None and smallest_footprint(graph, layouts, hardware)[0] > memory_budget:
-        raise no_fit(graph, layouts, hardware, memory_budget)
-    scale = single_device_compute(graph, hardware)
+    if memory_budget is not None and smallest_footprint(graph, layouts, device)[0] > memory_budget:
+        raise no_fit(graph, layouts, device, memory_budget)
+    scale = single_device_compute(graph, device)
     problem = _Problem()
     exposed = {phase: problem.var(1.0, False, math.inf) for phase in ("forward", "backward")}
     overlap: dict[str, dict[int, float]] = {phase: {v: 1.0} for phase, v in exposed.items()}
     memory: dict[int, float] = {}
     chosen: dict[Layout, tuple[int, list[list[int]]]] = {}
     for rank, layout in enumerate(layouts):
-        model = CostModel(graph, layout, hardware)
+        model = CostModel(graph, layout, device)
         z = problem.var(TIE_LAYOUT * rank + model.batch_gather()[1] / scale, True)
         for phase, seconds in model.dp_latency().items():
             overlap[phase][z] = -seconds / scale
@@ -137,7 +137,7 @@ def solve(graph: OpGraph, layouts: list[Layout], hardware: Hardware, memory_budg
     solution = problem.solve()
     if solution is None:
         if memory_budget is not None:
-            raise no_fit(graph, layouts, hardware, memory_budget)
+            raise no_fit(graph, layouts, device, memory_budget)
         raise OptionsError(f"dpar internal error: the planner's ILP found no solution for {len(layouts)} layouts")
     for layout, (z, x) in chosen.items():
         if solution[z] > 0.5:
@@ -145,18 +145,18 @@ def solve(graph: OpGraph, layouts: list[Layout], hardware: Hardware, memory_budg
     raise AssertionError("one layout is always chosen")
 
 
-def smallest_footprint(graph: OpGraph, layouts: list[Layout], hardware: Hardware) -> tuple[float, Layout]:
+def smallest_footprint(graph: OpGraph, layouts: list[Layout], device: DeviceSpec) -> tuple[float, Layout]:
     """The least memory per rank any assignment reaches (memory does not depend on the edges)."""
     found = []
     for layout in layouts:
-        model = CostModel(graph, layout, hardware)
+        model = CostModel(graph, layout, device)
         total = sum(min(model.op_cost(o, c).memory for c in candidates(op, layout.tp_degree)) for o, op in enumerate(graph.ops))
         found.append((total, layout))
     return min(found, key=lambda t: t[0])
 
 
-def no_fit(graph: OpGraph, layouts: list[Layout], hardware: Hardware, budget: float) -> OptionsError:
-    footprint, layout = smallest_footprint(graph, layouts, hardware)
+def no_fit(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, budget: float) -> OptionsError:
+    footprint, layout = smallest_footprint(graph, layouts, device)
     mesh = "x".join(map(str, layout.mesh_shape))
     return OptionsError(
         f"no plan fits memory_budget_gb={budget / 1e9:.3g}: the smallest footprint found is {footprint / 1e9:.3g} GB "

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from dpar.compiler.costs import DeviceSpec
 from dpar.planner.evaluate import Assignment, evaluate
-from dpar.planner.hardware import Hardware
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import Plan
@@ -91,12 +91,12 @@ def strategy_assignment(graph: OpGraph, name: str, mesh_shape: tuple[int, ...]) 
     return Assignment(layout, megatron(graph, layout.tp_degree))
 
 
-def evaluate_strategies(graph: OpGraph, mesh_shape: tuple[int, ...], hardware: Hardware) -> dict[str, Plan | str]:
+def evaluate_strategies(graph: OpGraph, mesh_shape: tuple[int, ...], device: DeviceSpec) -> dict[str, Plan | str]:
     """Every named strategy that applies to ``mesh_shape``: its plan, or why it does not apply."""
     found: dict[str, Plan | str] = {}
     for name in STRATEGIES:
         try:
-            found[name] = evaluate(graph, strategy_assignment(graph, name, mesh_shape), hardware)
+            found[name] = evaluate(graph, strategy_assignment(graph, name, mesh_shape), device)
         except OptionsError as error:
             found[name] = str(error)
     return found

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpar.planner.hardware import Hardware
+from dpar.compiler.costs import DeviceSpec
 
 # Round numbers so known answers can be worked out by hand: 100 TFLOP/s, 1 TB/s,
 # a fast link (α 1 µs, 100 GB/s) and a slow one (α 10 µs, 10 GB/s).
@@ -14,8 +14,9 @@ FAST = (1e-6, 1e-11)
 SLOW = (1e-5, 1e-10)
 
 
-def hardware(*links: tuple[float, float]) -> Hardware:
-    return Hardware(1e14, 1e12, tuple(a for a, _ in links), tuple(b for _, b in links))
+def hardware(*links: tuple[float, float]) -> DeviceSpec:
+    """A user-given device: 100 TFLOP/s in every dtype, 1 TB/s, one (α, β) per mesh dimension."""
+    return DeviceSpec("test", 1e14, 1e14, 1e12, alpha=links[0][0], link_bandwidth=1 / links[0][1], mesh_links=tuple(links))
 
 
 class MLP(nn.Module):

@@ -19,7 +19,7 @@ NARROW_MLP = dict(hidden=256, batch=1 << 18)  # activations >> weights, gradient
 
 def _plan_mlp(hidden: int, batch: int, mesh_shape=(8,), links=(FAST,), **kwargs) -> Plan:
     model, inputs = mlp(hidden, batch)
-    return plan(model, inputs, mesh_shape=mesh_shape, hardware=hardware(*links), **kwargs)
+    return plan(model, inputs, mesh_shape=mesh_shape, device=hardware(*links), **kwargs)
 
 
 def test_small_hidden_large_batch_mlp_is_ddp_with_the_closed_form_all_reduce():
@@ -88,7 +88,7 @@ def test_2d_mesh_puts_dp_on_the_slow_axis_and_tp_on_the_fast_one(links, roles):
 
 def _assert_planner_beats_every_strategy(model, inputs, mesh_shape, links) -> dict[str, float]:
     hw = hardware(*links)
-    best = plan(model, inputs, mesh_shape=mesh_shape, hardware=hw)
+    best = plan(model, inputs, mesh_shape=mesh_shape, device=hw)
     strategies = evaluate_strategies(build_op_graph(model, inputs), mesh_shape, hw)
     steps = {name: s.cost.step_s for name, s in strategies.items() if isinstance(s, Plan)}
     for name, step in steps.items():
@@ -127,7 +127,7 @@ def test_hand_written_tp_on_a_gpt_is_megatron():
 
 def test_plan_round_trips_through_json_and_its_table_lists_every_parameter():
     model, inputs = gpt(n_layer=2)
-    p = plan(model, inputs, mesh_shape=(2, 4), hardware=hardware(SLOW, FAST))
+    p = plan(model, inputs, mesh_shape=(2, 4), device=hardware(SLOW, FAST))
     again = Plan.from_json(p.to_json())
     assert again == p
     table = str(p)
@@ -159,4 +159,4 @@ def test_ilp_optimum_equals_brute_force_over_every_assignment(mesh_shape, links,
         for choices in itertools.product(*(range(len(candidates(op, layout.tp_degree))) for op in graph.ops))
         if splits(layout, choices)
     )
-    assert plan(model, inputs, mesh_shape=mesh_shape, hardware=hw).cost.step_s == pytest.approx(best, rel=1e-6)
+    assert plan(model, inputs, mesh_shape=mesh_shape, device=hw).cost.step_s == pytest.approx(best, rel=1e-6)

@@ -59,24 +59,24 @@ def test_planner_never_gives_a_tp_axis_that_splits_nothing(build):
 
 def test_a_tp_axis_that_splits_nothing_runs_as_data_parallel_over_every_axis():
     model, inputs = mlp(hidden=256, batch=1 << 12)
-    zero2 = plan(model, inputs, mesh_shape=(2, 4), mesh_dim_names=("dp", "dp"), hardware=hardware(SLOW, FAST))
+    zero2 = plan(model, inputs, mesh_shape=(2, 4), mesh_dim_names=("dp", "dp"), device=hardware(SLOW, FAST))
     assert zero2.data_parallel == "zero2"
     run = _unsplit_tp(zero2, 1, "zero2+tp").as_run()
     assert (run.mesh_dim_names, run.strategy, run.data_axes, run.data_parallel_degree) == (("dp", "dp"), "zero2", (0, 1), 8)
     assert {pp.placements for pp in run.parameters} == {("S(0)", "S(0)")}
     model, inputs = mlp(hidden=256, batch=1 << 18)  # test_planner.py: ddp, its all-reduce hidden
-    ddp = plan(model, inputs, mesh_shape=(8,), hardware=hardware(FAST))
+    ddp = plan(model, inputs, mesh_shape=(8,), device=hardware(FAST))
     run = _unsplit_tp(ddp, 0, "tp").as_run()
     assert (run.mesh_dim_names, run.strategy, run.tp_dims()) == (("dp",), "ddp", ddp.tp_dims())
 
 
 def test_printout_names_the_axes_that_split_the_data():
     model, inputs = mlp(hidden=256, batch=1 << 12)
-    text = str(plan(model, inputs, mesh_shape=(2,), mesh_dim_names=("dp",), hardware=hardware(FAST)))
+    text = str(plan(model, inputs, mesh_shape=(2,), mesh_dim_names=("dp",), device=hardware(FAST)))
     assert "data split over: dp (2); global batch 4096 rows, 2048 per data-parallel rank" in text
     assert "axis 0 dp (2): data parallel: ranks see different rows, gradients averaged" in text
     model, inputs = mlp(hidden=4096, batch=4096)
-    p = plan(model, inputs, mesh_shape=(2, 4), mesh_dim_names=("dp", "tp"), hardware=hardware(SLOW, FAST))
+    p = plan(model, inputs, mesh_shape=(2, 4), mesh_dim_names=("dp", "tp"), device=hardware(SLOW, FAST))
     split = sum(d is not None for d in p.tp_dims().values())
     text = str(p)
     assert "data split over: dp (2); global batch 4096 rows, 2048 per data-parallel rank" in text
@@ -117,7 +117,7 @@ def test_mesh_of_a_plan_groups_the_tp_axis_and_folds_the_dp_axes(world_of_8):
     from dpar.placement import _mesh_of_plan
 
     model, inputs = mlp(hidden=4096, batch=64)
-    p = plan(model, inputs, mesh_shape=(2, 4), mesh_dim_names=("dp", "tp"), hardware=hardware(SLOW, FAST))
+    p = plan(model, inputs, mesh_shape=(2, 4), mesh_dim_names=("dp", "tp"), device=hardware(SLOW, FAST))
     three_d = dataclasses.replace(p, mesh_shape=(2, 2, 2), mesh_dim_names=("dp", "tp", "dp"))
     mesh = _mesh_of_plan(nn.Linear(1, 1), three_d)
     assert mesh.mesh_dim_names == ("dp", "tp")

@@ -54,12 +54,12 @@ def train_planned(
     """``dpar.plan`` with the mesh dimension's role fixed (and ``links`` as (α, β) of a
     100 GFLOP/s device, if given), applied by ``parallelize(plan=...)``."""
     import dpar
-    from dpar.planner.hardware import Hardware
+    from dpar.compiler.costs import DeviceSpec
     from training import global_batch, seeded_model
 
     x0, _ = global_batch(case.model, 0, 0, 8)
-    hardware = Hardware(1e11, 1e10, (links[0],), (links[1],)) if links else None
-    plan = dpar.plan(seeded_model(case), (x0,), mesh_shape=(world_size,), mesh_dim_names=roles, hardware=hardware)
+    device = DeviceSpec("test", 1e11, 1e11, 1e10, alpha=links[0], link_bandwidth=1 / links[1], mesh_links=(links,)) if links else "h100"
+    plan = dpar.plan(seeded_model(case), (x0,), mesh_shape=(world_size,), mesh_dim_names=roles, device=device)
     return plan.strategy, plan.tp_dims(), train_parallel(rank, world_size, case, "fsdp", plan=plan)
 
 

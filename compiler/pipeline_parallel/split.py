@@ -30,8 +30,8 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils.flop_counter import flop_registry
 
+from dpar.compiler.costs import node_flops
 from dpar.core.errors import OptionsError
 from dpar.core.pipeline_program import Stage, StageSplit, ValueSpec
 
@@ -152,25 +152,12 @@ def _classify(gm: fx.GraphModule) -> tuple[set[fx.Node], set[fx.Node]]:
 
 
 def _flops(node: fx.Node) -> float:
-    """Forward FLOPs of one node from its recorded fake values: torch's formulas, plus linear and SDPA."""
-    def val(a):
-        return a.meta.get("val") if isinstance(a, fx.Node) else a
-
+    """A node's weight in the stage balance: its forward FLOPs (``costs.node_flops``, the one count), or
+    its output's size for memory-bound ops, so that blocks of elementwise ops still weigh something."""
     out = node.meta.get("val")
     if node.op != "call_function" or not isinstance(out, torch.Tensor):
         return 0.0
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet is torch.ops.aten.linear:
-        weight = val(node.args[1])
-        return 2.0 * out.numel() * weight.shape[-1]
-    if packet is torch.ops.aten.scaled_dot_product_attention:
-        q, k = val(node.args[0]), val(node.args[1])
-        return 4.0 * q.numel() * k.shape[-2]
-    if packet in flop_registry:
-        args = fx.node.map_aggregate(node.args, val)
-        kwargs = fx.node.map_aggregate(node.kwargs, val)
-        return float(flop_registry[packet](*args, **kwargs, out_val=out))
-    return float(out.numel())  # memory-bound ops: a small cost, so empty-looking blocks still weigh
+    return float(node_flops(node) or out.numel())
 
 
 def _balanced_cuts(costs: Sequence[float], stages: int) -> list[int]:

@@ -1,0 +1,51 @@
+"""One device and one FLOP count: ``dpar plan`` and ``dpar inspect`` price the same model's compute alike.
+
+Meta-device models only (nothing is allocated, no process group): a few seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dpar
+from dpar.compiler.costs import PRESETS, DeviceSpec
+from dpar.planning import global_batch
+from planner_models import mlp
+
+HIDDEN, ROWS, LAYERS = 64, 32, 4
+# fp32 at 1 GFLOP/s, bf16 at 4: a planner that priced an fp32 model at the 16-bit peak is off by 4.
+# Infinite memory bandwidth: every node's time is its FLOPs, so only the FLOP counts are compared.
+FP32_SLOW = DeviceSpec("fp32-slow", 1e9, 4e9, float("inf"), alpha=1e-6, link_bandwidth=1e9)
+
+
+def test_plan_and_inspect_price_the_same_compute_at_the_models_dtype():
+    model, rank_inputs = mlp(HIDDEN, ROWS)
+    report = dpar.explain(model, rank_inputs, world_size=2, strategy="ddp", device=FP32_SLOW)
+    planned = dpar.plan(model, global_batch(rank_inputs, 2), mesh_shape=(2,), mesh_dim_names=("dp",), device=FP32_SLOW)
+    # Per rank: forward 2*R*H*H per layer; backward dW for every layer and dX for all but the first
+    # (the input needs no gradient); biases are not counted (torch's addmm formula).
+    matmul = 2 * ROWS * HIDDEN * HIDDEN
+    expected = (LAYERS + LAYERS + LAYERS - 1) * matmul / 1e9
+    assert report.timeline.compute_time == pytest.approx(expected, rel=1e-9)
+    assert planned.cost.compute_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_presets_links_follow_the_node():
+    h100 = PRESETS["h100"]
+    nvlink, nic = (1e-6, 1 / 450e9), (5e-6, 1 / 50e9)
+    assert h100.links((8, 8)) == (nic, nvlink)  # the last dimension fits in a node of 8
+    assert h100.links((64,)) == (nic,) and h100.links((4, 16)) == (nic, nic)
+    assert h100.flops(torch.float32) == 494e12 and h100.flops(torch.bfloat16) == 989e12  # fp32 matmuls as TF32
+    assert PRESETS["h200"].links((8, 8)) == h100.links((8, 8)) and PRESETS["h200"].memory_bandwidth == 4.8e12
+    cpu = PRESETS["cpu"]
+    assert cpu.links((2, 2)) == ((cpu.alpha, cpu.beta),) * 2  # one machine: one link
+
+
+def test_a_device_given_by_hand_needs_one_link_per_mesh_dimension():
+    device = DeviceSpec("mine", 1e12, 1e12, 1e11, alpha=1e-5, link_bandwidth=1e9, mesh_links=((1e-5, 1e-9),))
+    model, inputs = mlp(HIDDEN, ROWS)
+    with pytest.raises(dpar.OptionsError, match=r"device 'mine' has links for 1 mesh dimension\(s\) but mesh_shape \(2, 2\) has 2"):
+        dpar.plan(model, inputs, mesh_shape=(2, 2), device=device)
+    with pytest.raises(dpar.OptionsError, match=r"unknown device 'a100'"):
+        dpar.plan(model, inputs, mesh_shape=(2,), device="a100")

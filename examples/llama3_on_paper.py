@@ -21,10 +21,12 @@ ddp holds 16P per rank and its ring all-reduce sends 2 (N - 1) / N * 4P bytes pe
 rank; fsdp holds 16P / N (plus the block gathered at the time) and sends
 (N - 1) / N * 4P in each of the forward's all-gathers, the backward's re-gathers
 (the layers; the root's embedding and head stay gathered from the forward) and
-the reduce-scatter. ``--per-rank``: the example input is one rank's rows. ``dpar plan``
-prices mixed precision as ZeRO does (bf16 parameters and gradients, fp32 master and
-AdamW moments: 2 + 14 / N bytes a parameter under zero2), ``dpar inspect`` the model's
-own fp32.
+the reduce-scatter. ``--per-rank``: the example input is one rank's rows. Both price
+compute on the same device (``--device``, default h100) in the model's own dtype (fp32
+here: matmuls at the TF32 peak) with one FLOP count; ``dpar plan`` prices memory and
+communication as ZeRO's mixed precision does (bf16 parameters and gradients, fp32 master
+and AdamW moments: 2 + 14 / N bytes a parameter under zero2), ``dpar inspect`` the
+model's own fp32.
 """
 
 from __future__ import annotations

@@ -49,3 +49,20 @@ def test_a_device_given_by_hand_needs_one_link_per_mesh_dimension():
         dpar.plan(model, inputs, mesh_shape=(2, 2), device=device)
     with pytest.raises(dpar.OptionsError, match=r"unknown device 'a100'"):
         dpar.plan(model, inputs, mesh_shape=(2,), device="a100")
+
+
+def test_a_ranks_compute_does_not_grow_with_the_world():
+    """Hugging Face Llama builds its causal mask from the input's shape ([B, 1, S, S]), not its values:
+    each rank builds its own rows' mask, so one rank's compute is the same at 2 and at 16 ranks."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    rank_ids = torch.zeros(1, 512, dtype=torch.long, device="meta")
+    compute = [
+        dpar.plan(model, global_batch((rank_ids,), n), mesh_shape=(n,), mesh_dim_names=("dp",), device="h100").cost.compute_s
+        for n in (2, 16)
+    ]
+    assert compute[1] == pytest.approx(compute[0], rel=1e-9)

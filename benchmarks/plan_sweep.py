@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from dpar.planner.capture import build_op_graph  # noqa: E402
-from dpar.planner.hardware import h100  # noqa: E402
+from dpar.compiler.costs import PRESETS  # noqa: E402
 from dpar.planner.plan import Plan  # noqa: E402
 from dpar.planner.strategies import evaluate_strategies  # noqa: E402
 from dpar.planning import plan  # noqa: E402
@@ -63,8 +63,8 @@ def sweep_point(batch: int, hidden: int, world: int) -> dict:
         roles=list(best.mesh_dim_names), step_s=best.cost.step_s, memory_gb=best.cost.memory_bytes_per_rank / 1e9,
     )
     graph = build_op_graph(model, inputs)
-    on_mesh = evaluate_strategies(graph, mesh, h100(mesh))
-    flat = on_mesh if len(mesh) == 1 else evaluate_strategies(graph, (world,), h100((world,)))
+    on_mesh = evaluate_strategies(graph, mesh, PRESETS["h100"])
+    flat = on_mesh if len(mesh) == 1 else evaluate_strategies(graph, (world,), PRESETS["h100"])
     alone = {"ddp": on_mesh["ddp"], "fsdp": on_mesh["fsdp"], "tp": flat["tp"]}
     for name in BASELINES:
         s = alone[name]

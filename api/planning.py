@@ -35,7 +35,8 @@ def plan(
     mesh_dim_names: Sequence[str] | None = None,
     device: str | DeviceSpec = "h100",
 ) -> Plan:
-    """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank.
+    """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank (by default
+    the device's memory: 80 GB on ``"h100"``, 141 on ``"h200"``; none on ``"cpu"``).
 
     ``example_inputs`` is the **global** batch: the rows of one training step over all ranks,
     which the plan's data-parallel axes split (``print(plan)`` names them). Every plan is
@@ -57,7 +58,7 @@ def plan(
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     graph = build_op_graph(model, inputs)
     found = _usable_layouts(graph, shape, names)
-    budget = None if memory_budget_gb is None else memory_budget_gb * 1e9
+    budget = device.memory_bytes if memory_budget_gb is None else memory_budget_gb * 1e9
     return evaluate(graph, solve(graph, found, device, budget), device)
 
 

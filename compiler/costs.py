@@ -74,6 +74,9 @@ class DeviceSpec:
     intra_link_bandwidth: float | None = None  # bytes/s per rank inside a node; None: ``link_bandwidth``
     mesh_links: tuple[tuple[float, float], ...] | None = None
     """(α seconds, β seconds/byte) per mesh dimension, given by hand: replaces the node rule."""
+    memory_bytes: float | None = None
+    """One rank's device memory: the planner's budget when the user gives none. None (a CPU, whose ranks
+    share the machine's memory): no budget unless given."""
 
     @property
     def beta(self) -> float:
@@ -112,9 +115,9 @@ _H100 = dict(flops_fp32=67e12, flops_tf32=494e12, flops_16bit=989e12, alpha=5e-6
              intra_alpha=1e-6, intra_link_bandwidth=450e9)
 
 PRESETS: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("h100", memory_bandwidth=3.35e12, **_H100),
+    "h100": DeviceSpec("h100", memory_bandwidth=3.35e12, memory_bytes=80e9, **_H100),
     # H200 SXM datasheet: the H100 SXM's compute and links, 141 GB of HBM3e at 4.8 TB/s.
-    "h200": DeviceSpec("h200", memory_bandwidth=4.8e12, **_H100),
+    "h200": DeviceSpec("h200", memory_bandwidth=4.8e12, memory_bytes=141e9, **_H100),
     # The 2-core development/CI machine, rounded from benchmarks/validate_simulator.py's
     # calibration (one thread per rank: 512^2 matmul ~95 GFLOP/s, 16 MiB copy ~2.6 GB/s,
     # 2-rank gloo all-reduce over loopback alpha ~175 us, ~0.7 GB/s).

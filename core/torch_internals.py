@@ -127,6 +127,14 @@ def set_shard_reducer(reducer: Any) -> None:
     Shard._reduce_shard_tensor = reducer  # type: ignore[method-assign]
 
 
+def register_step_pre_hook_first(optimizer: torch.optim.Optimizer, hook: Any) -> Any:
+    """``optimizer.register_step_pre_hook(hook)``, run before the pre-hooks it already has: torch offers no
+    ``prepend=`` for optimizer hooks, so the handle moves to the front of the optimizer's private hook dict."""
+    handle = optimizer.register_step_pre_hook(hook)
+    optimizer._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
+    return handle
+
+
 def register_fake_backend() -> None:
     """The ``"fake"`` c10d backend (torch's fake process group) is registered only by torch's testing
     package, on import; dpar's inspection simulates N ranks with it (and a public ``HashStore``)."""
@@ -212,6 +220,6 @@ __all__ = [
     "ShortenTraceback", "Unsupported", "aot_autograd", "compute_local_shape_and_global_offset", "default_store",
     "detect_fake_mode", "full_state_dict_loader_code", "functional_collectives", "functorch_config", "groups_and_ranks",
     "inductor", "must_recompute", "python_meta_kernels_lifted", "pad_tensor", "per_chunk_shard_reducer", "pytree", "register_dynamo_backend",
-    "register_fake_backend", "resolve", "resolve_process_group", "sequence_number", "set_shard_reducer",
+    "register_fake_backend", "register_step_pre_hook_first", "resolve", "resolve_process_group", "sequence_number", "set_shard_reducer",
     "stable_topological_sort", "trace_structured", "use_grad_for_differentiable",
 ]

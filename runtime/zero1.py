@@ -47,6 +47,7 @@ from dpar.core import model_state
 from dpar.core.errors import OptionsError, StepNotCaptured
 from dpar.core.facts import ZERO1, Range, UpdatedRange
 from dpar.core.model_state import CapturedStep
+from dpar.core.torch_internals import register_step_pre_hook_first
 from dpar.runtime.optimizer_graph import install_captured_step, stage_of, steps_in_graph, warn_eager
 
 
@@ -125,10 +126,9 @@ class OwnedRanges:
         self.stepping: Stepping | None = None
 
     def register(self, optimizer: torch.optim.Optimizer) -> None:
-        handle = optimizer.register_step_pre_hook(self.before)
-        # First among the optimizer's own pre-hooks (torch has no prepend= for them): hooks registered before the
-        # first step then read the views' gradients, as when this was a process-wide hook.
-        optimizer._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
+        # First among the optimizer's own pre-hooks: hooks registered before the first step then read the views'
+        # gradients, as when this was a process-wide hook.
+        register_step_pre_hook_first(optimizer, self.before)
         optimizer.register_step_post_hook(self.after)
 
     def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

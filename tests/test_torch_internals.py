@@ -36,6 +36,17 @@ def test_python_meta_kernels_are_lifted_and_restored() -> None:
     assert dict(op.py_kernels) == before
 
 
+def test_a_pre_hook_registered_first_runs_first() -> None:
+    import torch
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    ran: list[str] = []
+    optimizer.register_step_pre_hook(lambda *_: ran.append("registered before"))
+    torch_internals.register_step_pre_hook_first(optimizer, lambda *_: ran.append("first"))
+    optimizer.step()
+    assert ran == ["first", "registered before"]
+
+
 def _dotted(node: ast.AST) -> str | None:
     parts = []
     while isinstance(node, ast.Attribute):

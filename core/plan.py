@@ -1,7 +1,7 @@
 """The plan ``parallelize`` decides for a model, frozen: the one value the backend reads.
 
 Per-parameter facts (a shard's global shape, a tensor-parallel block's dimension)
-stay with the runtime's specs; everything that holds for the model as a whole
+are core/facts.py's, by name; everything that holds for the model as a whole
 (the strategy, the mesh axes and what each does, buckets, prefetch bound,
 resharding, dtypes) is here, once. A model nobody parallelized has no plan and
 trains as ddp over the whole world.

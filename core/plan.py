@@ -195,6 +195,44 @@ def check_bucket_cap(strategy: Strategy | None, given_to: str, bucket_cap_mb: fl
     raise OptionsError("options={'bucket_cap_mb': ...} sizes ddp's gradient buckets; these parameters are " + why)
 
 
+class Recompute(enum.Enum):
+    """What a block keeps from its forward for the backward, and what it computes again (activation checkpointing)."""
+
+    KEEP = "keep"  # every activation the backward reads is saved
+    SELECTIVE = "selective"  # matmul and attention outputs saved; the cheap ops between them recomputed
+    FULL = "full"  # only the block's inputs saved; the whole block's forward recomputed in its backward
+
+    @classmethod
+    def parse(cls, name: str, prefix: str = "") -> Recompute:
+        return _parse(list(cls), name, "activation policy", prefix)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationPolicy:
+    """Activation checkpointing as part of the plan: a policy per block (a repeated layer such as
+    ``layers.3``), or a budget of saved-activation bytes per rank that the recomputation must fit.
+
+    ``default`` applies to every block not named in ``blocks`` (block path -> its own policy); the ops
+    outside blocks (embeddings, the head, the loss) are always kept. ``budget_bytes`` replaces the
+    per-block choice by the partitioner's: recompute what is cheapest until the saved activations fit.
+    """
+
+    default: Recompute = Recompute.KEEP
+    blocks: tuple[tuple[str, Recompute], ...] = ()
+    budget_bytes: int | None = None
+
+    def of_block(self, block: str) -> Recompute:
+        return next((r for b, r in self.blocks if b == block), self.default)
+
+    @property
+    def recomputes(self) -> bool:
+        return self.budget_bytes is not None or any(
+            r is not Recompute.KEEP for r in (self.default, *(r for _, r in self.blocks)))
+
+
+KEEP_ACTIVATIONS = ActivationPolicy()
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshAxis:
     name: str
@@ -216,6 +254,7 @@ class ParallelPlan:
     sequence_parallel: bool = False
     same_batch_in_tp_group: bool = False  # the user feeds every rank of a tensor-parallel group the same rows
     sync_every: int | None = None  # local_sgd: optimizer steps between averages of the replicas
+    activations: ActivationPolicy = KEEP_ACTIVATIONS  # what each block saves for the backward, what it recomputes
 
     def axis(self, role: AxisRole) -> MeshAxis | None:
         return next((a for a in self.axes if a.role is role), None)

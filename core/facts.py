@@ -118,8 +118,10 @@ class Range:
     group: dist.ProcessGroup
 
 
-def is_zero1(parameter: torch.Tensor) -> bool:
-    return model_state.fact_of(ZERO1, parameter) is not None
+def any_zero1(parameters: Iterable[torch.Tensor]) -> bool:
+    """Whether some of ``parameters`` have a zero1 range (an optimizer over them steps ranges)."""
+    parameters = list(parameters)
+    return any(o is not None and o.fact_of(ZERO1, p) is not None for p, o in zip(parameters, model_state.owners_of(parameters)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -189,7 +189,7 @@ def check_bucket_cap(strategy: Strategy | None, given_to: str, bucket_cap_mb: fl
         why = ("sharded, and their buckets are laid out by parallelize: pass dpar.parallelize(model, "
                "strategy=..., bucket_cap_mb=...) and leave it out of torch.compile's options")
     elif strategy is Strategy.LOCAL_SGD:
-        why = "averaged by local SGD, one flattened all-reduce per dtype, with no gradient buckets: leave bucket_cap_mb out"
+        why = f"averaged by local SGD, with no gradient buckets ({_NO_BUCKETS[strategy]}): leave bucket_cap_mb out"
     else:
         why = f"split by strategy {strategy.value!r}, which has no gradient buckets: leave bucket_cap_mb out"
     raise OptionsError("options={'bucket_cap_mb': ...} sizes ddp's gradient buckets; these parameters are " + why)

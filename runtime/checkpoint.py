@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from dpar.runtime.checkpoint_files import publish, published, read_manifest, reached, staging_directory
 from dpar.core.errors import CheckpointError, OptionsError, UnmaterializedStateError
 from dpar.core import model_state
-from dpar.core.facts import Period, is_zero1, period_of
+from dpar.core.facts import Period, any_zero1, period_of
 from dpar.runtime import zero1
 from dpar.runtime import safetensors_io
 from dpar.runtime.safetensors_io import save_safetensors
@@ -175,7 +175,7 @@ def _whole_weights_into_zero1(module: nn.Module, optimizer: torch.optim.Optimize
     strategy's checkpoint at any world size, as ddp's do. Its optimizer ranges do not (``_check_same_model``)."""
     return (
         optimizer is None and not saved["per_rank"] and _period(module) is None
-        and any(is_zero1(p) for p in module.parameters())
+        and any_zero1(module.parameters())
     )
 
 
@@ -327,7 +327,7 @@ def _period(module: nn.Module) -> Period | None:
 def _rank_local(module: nn.Module) -> bool:
     """Whether ranks hold different state under the same names: local SGD's replicas mid-period,
     zero1's optimizer ranges."""
-    return _period(module) is not None or any(is_zero1(p) for p in module.parameters())
+    return _period(module) is not None or any_zero1(module.parameters())
 
 
 def _per_rank(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:

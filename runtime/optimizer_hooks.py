@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dpar.core import model_state
 from dpar.core.errors import OptionsError
-from dpar.core.facts import ZERO1, first_retired
+from dpar.core.facts import ZERO1, any_zero1, first_retired
 from dpar.core.model_state import OptimizerStage
 from dpar.runtime import zero1
 from dpar.runtime.optimizer_graph import CaptureAfterFirstStep, step_in_graph, steps_in_graph
@@ -83,7 +83,7 @@ def _discover(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if found is None:
         found = optimizer.__dict__[_ATTRIBUTE] = _Found()
     if found.hooked is None:
-        if zero1.any_zero1(params):
+        if any_zero1(params):
             zero1.OwnedRanges().register(optimizer)
             found.hooked = "zero1"
         elif steps_in_graph(params):

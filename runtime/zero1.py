@@ -36,7 +36,7 @@ would see only its range.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,12 +94,6 @@ class Owned:
 
 
 _OWNED = "_dpar_zero1"  # on a view: its Owned (the view is the optimizer's tensor, made here)
-
-
-def any_zero1(parameters: Iterable[torch.Tensor]) -> bool:
-    """Whether some of ``parameters`` have a zero1 range (an optimizer over them steps ranges)."""
-    parameters = list(parameters)
-    return any(o is not None and o.fact_of(ZERO1, p) is not None for p, o in zip(parameters, model_state.owners_of(parameters)))
 
 
 def whole_of(parameter: torch.Tensor) -> torch.Tensor:

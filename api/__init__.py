@@ -14,7 +14,7 @@ from dpar.runtime import checkpoint
 from dpar.core.errors import (
     BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
     InitializationError, InspectionError, NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
-    SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError, UnmaterializedStateError,
+    SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError, UnmaterializedStateError, WrappedTwiceError,
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
@@ -44,6 +44,7 @@ __all__ = [
     "ScheduleError",
     "TensorParallelPlanError",
     "UnmaterializedStateError",
+    "WrappedTwiceError",
     "checkpoint",
     "dpar_backend",
     "explain",

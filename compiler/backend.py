@@ -15,6 +15,7 @@ from dpar.compiler.capture import GraphInput, InputKind, classify_inputs
 from dpar.compiler.lowering import GraphHook, GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.pass_listing import PassListing
+from dpar.compiler.wrapped_twice import check_not_wrapped
 from dpar.core.plan import ParallelPlan, Strategy, check_bucket_cap, plan_of_parameters, replicated
 from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
@@ -66,6 +67,7 @@ def dpar_backend(
         # A no_grad forward (evaluation) reads local buffers, as DDP's does unless it directly follows a
         # training forward: its graph then has no collectives and may run on some ranks only.
         parsed = dataclasses.replace(parsed, broadcast_buffers=False)
+    check_not_wrapped({name: t for kind, name, t in state if kind == "parameter"})
     check_devices({name: t for kind, name, t in state if kind == "parameter"}, world)
     plan = plan_of_parameters({name: t for kind, name, t in state if kind == "parameter"})
     plan = plan if plan is not None else replicated(world.group_name, world.size)

@@ -82,6 +82,11 @@ class UnmaterializedStateError(DparError):
     still on meta, or left as ``to_empty``'s uninitialized memory."""
 
 
+class WrappedTwiceError(DparError):
+    """A dpar-compiled model also wrapped by another data-parallel wrapper (torch DDP, FSDP2's
+    ``fully_shard``): both would synchronise gradients, so every one would be reduced twice."""
+
+
 class InspectionError(DparError):
     """``dpar.explain`` / ``dpar inspect`` captured graphs that cannot be what training runs: a report
     on them would be wrong (a data-parallel backward with no gradient reduction)."""

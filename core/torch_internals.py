@@ -58,6 +58,7 @@ PRIVATE_NAMES: tuple[tuple[str, str | None], ...] = (
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.distributed.distributed_c10d", "_world"),
     ("torch.distributed", "ProcessGroup._get_sequence_number_for_group"),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel._get_active_ddp_module"),
     ("torch.distributed.checkpoint.state_dict", "_load_model_state_dict"),
     ("torch.testing._internal.distributed.fake_pg", None),
     ("torch._dynamo.backends.common", "aot_autograd"),
@@ -133,6 +134,12 @@ def register_step_pre_hook_first(optimizer: torch.optim.Optimizer, hook: Any) ->
     handle = optimizer.register_step_pre_hook(hook)
     optimizer._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
     return handle
+
+
+def active_ddp_module() -> torch.nn.Module | None:
+    """The torch DDP wrapper whose forward is running, or None: DDP records it for Dynamo's DDPOptimizer,
+    and no public call says whether a module runs inside a DDP forward."""
+    return torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
 
 
 def register_fake_backend() -> None:
@@ -216,7 +223,7 @@ def must_recompute(node: torch.fx.Node) -> bool:
 
 
 __all__ = [
-    "C10D_FUNCTIONAL", "DispatchKey", "OpOverload", "grouped_mm", "FailOnRecompileLimitHit", "FakeScriptObject", "FakeTensorMode", "PRIVATE_NAMES",
+    "C10D_FUNCTIONAL", "DispatchKey", "active_ddp_module", "OpOverload", "grouped_mm", "FailOnRecompileLimitHit", "FakeScriptObject", "FakeTensorMode", "PRIVATE_NAMES",
     "ShortenTraceback", "Unsupported", "aot_autograd", "compute_local_shape_and_global_offset", "default_store",
     "detect_fake_mode", "full_state_dict_loader_code", "functional_collectives", "functorch_config", "groups_and_ranks",
     "inductor", "must_recompute", "python_meta_kernels_lifted", "pad_tensor", "per_chunk_shard_reducer", "pytree", "register_dynamo_backend",

@@ -6,6 +6,7 @@ repeated blocks).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -18,9 +19,11 @@ from dpar.planner.evaluate import evaluate
 from dpar.compiler.costs import DeviceSpec, device_spec
 from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
-from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan
+from dpar.planner.activations import POLICIES
+from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan, PolicyOption
 from dpar.planner.rules import candidates
 from dpar.core.errors import OptionsError
+from dpar.core.plan import Recompute
 from dpar.core.torch_internals import pytree
 
 __all__ = ["CostBreakdown", "DeviceSpec", "ParameterPlan", "Plan", "global_batch", "plan"]
@@ -49,7 +52,7 @@ def plan(
     the one device description ``dpar inspect`` prices with too (``dpar.compiler.costs``); a preset's
     last mesh dimension is node-local (NVLink) when it fits in a node, the others cross nodes.
     """
-    from dpar.planner.solver import solve  # scipy.optimize: loaded when planning, not on import dpar
+    from dpar.planner.solver import solve_activations  # scipy.optimize: loaded when planning, not on import dpar
 
     shape = _mesh_shape(mesh_shape)
     names = _mesh_dim_names(mesh_dim_names, shape)
@@ -59,7 +62,27 @@ def plan(
     graph = build_op_graph(model, inputs)
     found = _usable_layouts(graph, shape, names)
     budget = device.memory_bytes if memory_budget_gb is None else memory_budget_gb * 1e9
-    return evaluate(graph, solve(graph, found, device, budget), device)
+    return _fastest(graph, found, device, budget)
+
+
+def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None) -> Plan:
+    """Each activation policy's optimum (``solve_activations``), priced alike; the fastest that fits, with the others
+    beside it to say why (see [Note: choosing the activation policy] in ``planner/solver.py``)."""
+    from dpar.planner.activations import with_policy
+    from dpar.planner.solver import smallest_footprint, solve_activations
+
+    plans: dict[Recompute, Plan] = {}
+    options = []
+    for recompute, assignment in solve_activations(graph, found, device, budget).items():
+        if isinstance(assignment, OptionsError):
+            least = smallest_footprint(graph, found, device, recompute)[0]
+            options.append(PolicyOption(recompute.value, "", 0.0, 0.0, round(least), False))
+            continue
+        plans[recompute] = p = with_policy(evaluate(graph, assignment, device), graph, assignment, device, recompute)
+        options.append(PolicyOption(recompute.value, p.strategy, p.cost.step_s, p.cost.recompute_s,
+                                    p.cost.memory_bytes_per_rank, True))
+    best = min(plans, key=lambda r: (plans[r].cost.step_s, POLICIES.index(r)))  # ties: the least recomputation
+    return dataclasses.replace(plans[best], policies=tuple(options), memory_budget_bytes=budget)
 
 
 def global_batch(rank_slice: Sequence[object], ranks: int) -> tuple[object, ...]:

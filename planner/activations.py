@@ -1,0 +1,184 @@
+"""What each op saves for the backward, and what it recomputes, under an activation policy.
+
+[Note: pricing recomputation]
+A block is one instance of a numbered module (``layers.3``), the notion ``planner/repeats.py``
+collapses repeated layers by; ops outside every block (embeddings, the final norm, the head,
+the loss) always keep their activations. The cost model (``planner/costs.py``) counts, for
+every op a gradient flows through, its output as saved until the backward (bf16, split over
+dp by the batch and over tp when the output is ``S``): that is ``KEEP``. The other policies
+change two numbers per op, both on one rank and times the op's repeat count:
+
+* ``SELECTIVE`` (torchtitan's op-level policy): a block saves its input and the outputs of
+  its matmuls (``linear``, ``matmul``, ``attention``); the cheap ops between them (pointwise,
+  norms, softmax, ...) are recomputed in the backward. Their saved bytes are dropped and
+  their forward time is added to the backward.
+* ``FULL``: a block saves only its input; its whole forward runs again in its backward,
+  forward tensor-parallel collectives included (they sit inside the recomputed forward).
+  Every op of the block drops its saved bytes and adds its forward time.
+
+In both, a block's output (what an op outside its own instance reads: the next block's
+input, the final norm's) stays saved: it is the next block's checkpoint. While one block's
+backward runs, its recomputed activations are live again on top of every checkpoint: memory
+adds the largest single instance's dropped bytes (``live``), a max the ILP takes as one
+variable bounded below by each instance's sum. Sharded parameters are not gathered again for
+the recomputation: fsdp's backward all-gather, which the cost model already prices, brings
+the block's parameters before the recomputed forward needs them, and zero2 keeps them whole.
+
+The added time lands in the backward, so it also hides more of the backward's
+data-parallel collectives (``exposed = max(0, dp_bwd - compute_bwd - recompute)``); the step
+is ``compute + recompute + exposed comm``. For one assignment KEEP is never slower, so a
+policy that recomputes wins only where the memory budget rules out the faster placements
+without it (``solver.solve_activations``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from dpar.compiler.costs import DeviceSpec
+from dpar.core.plan import ActivationPolicy, Recompute
+from dpar.planner.costs import CostModel, OpCost
+from dpar.planner.evaluate import Assignment, chosen
+from dpar.planner.opgraph import OpGraph
+from dpar.planner.plan import Plan
+from dpar.planner.repeats import _instance
+from dpar.planner.rules import Candidate
+
+POLICIES = (Recompute.KEEP, Recompute.SELECTIVE, Recompute.FULL)  # least recomputation first: the tie-break order
+SAVED_KINDS = frozenset({"linear", "matmul", "attention", "embedding"})  # what SELECTIVE keeps inside a block
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Which block instance each op of the (collapsed) graph belongs to, and which ops' outputs leave their block."""
+
+    of_op: tuple[str | None, ...]  # "layers.3" (the representative instance), None: outside every block
+    leaves: tuple[bool, ...]  # an op outside the op's own instance reads its output: a checkpoint under recomputation
+
+    @property
+    def instances(self) -> dict[str, list[int]]:
+        found: dict[str, list[int]] = defaultdict(list)
+        for o, block in enumerate(self.of_op):
+            if block is not None:
+                found[block].append(o)
+        return dict(found)
+
+
+def blocks(graph: OpGraph) -> Blocks:
+    of_op = []
+    for op in graph.ops:
+        found = _instance(op.module) if op.kind != "output" else None
+        of_op.append(None if found is None else f"{found[0]}.{found[1]}" if found[0] else str(found[1]))
+    leaves = [False] * len(graph.ops)
+    for e in graph.edges:
+        if of_op[e.src] is not None and of_op[e.dst] != of_op[e.src]:
+            leaves[e.src] = True
+    return Blocks(tuple(of_op), tuple(leaves))
+
+
+def policy(recompute: Recompute) -> ActivationPolicy:
+    """The plan's policy: ``recompute`` for every block (the planner chooses one for the whole model)."""
+    return ActivationPolicy(default=recompute)
+
+
+class ActivationModel:
+    """Saved bytes and recompute seconds of each op under one policy, on one layout (see the Note)."""
+
+    def __init__(self, graph: OpGraph, model: CostModel, recompute: Recompute, found: Blocks | None = None) -> None:
+        self.graph, self.model, self.recompute = graph, model, recompute
+        self.blocks = found or blocks(graph)
+
+    def kept(self, o: int, cand: Candidate) -> float:
+        """Bytes op ``o`` saves under KEEP (what ``CostModel.op_cost`` counts in its memory)."""
+        op = self.graph.ops[o]
+        if not op.needs_grad or op.kind == "output":
+            return 0.0
+        return op.count * self.model.activation_bytes(op.output_numel, op.batched, cand.output)
+
+    def recomputed(self, o: int) -> bool:
+        """Op ``o`` runs again in the backward."""
+        if self.blocks.of_op[o] is None or self.recompute is Recompute.KEEP:
+            return False
+        return self.recompute is Recompute.FULL or self.graph.ops[o].kind not in SAVED_KINDS
+
+    def saved(self, o: int, cand: Candidate) -> float:
+        """Bytes op ``o`` saves under this policy: its KEEP bytes unless recomputed and not a block's output."""
+        return 0.0 if self.recomputed(o) and not self.blocks.leaves[o] else self.kept(o, cand)
+
+    def live(self, o: int, cand: Candidate) -> float:
+        """Bytes op ``o``'s recomputation holds again while one instance of its block runs its backward."""
+        return (self.kept(o, cand) - self.saved(o, cand)) / self.graph.ops[o].count
+
+    def memory(self, o: int, cand: Candidate, cost: OpCost) -> float:
+        """``cost.memory`` (state + KEEP's saved bytes) with this policy's saved bytes instead."""
+        return cost.memory - self.kept(o, cand) + self.saved(o, cand)
+
+    def seconds(self, o: int, cost: OpCost) -> float:
+        """Forward time op ``o`` adds to the backward."""
+        return cost.compute_fwd if self.recomputed(o) else 0.0
+
+    def edge_repeats(self, dst: int) -> bool:
+        """A forward tp conversion into op ``dst`` runs again (FULL: inside the recomputed forward)."""
+        return self.recompute is Recompute.FULL and self.blocks.of_op[dst] is not None
+
+    def peak(self, picked: list[Candidate]) -> float:
+        """The largest instance's live bytes under one assignment."""
+        by_block: dict[str, float] = defaultdict(float)
+        for o, cand in enumerate(picked):
+            if self.blocks.of_op[o] is not None:
+                by_block[self.blocks.of_op[o]] += self.live(o, cand)
+        return max(by_block.values(), default=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """One assignment's totals under one policy, on one rank."""
+
+    memory: float  # state + saved activations + the live block
+    activations: float  # saved activations + the live block
+    recompute_s: float
+    exposed_s: float  # tp comm (with FULL's repeated collectives) + unhidden dp comm
+    tp_s: float
+    step_s: float  # compute + recompute + exposed
+
+
+def price(graph: OpGraph, model: CostModel, picked: list[Candidate], recompute: Recompute, compute_s: float,
+          tp_comm_s: float) -> Priced:
+    """Totals of ``picked`` (``compute_s`` and ``tp_comm_s`` as ``evaluate`` priced them, under KEEP) under ``recompute``."""
+    acts = ActivationModel(graph, model, recompute)
+    costs = [model.op_cost(o, c) for o, c in enumerate(picked)]
+    peak = acts.peak(picked)
+    memory = sum(acts.memory(o, c, cost) for o, (c, cost) in enumerate(zip(picked, costs))) + peak
+    saved = sum(acts.saved(o, c) for o, c in enumerate(picked)) + peak
+    recompute_s = sum(acts.seconds(o, cost) for o, cost in enumerate(costs))
+    tp = tp_comm_s
+    for e in graph.edges:
+        if acts.edge_repeats(e.dst):
+            tp += model.edge_forward(e, picked[e.src], picked[e.dst])[1]
+    recompute_s += tp - tp_comm_s  # FULL's repeated forward collectives are recomputation too
+    latency = model.dp_latency()
+    fwd, bwd = sum(c.compute_fwd for c in costs), sum(c.compute_bwd for c in costs)
+    dp_fwd = sum(c.dp_fwd for c in costs) + latency["forward"]
+    dp_bwd = sum(c.dp_bwd for c in costs) + latency["backward"]
+    compute_recompute = recompute_s - (tp - tp_comm_s)
+    exposed = tp_comm_s + max(0.0, dp_fwd - fwd) + max(0.0, dp_bwd - bwd - compute_recompute)
+    return Priced(memory, saved, recompute_s, exposed, tp, compute_s + recompute_s + exposed)
+
+
+def with_policy(plan: Plan, graph: OpGraph, assignment: Assignment, device: DeviceSpec, recompute: Recompute) -> Plan:
+    """``plan`` (``evaluate``'s, which keeps every activation) under ``recompute``: memory, recompute time and step."""
+    model = CostModel(graph, assignment.layout, device)
+    c = plan.cost
+    priced = price(graph, model, chosen(graph, assignment), recompute, c.compute_s, c.tp_comm_s)
+    cost = dataclasses.replace(
+        c,
+        exposed_comm_s=priced.exposed_s,
+        step_s=priced.step_s,
+        memory_bytes_per_rank=round(priced.memory),
+        activation_bytes_per_rank=round(priced.activations),
+        recompute_s=priced.recompute_s,
+        memory_bytes_keep=c.memory_bytes_per_rank,
+        activation_bytes_keep=c.activation_bytes_per_rank,
+    )
+    return dataclasses.replace(plan, cost=cost, activations=policy(recompute))

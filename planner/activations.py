@@ -17,7 +17,8 @@ change two numbers per op, both on one rank and times the op's repeat count:
   Every op of the block drops its saved bytes and adds its forward time.
 
 In both, a block's output (what an op outside its own instance reads: the next block's
-input, the final norm's) stays saved: it is the next block's checkpoint. While one block's
+input, the final norm's) stays saved: it is the next block's checkpoint (SELECTIVE does not
+recompute it either; FULL does, as part of the block's forward). While one block's
 backward runs, its recomputed activations are live again on top of every checkpoint: memory
 adds the largest single instance's dropped bytes (``live``), a max the ILP takes as one
 variable bounded below by each instance's sum. Sharded parameters are not gathered again for
@@ -97,10 +98,11 @@ class ActivationModel:
         return op.count * self.model.activation_bytes(op.output_numel, op.batched, cand.output)
 
     def recomputed(self, o: int) -> bool:
-        """Op ``o`` runs again in the backward."""
+        """Op ``o`` runs again in the backward: under FULL its whole block; under SELECTIVE the cheap ops whose outputs
+        are not saved (a block's output is: it is the next block's checkpoint)."""
         if self.blocks.of_op[o] is None or self.recompute is Recompute.KEEP:
             return False
-        return self.recompute is Recompute.FULL or self.graph.ops[o].kind not in SAVED_KINDS
+        return self.recompute is Recompute.FULL or (self.graph.ops[o].kind not in SAVED_KINDS and not self.blocks.leaves[o])
 
     def saved(self, o: int, cand: Candidate) -> float:
         """Bytes op ``o`` saves under this policy: its KEEP bytes unless recomputed and not a block's output."""

@@ -69,14 +69,14 @@ def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: fl
     """Each activation policy's optimum (``solve_activations``), priced alike; the fastest that fits, with the others
     beside it to say why (see [Note: choosing the activation policy] in ``planner/solver.py``)."""
     from dpar.planner.activations import with_policy
-    from dpar.planner.solver import smallest_footprint, solve_activations
+    from dpar.planner.solver import Unfit, solve_activations
 
     plans: dict[Recompute, Plan] = {}
     options = []
     for recompute, assignment in solve_activations(graph, found, device, budget).items():
-        if isinstance(assignment, OptionsError):
-            least = smallest_footprint(graph, found, device, recompute)[0]
-            options.append(PolicyOption(recompute.value, "", 0.0, 0.0, round(least), False))
+        if isinstance(assignment, Unfit):
+            options.append(PolicyOption(recompute.value, assignment.layout.strategy, 0.0, 0.0,
+                                        round(assignment.least_bytes), False))
             continue
         plans[recompute] = p = with_policy(evaluate(graph, assignment, device), graph, assignment, device, recompute)
         options.append(PolicyOption(recompute.value, p.strategy, p.cost.step_s, p.cost.recompute_s,

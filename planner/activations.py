@@ -12,9 +12,13 @@ change two numbers per op, both on one rank and times the op's repeat count:
   its matmuls (``linear``, ``matmul``, ``attention``); the cheap ops between them (pointwise,
   norms, softmax, ...) are recomputed in the backward. Their saved bytes are dropped and
   their forward time is added to the backward.
-* ``FULL``: a block saves only its input; its whole forward runs again in its backward,
-  forward tensor-parallel collectives included (they sit inside the recomputed forward).
+* ``FULL``: a block saves only its input; its whole forward runs again in its backward.
   Every op of the block drops its saved bytes and adds its forward time.
+
+Collectives are never recomputed (as ``compiler/passes/recompute.py`` applies the policy):
+a forward tensor-parallel conversion (the all-reduce after a row Linear, an all-gather)
+whose consumer is recomputed keeps its result saved instead, so those bytes are added back
+(one per edge and candidate pair, on the ILP's edge variables).
 
 In both, a block's output (what an op outside its own instance reads: the next block's
 input, the final norm's) stays saved: it is the next block's checkpoint (SELECTIVE does not
@@ -41,10 +45,10 @@ from dpar.compiler.costs import DeviceSpec
 from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.planner.costs import CostModel, OpCost
 from dpar.planner.evaluate import Assignment, chosen
-from dpar.planner.opgraph import OpGraph
+from dpar.planner.opgraph import Edge, OpGraph
 from dpar.planner.plan import Plan
 from dpar.planner.repeats import _instance
-from dpar.planner.rules import Candidate
+from dpar.planner.rules import FORWARD_CONVERT, Candidate
 
 POLICIES = (Recompute.KEEP, Recompute.SELECTIVE, Recompute.FULL)  # least recomputation first: the tie-break order
 SAVED_KINDS = frozenset({"linear", "matmul", "attention", "embedding"})  # what SELECTIVE keeps inside a block
@@ -120,9 +124,11 @@ class ActivationModel:
         """Forward time op ``o`` adds to the backward."""
         return cost.compute_fwd if self.recomputed(o) else 0.0
 
-    def edge_repeats(self, dst: int) -> bool:
-        """A forward tp conversion into op ``dst`` runs again (FULL: inside the recomputed forward)."""
-        return self.recompute is Recompute.FULL and self.blocks.of_op[dst] is not None
+    def converted(self, e: Edge, src: Candidate, dst: Candidate) -> float:
+        """Bytes of edge ``e``'s forward tp conversion result kept for a recomputed consumer (0 without one)."""
+        if not self.recomputed(e.dst) or FORWARD_CONVERT.get((src.output, dst.inputs[e.position])) is None:
+            return 0.0
+        return e.count * self.model.activation_bytes(e.numel, self.graph.ops[e.src].batched, "R")
 
     def peak(self, picked: list[Candidate]) -> float:
         """The largest instance's live bytes under one assignment."""
@@ -140,8 +146,7 @@ class Priced:
     memory: float  # state + saved activations + the live block
     activations: float  # saved activations + the live block
     recompute_s: float
-    exposed_s: float  # tp comm (with FULL's repeated collectives) + unhidden dp comm
-    tp_s: float
+    exposed_s: float  # tp comm + unhidden dp comm
     step_s: float  # compute + recompute + exposed
 
 
@@ -153,19 +158,15 @@ def price(graph: OpGraph, model: CostModel, picked: list[Candidate], recompute: 
     peak = acts.peak(picked)
     memory = sum(acts.memory(o, c, cost) for o, (c, cost) in enumerate(zip(picked, costs))) + peak
     saved = sum(acts.saved(o, c) for o, c in enumerate(picked)) + peak
+    converted = sum(acts.converted(e, picked[e.src], picked[e.dst]) for e in graph.edges)
+    memory, saved = memory + converted, saved + converted
     recompute_s = sum(acts.seconds(o, cost) for o, cost in enumerate(costs))
-    tp = tp_comm_s
-    for e in graph.edges:
-        if acts.edge_repeats(e.dst):
-            tp += model.edge_forward(e, picked[e.src], picked[e.dst])[1]
-    recompute_s += tp - tp_comm_s  # FULL's repeated forward collectives are recomputation too
     latency = model.dp_latency()
     fwd, bwd = sum(c.compute_fwd for c in costs), sum(c.compute_bwd for c in costs)
     dp_fwd = sum(c.dp_fwd for c in costs) + latency["forward"]
     dp_bwd = sum(c.dp_bwd for c in costs) + latency["backward"]
-    compute_recompute = recompute_s - (tp - tp_comm_s)
-    exposed = tp_comm_s + max(0.0, dp_fwd - fwd) + max(0.0, dp_bwd - bwd - compute_recompute)
-    return Priced(memory, saved, recompute_s, exposed, tp, compute_s + recompute_s + exposed)
+    exposed = tp_comm_s + max(0.0, dp_fwd - fwd) + max(0.0, dp_bwd - bwd - recompute_s)
+    return Priced(memory, saved, recompute_s, exposed, compute_s + recompute_s + exposed)
 
 
 def with_policy(plan: Plan, graph: OpGraph, assignment: Assignment, device: DeviceSpec, recompute: Recompute) -> Plan:

@@ -33,6 +33,7 @@ milliseconds to a fraction of a second.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -42,7 +43,7 @@ from scipy.sparse import coo_array
 
 from dpar.compiler.costs import DeviceSpec
 from dpar.core.plan import Recompute
-from dpar.planner.activations import POLICIES, ActivationModel, Blocks, blocks
+from dpar.planner.activations import POLICIES, ActivationModel, blocks
 from dpar.planner.costs import CostModel
 from dpar.planner.evaluate import Assignment
 from dpar.planner.layout import Layout
@@ -52,6 +53,7 @@ from dpar.core.errors import OptionsError
 
 TIE_LAYOUT = 1e-4  # per position in layouts(), in units of single-device compute
 TIE_CANDIDATE = 1e-6  # per position in candidates()
+GB = 1e9
 
 
 class _Problem:
@@ -77,14 +79,23 @@ class _Problem:
         self.lower_b.append(lower)
         self.upper_b.append(upper)
 
-    def solve(self) -> np.ndarray | None:
-        rows, cols, vals = zip(*self.entries)
-        matrix = coo_array((vals, (rows, cols)), shape=(len(self.lower_b), len(self.cost))).tocsr()
+    def solve(self, cost: dict[int, float] | None = None, rows: int | None = None) -> np.ndarray | None:
+        """Minimise the objective (or ``cost``, variable -> coefficient) subject to the first ``rows`` rows (all)."""
+        rows = len(self.lower_b) if rows is None else rows
+        entries = [(r, c, v) for r, c, v in self.entries if r < rows]
+        matrix = coo_array(
+            ([v for _, _, v in entries], ([r for r, _, _ in entries], [c for _, c, _ in entries])),
+            shape=(rows, len(self.cost)),
+        ).tocsr()
+        objective = np.array(self.cost)
+        if cost is not None:
+            objective = np.zeros(len(self.cost))
+            objective[list(cost)] = list(cost.values())
         result = milp(
-            np.array(self.cost),
+            objective,
             integrality=np.array(self.integral),
             bounds=(0, np.array(self.upper)),
-            constraints=LinearConstraint(matrix, self.lower_b, self.upper_b),
+            constraints=LinearConstraint(matrix, self.lower_b[:rows], self.upper_b[:rows]),
             options={"mip_rel_gap": 0.0, "time_limit": 120.0},
         )
         return result.x if result.status == 0 else None
@@ -96,21 +107,70 @@ def single_device_compute(graph: OpGraph, device: DeviceSpec) -> float:
     return sum(c.compute_fwd + c.compute_bwd for c in costs) or 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Unfit:
+    """No assignment fits the budget under ``recompute``: the least memory per rank one reaches, and where."""
+
+    recompute: Recompute
+    least_bytes: float
+    layout: Layout
+
+
 def solve(
     graph: OpGraph, layouts: list[Layout], device: DeviceSpec, memory_budget: float | None,
     recompute: Recompute = Recompute.KEEP,
 ) -> Assignment:
     """The optimal assignment under one activation policy; ``OptionsError`` when none fits ``memory_budget`` bytes per rank."""
+    found = _solve(graph, layouts, device, memory_budget, recompute)
+    if isinstance(found, Unfit):
+        raise no_fit(found, memory_budget)
+    return found
+
+
+def _solve(
+    graph: OpGraph, layouts: list[Layout], device: DeviceSpec, memory_budget: float | None, recompute: Recompute,
+) -> Assignment | Unfit:
+    problem, memory, chosen = _build(graph, layouts, device, recompute)
+    if memory_budget is not None:
+        problem.row(memory, -math.inf, memory_budget)
+        if _lower_bound(graph, layouts, device, recompute) > memory_budget:  # no need to search
+            return _least(problem, memory, chosen, recompute)
+    solution = problem.solve()
+    if solution is None:
+        if memory_budget is not None:
+            return _least(problem, memory, chosen, recompute)
+        raise OptionsError(f"dpar internal error: the planner's ILP found no solution for {len(layouts)} layouts")
+    return _assignment(solution, chosen)
+
+
+def _assignment(solution: np.ndarray, chosen: dict[Layout, tuple[int, list[list[int]]]]) -> Assignment:
+    for layout, (z, x) in chosen.items():
+        if solution[z] > 0.5:
+            return Assignment(layout, tuple(int(np.argmax([solution[v] for v in op_vars])) for op_vars in x))
+    raise AssertionError("one layout is always chosen")
+
+
+def _least(problem: _Problem, memory: dict[int, float], chosen: dict, recompute: Recompute) -> Unfit:
+    """The same ILP minimising memory, without the budget row (the last): the smallest budget that fits."""
+    solution = problem.solve(cost={v: b / GB for v, b in memory.items()}, rows=len(problem.lower_b) - 1)
+    if solution is None:
+        raise OptionsError("dpar internal error: the planner's ILP found no assignment at any memory")
+    least = sum(b * solution[v] for v, b in memory.items())
+    return Unfit(recompute, least, _assignment(solution, chosen).layout)
+
+
+def _build(
+    graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute,
+) -> tuple[_Problem, dict[int, float], dict[Layout, tuple[int, list[list[int]]]]]:
+    """The ILP of [Note: the planner's ILP] under one activation policy, and its memory row (variable -> bytes)."""
     found = blocks(graph)
-    if memory_budget is not None and smallest_footprint(graph, layouts, device, recompute, found)[0] > memory_budget:
-        raise no_fit(graph, layouts, device, memory_budget, recompute)
     scale = single_device_compute(graph, device)
     problem = _Problem()
     exposed = {phase: problem.var(1.0, False, math.inf) for phase in ("forward", "backward")}
     overlap: dict[str, dict[int, float]] = {phase: {v: 1.0} for phase, v in exposed.items()}
     memory: dict[int, float] = {}
-    live = problem.var(0.0, False, math.inf)  # the recomputed block's bytes (see [Note: pricing recomputation])
-    memory[live] = 1.0
+    live = problem.var(0.0, False, math.inf)  # the recomputed block's GB (see [Note: pricing recomputation])
+    memory[live] = GB  # in GB, not bytes: a cost of 1e-9 a byte would be below HiGHS's tolerances
     chosen: dict[Layout, tuple[int, list[list[int]]]] = {}
     for rank, layout in enumerate(layouts):
         model = CostModel(graph, layout, device)
@@ -137,29 +197,19 @@ def solve(
                     instance_live[found.of_op[o]][v] = acts.live(o, cand)
             problem.row({**{v: 1.0 for v in x[-1]}, z: -1.0}, 0.0, 0.0)
         for terms in instance_live.values():  # live >= each instance's recomputed bytes
-            problem.row({live: 1.0, **{v: -b for v, b in terms.items()}}, 0.0, math.inf)
+            problem.row({live: 1.0, **{v: -b / GB for v, b in terms.items()}}, 0.0, math.inf)
         if layout.tp_degree > 1:  # see [Note: a tp axis must split a parameter]
             splitting = {
                 x[o][c]: 1.0 for o, op_cands in enumerate(cands) for c, cand in enumerate(op_cands) if cand.splits_a_parameter
             }
             problem.row({**splitting, z: -1.0}, 0.0, math.inf)
-        _edges(problem, graph, model, cands, x, scale, acts)
+        _edges(problem, graph, model, cands, x, scale, acts, memory)
         _shared(problem, graph, cands, x)
         chosen[layout] = (z, x)
     problem.row({z: 1.0 for z, _ in chosen.values()}, 1.0, 1.0)
     for phase in exposed:
         problem.row(overlap[phase], 0.0, math.inf)
-    if memory_budget is not None:
-        problem.row(memory, -math.inf, memory_budget)
-    solution = problem.solve()
-    if solution is None:
-        if memory_budget is not None:
-            raise no_fit(graph, layouts, device, memory_budget, recompute)
-        raise OptionsError(f"dpar internal error: the planner's ILP found no solution for {len(layouts)} layouts")
-    for layout, (z, x) in chosen.items():
-        if solution[z] > 0.5:
-            return Assignment(layout, tuple(int(np.argmax([solution[v] for v in op_vars])) for op_vars in x))
-    raise AssertionError("one layout is always chosen")
+    return problem, memory, chosen
 
 
 def policies(graph: OpGraph) -> tuple[Recompute, ...]:
@@ -169,8 +219,9 @@ def policies(graph: OpGraph) -> tuple[Recompute, ...]:
 
 def solve_activations(
     graph: OpGraph, layouts: list[Layout], device: DeviceSpec, memory_budget: float | None,
-) -> dict[Recompute, Assignment | OptionsError]:
-    """The optimal assignment under each activation policy (or why none fits); ``OptionsError`` when none does.
+) -> dict[Recompute, Assignment | Unfit]:
+    """The optimal assignment under each activation policy, or the least memory it reaches when none fits the budget;
+    ``OptionsError`` when no policy fits.
 
     [Note: choosing the activation policy]
     Placements and policy are chosen together by solving the ILP once per policy (keep,
@@ -182,63 +233,59 @@ def solve_activations(
     Without a budget KEEP is the answer (for any one assignment it is never slower), so the
     others are solved only to be shown when a budget rules placements out.
     """
-    found: dict[Recompute, Assignment | OptionsError] = {}
+    found: dict[Recompute, Assignment | Unfit] = {}
     for recompute in policies(graph):
-        try:
-            found[recompute] = solve(graph, layouts, device, memory_budget, recompute)
-        except OptionsError as error:
-            found[recompute] = error
+        found[recompute] = _solve(graph, layouts, device, memory_budget, recompute)
         if memory_budget is None:
             break
-    if all(isinstance(a, OptionsError) for a in found.values()):
-        raise no_fit(graph, layouts, device, memory_budget, list(found)[-1])  # the policy that recomputes most
+    if all(isinstance(a, Unfit) for a in found.values()):
+        raise no_fit(min(found.values(), key=lambda u: u.least_bytes), memory_budget)
     return found
 
 
-def _argmin_assignment(graph: OpGraph, layout: Layout, device: DeviceSpec, recompute: Recompute, found: Blocks) -> float:
-    """Memory of the assignment that takes each op's least-memory candidate (ties: the least recomputed bytes)."""
-    model = CostModel(graph, layout, device)
-    acts = ActivationModel(graph, model, recompute, found)
-    picked, total = [], 0.0
-    for o, op in enumerate(graph.ops):
-        priced = [(acts.memory(o, c, model.op_cost(o, c)), acts.live(o, c), c) for c in candidates(op, layout.tp_degree)]
-        memory, _, cand = min(priced, key=lambda t: (t[0], t[1]))
-        picked.append(cand)
-        total += memory
-    return total + acts.peak(picked)
+def _lower_bound(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute) -> float:
+    """No assignment under ``recompute`` takes less memory: each op's least-memory candidate, without the live
+    block and the kept conversions (which only add)."""
+    found, least = blocks(graph), math.inf
+    for layout in layouts:
+        model = CostModel(graph, layout, device)
+        acts = ActivationModel(graph, model, recompute, found)
+        least = min(least, sum(
+            min(acts.memory(o, c, model.op_cost(o, c)) for c in candidates(op, layout.tp_degree))
+            for o, op in enumerate(graph.ops)
+        ))
+    return least
 
 
 def smallest_footprint(
     graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute = Recompute.KEEP,
-    found: Blocks | None = None,
 ) -> tuple[float, Layout]:
-    """The least memory per rank found under ``recompute`` (memory does not depend on the edges): for each layout,
-    the assignment of each op's least-memory candidate."""
-    found = found or blocks(graph)
-    return min(((_argmin_assignment(graph, layout, device, recompute, found), layout) for layout in layouts),
-               key=lambda t: t[0])
+    """The least memory per rank any assignment reaches under ``recompute`` (the ILP minimising memory), and its layout."""
+    problem, memory, chosen = _build(graph, layouts, device, recompute)
+    problem.row({}, 0.0, 0.0)  # stands for the budget row _least leaves out
+    found = _least(problem, memory, chosen, recompute)
+    return found.least_bytes, found.layout
 
 
-def no_fit(
-    graph: OpGraph, layouts: list[Layout], device: DeviceSpec, budget: float, recompute: Recompute = Recompute.KEEP,
-) -> OptionsError:
-    """Why nothing fits under ``recompute``: the smallest footprint found with it."""
-    footprint, layout = smallest_footprint(graph, layouts, device, recompute)
+def no_fit(unfit: Unfit, budget: float) -> OptionsError:
+    """Nothing fits ``budget``: the smallest budget that does, with the policy and layout that reach it."""
+    layout = unfit.layout
     mesh = "x".join(map(str, layout.mesh_shape))
-    with_policy = "" if recompute is Recompute.KEEP else f", activation checkpointing {recompute.value}"
+    with_policy = "" if unfit.recompute is Recompute.KEEP else f", activation checkpointing {unfit.recompute.value}"
     return OptionsError(
-        f"no plan fits memory_budget_gb={budget / 1e9:.3g}: the smallest footprint found is {footprint / 1e9:.3g} GB "
-        f"per rank ({layout.strategy} on mesh {mesh}, roles {'/'.join(layout.roles)}{with_policy}); raise "
-        "memory_budget_gb to at least that, or plan for more ranks (a bigger mesh_shape) so that sharding divides the "
-        "state further"
+        f"no plan fits memory_budget_gb={budget / 1e9:.3g}: the smallest footprint found is "
+        f"{unfit.least_bytes / 1e9:.4g} GB per rank ({layout.strategy} on mesh {mesh}, roles "
+        f"{'/'.join(layout.roles)}{with_policy}); raise memory_budget_gb to at least that, or plan for more ranks "
+        "(a bigger mesh_shape) so that sharding divides the state further"
     )
 
 
 def _edges(
     problem: _Problem, graph: OpGraph, model: CostModel, cands: list, x: list[list[int]], scale: float,
-    acts: ActivationModel,
+    acts: ActivationModel, memory: dict[int, float],
 ) -> None:
-    """Forward resharding per edge (twice when recomputed); backward per producer and gradient placement (see the Note)."""
+    """Forward resharding per edge (its result's bytes when a recomputed op reads it: ``memory``); backward per
+    producer and gradient placement (see the Note)."""
     pairs: dict[int, dict[tuple[int, int], int]] = {}
     for i, e in enumerate(graph.edges):
         src, dst = cands[e.src], cands[e.dst]
@@ -253,11 +300,13 @@ def _edges(
                 problem.row({**{pair[c1, c2]: 1.0 for c2 in range(len(dst))}, x[e.src][c1]: -1.0}, 0.0, 0.0)
             for c2 in range(len(dst)):
                 problem.row({**{pair[c1, c2]: 1.0 for c1 in range(len(src))}, x[e.dst][c2]: -1.0}, 0.0, 0.0)
-        again = 2.0 if acts.edge_repeats(e.dst) else 1.0
         for (c1, c2), v in pair.items():
             _, seconds = model.edge_forward(e, src[c1], dst[c2])
             if seconds:
-                problem.cost[v] += again * seconds / scale
+                problem.cost[v] += seconds / scale
+            kept = acts.converted(e, src[c1], dst[c2])
+            if kept:
+                memory[v] = memory.get(v, 0.0) + kept
         pairs[i] = pair
     out_edges: dict[int, list[int]] = defaultdict(list)
     for i, e in enumerate(graph.edges):

@@ -152,3 +152,20 @@ def test_a_model_without_blocks_has_nothing_to_recompute():
     model, inputs = fork(64, 8)
     p = plan(model, inputs, mesh_shape=(4,), device=hardware(FAST), memory_budget_gb=1.0)
     assert [o.policy for o in p.policies] == ["keep"]
+
+
+def test_under_tensor_parallel_the_ilp_and_the_priced_plan_count_the_same_bytes():
+    """A recomputed op's tp input is an all-gather's result, saved (collectives are never recomputed): the ILP
+    prices it on its edge variables, the plan on the chosen pair; the least footprint of each policy fits as priced."""
+    model, inputs = residual()
+    graph = build_op_graph(model, inputs)
+    tp_only = layouts((D,), ("tp",))
+    least = {r: smallest_footprint(graph, tp_only, hardware(FAST), r) for r in Recompute}
+    for recompute, (bytes_, layout) in least.items():
+        assert layout.roles == ("tp",)
+        p = plan(model, inputs, mesh_shape=(D,), mesh_dim_names=("tp",), device=hardware(FAST),
+                 memory_budget_gb=bytes_ * (1 + 1e-9) / 1e9)
+        assert p.cost.memory_bytes_per_rank <= bytes_ * (1 + 1e-9), recompute
+    with pytest.raises(dpar.OptionsError, match="no plan fits"):
+        plan(model, inputs, mesh_shape=(D,), mesh_dim_names=("tp",), device=hardware(FAST),
+             memory_budget_gb=min(b for b, _ in least.values()) * (1 - 1e-3) / 1e9)

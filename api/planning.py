@@ -41,6 +41,13 @@ def plan(
     """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank (by default
     the device's memory: 80 GB on ``"h100"``, 141 on ``"h200"``; none on ``"cpu"``).
 
+    Placements and activation checkpointing are chosen together: when keeping every activation does
+    not fit at the fastest placements, each policy (``keep``, ``selective``: recompute the cheap ops
+    between matmuls, ``full``: recompute each block) is solved for and the fastest that fits wins
+    (``plan.activations``, which ``parallelize(plan=...)`` applies; ``print(plan)`` shows each
+    policy's best, the memory before and after and the recompute time added). A budget nothing
+    reaches, even recomputing every block, is an ``OptionsError`` naming the smallest that fits.
+
     ``example_inputs`` is the **global** batch: the rows of one training step over all ranks,
     which the plan's data-parallel axes split (``print(plan)`` names them). Every plan is
     priced at that same batch. This is not what one rank is fed: under DDP's data contract

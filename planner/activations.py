@@ -130,6 +130,13 @@ class ActivationModel:
             return 0.0
         return e.count * self.model.activation_bytes(e.numel, self.graph.ops[e.src].batched, "R")
 
+    def total(self, picked: list[Candidate], costs: list[OpCost] | None = None) -> tuple[float, float]:
+        """(memory, of which saved activations) per rank under one assignment: what the ILP's memory row sums."""
+        costs = costs or [self.model.op_cost(o, c) for o, c in enumerate(picked)]
+        extra = self.peak(picked) + sum(self.converted(e, picked[e.src], picked[e.dst]) for e in self.graph.edges)
+        memory = sum(self.memory(o, c, cost) for o, (c, cost) in enumerate(zip(picked, costs)))
+        return memory + extra, sum(self.saved(o, c) for o, c in enumerate(picked)) + extra
+
     def peak(self, picked: list[Candidate]) -> float:
         """The largest instance's live bytes under one assignment."""
         by_block: dict[str, float] = defaultdict(float)
@@ -155,11 +162,7 @@ def price(graph: OpGraph, model: CostModel, picked: list[Candidate], recompute: 
     """Totals of ``picked`` (``compute_s`` and ``tp_comm_s`` as ``evaluate`` priced them, under KEEP) under ``recompute``."""
     acts = ActivationModel(graph, model, recompute)
     costs = [model.op_cost(o, c) for o, c in enumerate(picked)]
-    peak = acts.peak(picked)
-    memory = sum(acts.memory(o, c, cost) for o, (c, cost) in enumerate(zip(picked, costs))) + peak
-    saved = sum(acts.saved(o, c) for o, c in enumerate(picked)) + peak
-    converted = sum(acts.converted(e, picked[e.src], picked[e.dst]) for e in graph.edges)
-    memory, saved = memory + converted, saved + converted
+    memory, saved = acts.total(picked, costs)
     recompute_s = sum(acts.seconds(o, cost) for o, cost in enumerate(costs))
     latency = model.dp_latency()
     fwd, bwd = sum(c.compute_fwd for c in costs), sum(c.compute_bwd for c in costs)

@@ -281,7 +281,9 @@ def _render_activations(plan: Plan, console: Any) -> None:
     c = plan.cost
     budget = "no memory budget" if plan.memory_budget_bytes is None else f"budget {_bytes(plan.memory_budget_bytes)} per rank"
     console.print(f"activations: {_policy_name(plan.activations)} in every block ({budget})")
-    if plan.policies:
+    if [o.policy for o in plan.policies] == [Recompute.KEEP.value]:
+        console.print("  keeping every activation fits at the fastest placements; recomputing would only add time")
+    elif plan.policies:
         why = Table(title="activation policies: the fastest plan that fits wins")
         for column in ("policy", "best plan", "step", "recompute", "memory/rank", "fits"):
             why.add_column(column, justify="right" if column in ("step", "recompute", "memory/rank") else "left")

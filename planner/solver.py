@@ -45,7 +45,7 @@ from dpar.compiler.costs import DeviceSpec
 from dpar.core.plan import Recompute
 from dpar.planner.activations import POLICIES, ActivationModel, blocks
 from dpar.planner.costs import CostModel
-from dpar.planner.evaluate import Assignment
+from dpar.planner.evaluate import Assignment, chosen
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.rules import candidates
@@ -229,18 +229,27 @@ def solve_activations(
     that fits (``evaluate`` then prices each the same way, ``api/planning.py`` picks). One ILP
     with a policy variable beside the layout's would be the same optimum; three keep each
     solve as small as today's, and give the report its "why": each policy's best step and
-    memory side by side. A policy whose smallest footprint exceeds the budget is not solved.
-    Without a budget KEEP is the answer (for any one assignment it is never slower), so the
-    others are solved only to be shown when a budget rules placements out.
+    memory side by side (a policy that cannot fit shows its least memory instead, from the same
+    ILP minimising memory; one whose lower bound exceeds the budget skips the search).
+    KEEP's fastest assignment is solved first, without the budget: if it fits, it is the answer
+    and nothing else is solved (for any one assignment recompute + max(0, comm - compute -
+    recompute) >= max(0, comm - compute), so no policy beats it): one ILP, as before.
     """
+    fastest = _solve(graph, layouts, device, None, Recompute.KEEP)
+    if memory_budget is None or keep_memory(graph, fastest, device) <= memory_budget:
+        return {Recompute.KEEP: fastest}
     found: dict[Recompute, Assignment | Unfit] = {}
     for recompute in policies(graph):
         found[recompute] = _solve(graph, layouts, device, memory_budget, recompute)
-        if memory_budget is None:
-            break
     if all(isinstance(a, Unfit) for a in found.values()):
         raise no_fit(min(found.values(), key=lambda u: u.least_bytes), memory_budget)
     return found
+
+
+def keep_memory(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> float:
+    """Memory per rank of ``assignment`` keeping every activation."""
+    model = CostModel(graph, assignment.layout, device)
+    return ActivationModel(graph, model, Recompute.KEEP).total(chosen(graph, assignment))[0]
 
 
 def _lower_bound(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute) -> float:

@@ -15,12 +15,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dpar.planner.capture import build_op_graph
-from dpar.planner.evaluate import evaluate
+from dpar.planner.evaluate import Assignment, evaluate
 from dpar.compiler.costs import DeviceSpec, device_spec
 from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.activations import POLICIES
-from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan, PolicyOption
+from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
 from dpar.planner.rules import candidates
 from dpar.core.errors import OptionsError
 from dpar.core.plan import Recompute
@@ -75,12 +75,13 @@ def plan(
 def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None) -> Plan:
     """Each activation policy's optimum (``solve_activations``), priced alike; the fastest that fits, with the others
     beside it to say why (see [Note: choosing the activation policy] in ``planner/solver.py``)."""
-    from dpar.planner.activations import with_policy
+    from dpar.planner.activations import fewest_full_blocks, with_policy
     from dpar.planner.solver import Unfit, solve_activations
 
     plans: dict[Recompute, Plan] = {}
     options = []
-    for recompute, assignment in solve_activations(graph, found, device, budget).items():
+    assignments = solve_activations(graph, found, device, budget)
+    for recompute, assignment in assignments.items():
         if isinstance(assignment, Unfit):
             options.append(PolicyOption(recompute.value, assignment.layout.strategy, 0.0, 0.0,
                                         round(assignment.least_bytes), False))
@@ -89,7 +90,31 @@ def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: fl
         options.append(PolicyOption(recompute.value, p.strategy, p.cost.step_s, p.cost.recompute_s,
                                     p.cost.memory_bytes_per_rank, True))
     best = min(plans, key=lambda r: (plans[r].cost.step_s, POLICIES.index(r)))  # ties: the least recomputation
-    return dataclasses.replace(plans[best], policies=tuple(options), memory_budget_bytes=budget)
+    chosen = plans[best]
+    if best is Recompute.FULL and budget is not None:  # see [Note: mixing full and selective blocks]
+        mixed = _fewest_full_blocks(graph, found, device, budget, assignments[best])
+        if mixed is not None and mixed.cost.step_s < chosen.cost.step_s:
+            options.append(PolicyOption(policy_label(mixed.activations), mixed.strategy, mixed.cost.step_s,
+                                        mixed.cost.recompute_s, mixed.cost.memory_bytes_per_rank, True))
+            chosen = mixed
+    return dataclasses.replace(chosen, policies=tuple(options), memory_budget_bytes=budget)
+
+
+def _fewest_full_blocks(
+    graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float, full: Assignment,
+) -> Plan | None:
+    """The fastest plan recomputing the fewest blocks whole (the rest selective) that fits: on full recomputation's
+    placements, and on every layout without a tp axis (one candidate per op: nothing else to choose)."""
+    from dpar.planner.activations import fewest_full_blocks, with_policy
+
+    tried = [full] + [Assignment(layout, (0,) * len(graph.ops)) for layout in found if layout.tp_degree == 1]
+    plans = []
+    for assignment in dict.fromkeys(tried):
+        priced = with_policy(evaluate(graph, assignment, device), graph, assignment, device, Recompute.FULL)
+        mixed = fewest_full_blocks(priced, graph, assignment, device, budget)
+        if mixed is not None:
+            plans.append(mixed)
+    return min(plans, key=lambda p: p.cost.step_s, default=None)
 
 
 def global_batch(rank_slice: Sequence[object], ranks: int) -> tuple[object, ...]:

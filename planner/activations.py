@@ -188,3 +188,101 @@ def with_policy(plan: Plan, graph: OpGraph, assignment: Assignment, device: Devi
         activation_bytes_keep=c.activation_bytes_per_rank,
     )
     return dataclasses.replace(plan, cost=cost, activations=policy(recompute))
+
+
+def fewest_full_blocks(
+    plan: Plan, graph: OpGraph, assignment: Assignment, device: DeviceSpec, budget: float,
+) -> Plan | None:
+    """On ``assignment`` (FULL's placements), the fewest blocks recomputed whole, the others selective, that fit
+    ``budget``; None when none but all of them do (or the blocks cannot be told apart).
+
+    [Note: mixing full and selective blocks]
+    Full recomputation of every block fits where selective does not, at the price of every
+    block's forward. Between the two, the first k blocks (in model order) full and the rest
+    selective: memory falls with k (each full block saves its matmul outputs, beyond the
+    largest recomputed block, which is counted once) and the step grows with it (compute +
+    max(recompute, comm) never shrinks as recompute grows), so the smallest k that fits is the
+    fastest of them. With blocks collapsed into representatives (``planner/repeats.py``) an
+    op stands for ``count`` instances: a representative with ``k_b`` of its instances full
+    counts ``k_b / count`` of FULL's bytes and seconds and the rest of SELECTIVE's. Torchtitan
+    checkpoints every n-th block for the same trade; here the policy names the blocks.
+    """
+    model = CostModel(graph, assignment.layout, device)
+    picked = chosen(graph, assignment)
+    costs = [model.op_cost(o, c) for o, c in enumerate(picked)]
+    found = blocks(graph)
+    sel, full = (ActivationModel(graph, model, r, found) for r in (Recompute.SELECTIVE, Recompute.FULL))
+    instances = _real_instances(graph, found)
+    if instances is None or len(instances) < 2:
+        return None
+    per_instance: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # rep block -> (bytes saved, seconds added)
+    live: dict[str, dict[Recompute, float]] = defaultdict(lambda: defaultdict(float))
+    for o, (cand, cost) in enumerate(zip(picked, costs)):
+        block = found.of_op[o]
+        if block is None:
+            continue
+        n = graph.ops[o].count
+        per_instance[block][0] += (sel.saved(o, cand) - full.saved(o, cand)) / n
+        per_instance[block][1] += (full.seconds(o, cost) - sel.seconds(o, cost)) / n
+        live[block][Recompute.SELECTIVE] += sel.live(o, cand)
+        live[block][Recompute.FULL] += full.live(o, cand)
+    for e in graph.edges:
+        block = found.of_op[e.dst]
+        if block is not None:
+            per_instance[block][0] += (sel.converted(e, picked[e.src], picked[e.dst])
+                                       - full.converted(e, picked[e.src], picked[e.dst])) / e.count
+    memory_sel, _ = sel.total(picked, costs)
+    base = memory_sel - sel.peak(picked)
+    recompute_sel = sum(sel.seconds(o, cost) for o, cost in enumerate(costs))
+    counts = {b: sum(1 for _, rep in instances if rep == b) for b in per_instance}
+    for k in range(1, len(instances)):
+        taken: dict[str, int] = defaultdict(int)
+        for _, rep in instances[:k]:
+            taken[rep] += 1
+        peak = max(
+            max(live[b][Recompute.FULL] if taken[b] else 0.0, live[b][Recompute.SELECTIVE] if taken[b] < counts[b] else 0.0)
+            for b in per_instance
+        )
+        memory = base - sum(taken[b] * per_instance[b][0] for b in taken) + peak
+        if memory > budget:
+            continue
+        recompute_s = recompute_sel + sum(taken[b] * per_instance[b][1] for b in taken)
+        policy_k = ActivationPolicy(Recompute.SELECTIVE, tuple((name, Recompute.FULL) for name, _ in instances[:k]))
+        return _with_totals(plan, policy_k, model, costs, memory, recompute_s, found, picked)
+    return None
+
+
+def _real_instances(graph: OpGraph, found: Blocks) -> list[tuple[str, str]] | None:
+    """(block path, its representative) for every block instance of the model, in model order, from the buckets of
+    the parameters (``layers.7`` -> the representative block whose op reads its parameters); None when some block
+    has no parameter to tell it by, or the counts do not match the representatives'."""
+    rep_of: dict[str, str] = {}
+    for p in graph.params:
+        if p.op is not None and p.bucket not in (None, "root") and found.of_op[p.op] is not None:
+            rep_of.setdefault(p.bucket, found.of_op[p.op])
+    instances = list(rep_of.items())
+    for block, ops in found.instances.items():
+        if sum(1 for _, rep in instances if rep == block) != graph.ops[ops[0]].count:
+            return None
+    return instances
+
+
+def _with_totals(
+    plan: Plan, activations: ActivationPolicy, model: CostModel, costs: list[OpCost], memory: float,
+    recompute_s: float, found: Blocks, picked: list[Candidate],
+) -> Plan:
+    c = plan.cost
+    state = sum(cost.memory for cost in costs) - sum(
+        ActivationModel(model.graph, model, Recompute.KEEP, found).kept(o, cand) for o, cand in enumerate(picked))
+    latency = model.dp_latency()
+    fwd, bwd = sum(x.compute_fwd for x in costs), sum(x.compute_bwd for x in costs)
+    dp_fwd, dp_bwd = sum(x.dp_fwd for x in costs) + latency["forward"], sum(x.dp_bwd for x in costs) + latency["backward"]
+    exposed = c.tp_comm_s + max(0.0, dp_fwd - fwd) + max(0.0, dp_bwd - bwd - recompute_s)
+    keep_memory = c.memory_bytes_keep if c.memory_bytes_keep is not None else c.memory_bytes_per_rank
+    keep_acts = c.activation_bytes_keep if c.activation_bytes_keep is not None else c.activation_bytes_per_rank
+    cost = dataclasses.replace(
+        c, exposed_comm_s=exposed, step_s=c.compute_s + recompute_s + exposed, memory_bytes_per_rank=round(memory),
+        activation_bytes_per_rank=round(memory - state), recompute_s=recompute_s, memory_bytes_keep=keep_memory,
+        activation_bytes_keep=keep_acts,
+    )
+    return dataclasses.replace(plan, cost=cost, activations=activations)

@@ -267,11 +267,20 @@ def render(plan: Plan, console: Any) -> None:
     console.print(cost)
 
 
-def _policy_name(policy: ActivationPolicy) -> str:
+def policy_label(policy: ActivationPolicy) -> str:
+    """``selective``, or ``full in 30 blocks (layers.0 .. layers.29), selective in the rest``."""
     if policy.budget_bytes is not None:
         return f"a budget of {_bytes(policy.budget_bytes)} saved"
-    named = ", ".join(f"{b}: {r.value}" for b, r in policy.blocks)
-    return policy.default.value + (f" ({named})" if named else "")
+    parts = []
+    for r in Recompute:
+        named = [b for b, p in policy.blocks if p is r and r is not policy.default]
+        if named:
+            span = f"{named[0]} .. {named[-1]}" if len(named) > 1 else named[0]
+            parts.append(f"{r.value} in {len(named)} block{'s' if len(named) > 1 else ''} ({span})")
+    return ", ".join([*parts, f"{policy.default.value} in the rest"]) if parts else policy.default.value
+
+
+_policy_name = policy_label
 
 
 def _render_activations(plan: Plan, console: Any) -> None:
@@ -280,7 +289,8 @@ def _render_activations(plan: Plan, console: Any) -> None:
 
     c = plan.cost
     budget = "no memory budget" if plan.memory_budget_bytes is None else f"budget {_bytes(plan.memory_budget_bytes)} per rank"
-    console.print(f"activations: {_policy_name(plan.activations)} in every block ({budget})")
+    where = " in every block" if not plan.activations.blocks else ""
+    console.print(f"activations: {_policy_name(plan.activations)}{where} ({budget})")
     if [o.policy for o in plan.policies] == [Recompute.KEEP.value]:
         console.print("  keeping every activation fits at the fastest placements; recomputing would only add time")
     elif plan.policies:
@@ -288,15 +298,15 @@ def _render_activations(plan: Plan, console: Any) -> None:
         for column in ("policy", "best plan", "step", "recompute", "memory/rank", "fits"):
             why.add_column(column, justify="right" if column in ("step", "recompute", "memory/rank") else "left")
         for o in plan.policies:
-            chosen = " <- chosen" if o.policy == plan.activations.default.value and not plan.activations.blocks else ""
+            chosen = " <- chosen" if o.policy == policy_label(plan.activations) else ""
             why.add_row(
                 o.policy, o.strategy or "-", _seconds(o.step_s) if o.fits else "-", _seconds(o.recompute_s) if o.fits else "-",
                 _bytes(o.memory_bytes_per_rank) + ("" if o.fits else " (least found)"), ("yes" if o.fits else "no") + chosen,
             )
         console.print(why)
     if plan.activations.recomputes and c.memory_bytes_keep is not None:
-        table = Table(title=f"memory per rank, these placements: keep everything vs {_policy_name(plan.activations)}")
-        for column in ("", "keep", _policy_name(plan.activations)):
+        table = Table(title="memory per rank, keep vs chosen")
+        for column in ("", "keep", "chosen policy"):
             table.add_column(column, justify="right" if column else "left")
         state = c.memory_bytes_per_rank - c.activation_bytes_per_rank
         table.add_row("parameters, gradients, optimizer state", _bytes(state), _bytes(state))

@@ -23,7 +23,7 @@ import dpar
 from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.planner.capture import build_op_graph
 from dpar.planner.layout import layouts
-from dpar.planner.plan import Plan
+from dpar.planner.plan import Plan, policy_label
 from dpar.planner.solver import smallest_footprint
 from dpar.planning import plan
 
@@ -88,27 +88,38 @@ def test_a_budget_that_fits_keeps_everything():
     assert roomy.cost.memory_bytes_keep == roomy.cost.memory_bytes_per_rank
 
 
-def test_tighter_budgets_pick_selective_then_full_then_fsdp_with_full():
+def _mixed(k: int) -> ActivationPolicy:
+    """Selective, with the first ``k`` blocks recomputed whole."""
+    return ActivationPolicy(Recompute.SELECTIVE, tuple((f"layers.{i}", Recompute.FULL) for i in range(k)))
+
+
+def test_tighter_budgets_pick_selective_then_full_blocks_then_fsdp_with_full():
+    """Between selective and full: the first k blocks full. Each full block saves 2u (3u -> u) but the block
+    recomputed in the backward then holds 3u instead of u: the first one gains nothing, each next one 2u."""
     keep, selective, full = (_fsdp_footprint(r) for r in (Recompute.KEEP, Recompute.SELECTIVE, Recompute.FULL))
     assert full < selective < keep
     answers = {
-        keep - U / 2: Recompute.SELECTIVE,  # keep fits nowhere
-        selective - U / 2: Recompute.FULL,  # nor selective
-        full + SLACK: Recompute.FULL,  # the tightest that fits
+        keep - U / 2: ActivationPolicy(Recompute.SELECTIVE),  # keep fits nowhere
+        selective - U / 2: _mixed(2),  # nor selective: two full blocks
+        selective - 2 * U - U / 2: _mixed(3),
+        full + SLACK: ActivationPolicy(Recompute.FULL),  # the tightest that fits
     }
     for budget, policy in answers.items():
         p = _plan(budget)
-        assert p.activations == ActivationPolicy(default=policy), budget
+        assert p.activations == policy, budget
+        assert Plan.from_json(p.to_json()) == p
         assert p.cost.memory_bytes_per_rank <= budget
         assert p.cost.memory_bytes_keep > budget  # the same placements would not fit keeping everything
         assert p.cost.recompute_s > 0
         assert p.cost.step_s == pytest.approx(p.cost.compute_s + p.cost.recompute_s + p.cost.exposed_comm_s)
         fits = {o.policy: o.fits for o in p.policies}
-        assert fits[Recompute.KEEP.value] is False and fits[policy.value] is True
-        assert min((o for o in p.policies if o.fits), key=lambda o: o.step_s).policy == policy.value
+        assert fits[Recompute.KEEP.value] is False and fits[policy_label(policy)] is True
+        assert min((o for o in p.policies if o.fits), key=lambda o: o.step_s).policy == policy_label(policy)
     tightest = _plan(full + SLACK)
     assert (tightest.strategy, tightest.data_parallel) == ("fsdp", "fsdp")
     assert tightest.cost.activation_bytes_per_rank == pytest.approx(SAVED_UNITS[Recompute.FULL] * U, abs=SLACK)
+    two = _plan(selective - U / 2)
+    assert two.cost.activation_bytes_per_rank == pytest.approx((SAVED_UNITS[Recompute.SELECTIVE] - 2) * U, abs=SLACK)
 
 
 def test_recompute_time_is_the_recomputed_ops_forward():
@@ -135,7 +146,7 @@ def test_the_plan_prints_why_and_its_json_keeps_the_policy():
     text = str(p)
     assert "activations: selective in every block" in text
     assert "activation policies: the fastest plan that fits wins" in text
-    assert "keep everything vs selective" in text and "recompute added to the step" in text
+    assert "memory per rank, keep vs chosen" in text and "recompute added to the step" in text
     back = Plan.from_json(p.to_json())
     assert back == p
     assert json.loads(p.to_json())["activations"]["default"] == "selective"

@@ -49,4 +49,4 @@ def test_plan_command_with_a_budget_prints_the_activation_policy_and_why(tmp_pat
     assert plan.activations.default is Recompute.SELECTIVE
     assert "activations: selective in every block" in printed
     assert "activation policies: the fastest plan that fits wins" in printed
-    assert "keep everything vs selective" in printed and "recompute added to the step" in printed
+    assert "memory per rank, keep vs chosen" in printed and "recompute added to the step" in printed

@@ -75,7 +75,7 @@ def plan(
 def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None) -> Plan:
     """Each activation policy's optimum (``solve_activations``), priced alike; the fastest that fits, with the others
     beside it to say why (see [Note: choosing the activation policy] in ``planner/solver.py``)."""
-    from dpar.planner.activations import fewest_full_blocks, with_policy
+    from dpar.planner.activations import with_policy
     from dpar.planner.solver import Unfit, solve_activations
 
     plans: dict[Recompute, Plan] = {}
@@ -91,8 +91,9 @@ def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: fl
                                     p.cost.memory_bytes_per_rank, True))
     best = min(plans, key=lambda r: (plans[r].cost.step_s, POLICIES.index(r)))  # ties: the least recomputation
     chosen = plans[best]
-    if best is Recompute.FULL and budget is not None:  # see [Note: mixing full and selective blocks]
-        mixed = _fewest_full_blocks(graph, found, device, budget, assignments[best])
+    if best is not Recompute.KEEP and budget is not None:  # see [Note: mixing policies across blocks]
+        tried = [a for a in assignments.values() if isinstance(a, Assignment)]
+        mixed = _fewest_blocks(graph, found, device, budget, tried, best)
         if mixed is not None and mixed.cost.step_s < chosen.cost.step_s:
             options.append(PolicyOption(policy_label(mixed.activations), mixed.strategy, mixed.cost.step_s,
                                         mixed.cost.recompute_s, mixed.cost.memory_bytes_per_rank, True))
@@ -100,20 +101,26 @@ def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: fl
     return dataclasses.replace(chosen, policies=tuple(options), memory_budget_bytes=budget)
 
 
-def _fewest_full_blocks(
-    graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float, full: Assignment,
+def _fewest_blocks(
+    graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float, solved: list[Assignment], best: Recompute,
 ) -> Plan | None:
-    """The fastest plan recomputing the fewest blocks whole (the rest selective) that fits: on full recomputation's
-    placements, and on every layout without a tp axis (one candidate per op: nothing else to choose)."""
-    from dpar.planner.activations import fewest_full_blocks, with_policy
+    """The fastest plan putting the fewest blocks under a heavier policy, the rest under a lighter one, that fits
+    (keep and selective when selective is the best uniform policy, selective and full when either is): on the solved
+    policies' placements and on every layout without a tp axis (one candidate per op: nothing else to choose)."""
+    from dpar.planner.activations import fewest_blocks, with_policy
 
-    tried = [full] + [Assignment(layout, (0,) * len(graph.ops)) for layout in found if layout.tp_degree == 1]
+    pairs = [(Recompute.SELECTIVE, Recompute.FULL)]
+    if best is Recompute.SELECTIVE:
+        pairs.insert(0, (Recompute.KEEP, Recompute.SELECTIVE))
+    tried = solved + [Assignment(layout, (0,) * len(graph.ops)) for layout in found if layout.tp_degree == 1]
     plans = []
     for assignment in dict.fromkeys(tried):
-        priced = with_policy(evaluate(graph, assignment, device), graph, assignment, device, Recompute.FULL)
-        mixed = fewest_full_blocks(priced, graph, assignment, device, budget)
-        if mixed is not None:
-            plans.append(mixed)
+        base = evaluate(graph, assignment, device)
+        for lighter, heavier in pairs:
+            priced = with_policy(base, graph, assignment, device, heavier)
+            mixed = fewest_blocks(priced, graph, assignment, device, budget, lighter, heavier)
+            if mixed is not None:
+                plans.append(mixed)
     return min(plans, key=lambda p: p.cost.step_s, default=None)
 
 

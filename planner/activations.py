@@ -190,28 +190,31 @@ def with_policy(plan: Plan, graph: OpGraph, assignment: Assignment, device: Devi
     return dataclasses.replace(plan, cost=cost, activations=policy(recompute))
 
 
-def fewest_full_blocks(
+def fewest_blocks(
     plan: Plan, graph: OpGraph, assignment: Assignment, device: DeviceSpec, budget: float,
+    lighter: Recompute = Recompute.SELECTIVE, heavier: Recompute = Recompute.FULL,
 ) -> Plan | None:
-    """On ``assignment`` (FULL's placements), the fewest blocks recomputed whole, the others selective, that fit
-    ``budget``; None when none but all of them do (or the blocks cannot be told apart).
+    """On ``assignment``, the fewest blocks under ``heavier``, the others under ``lighter``, that fit ``budget``;
+    None when none but all of them do (or the blocks cannot be told apart).
 
-    [Note: mixing full and selective blocks]
+    [Note: mixing policies across blocks]
     Full recomputation of every block fits where selective does not, at the price of every
-    block's forward. Between the two, the first k blocks (in model order) full and the rest
-    selective: memory falls with k (each full block saves its matmul outputs, beyond the
-    largest recomputed block, which is counted once) and the step grows with it (compute +
+    block's forward (and selective where keep does not, at the price of the cheap ops). Between
+    two such policies, the first k blocks (in model order) under the heavier one and the rest
+    under the lighter: memory falls with k (each heavier block saves more, beyond the largest
+    recomputed block, which is counted once) and the step grows with it (compute +
     max(recompute, comm) never shrinks as recompute grows), so the smallest k that fits is the
-    fastest of them. With blocks collapsed into representatives (``planner/repeats.py``) an
-    op stands for ``count`` instances: a representative with ``k_b`` of its instances full
-    counts ``k_b / count`` of FULL's bytes and seconds and the rest of SELECTIVE's. Torchtitan
-    checkpoints every n-th block for the same trade; here the policy names the blocks.
+    fastest of them on these placements. With blocks collapsed into representatives
+    (``planner/repeats.py``) an op stands for ``count`` instances: a representative with
+    ``k_b`` of its instances under the heavier policy counts ``k_b / count`` of its bytes and
+    seconds and the rest of the lighter's. Torchtitan checkpoints every n-th block for the same
+    trade; here the policy names the blocks.
     """
     model = CostModel(graph, assignment.layout, device)
     picked = chosen(graph, assignment)
     costs = [model.op_cost(o, c) for o, c in enumerate(picked)]
     found = blocks(graph)
-    sel, full = (ActivationModel(graph, model, r, found) for r in (Recompute.SELECTIVE, Recompute.FULL))
+    light, heavy = (ActivationModel(graph, model, r, found) for r in (lighter, heavier))
     instances = _real_instances(graph, found)
     if instances is None or len(instances) < 2:
         return None
@@ -222,32 +225,32 @@ def fewest_full_blocks(
         if block is None:
             continue
         n = graph.ops[o].count
-        per_instance[block][0] += (sel.saved(o, cand) - full.saved(o, cand)) / n
-        per_instance[block][1] += (full.seconds(o, cost) - sel.seconds(o, cost)) / n
-        live[block][Recompute.SELECTIVE] += sel.live(o, cand)
-        live[block][Recompute.FULL] += full.live(o, cand)
+        per_instance[block][0] += (light.saved(o, cand) - heavy.saved(o, cand)) / n
+        per_instance[block][1] += (heavy.seconds(o, cost) - light.seconds(o, cost)) / n
+        live[block][lighter] += light.live(o, cand)
+        live[block][heavier] += heavy.live(o, cand)
     for e in graph.edges:
         block = found.of_op[e.dst]
         if block is not None:
-            per_instance[block][0] += (sel.converted(e, picked[e.src], picked[e.dst])
-                                       - full.converted(e, picked[e.src], picked[e.dst])) / e.count
-    memory_sel, _ = sel.total(picked, costs)
-    base = memory_sel - sel.peak(picked)
-    recompute_sel = sum(sel.seconds(o, cost) for o, cost in enumerate(costs))
+            per_instance[block][0] += (light.converted(e, picked[e.src], picked[e.dst])
+                                       - heavy.converted(e, picked[e.src], picked[e.dst])) / e.count
+    memory_light, _ = light.total(picked, costs)
+    base = memory_light - light.peak(picked)
+    recompute_light = sum(light.seconds(o, cost) for o, cost in enumerate(costs))
     counts = {b: sum(1 for _, rep in instances if rep == b) for b in per_instance}
     for k in range(1, len(instances)):
         taken: dict[str, int] = defaultdict(int)
         for _, rep in instances[:k]:
             taken[rep] += 1
         peak = max(
-            max(live[b][Recompute.FULL] if taken[b] else 0.0, live[b][Recompute.SELECTIVE] if taken[b] < counts[b] else 0.0)
+            max(live[b][heavier] if taken[b] else 0.0, live[b][lighter] if taken[b] < counts[b] else 0.0)
             for b in per_instance
         )
         memory = base - sum(taken[b] * per_instance[b][0] for b in taken) + peak
         if memory > budget:
             continue
-        recompute_s = recompute_sel + sum(taken[b] * per_instance[b][1] for b in taken)
-        policy_k = ActivationPolicy(Recompute.SELECTIVE, tuple((name, Recompute.FULL) for name, _ in instances[:k]))
+        recompute_s = recompute_light + sum(taken[b] * per_instance[b][1] for b in taken)
+        policy_k = ActivationPolicy(lighter, tuple((name, heavier) for name, _ in instances[:k]))
         return _with_totals(plan, policy_k, model, costs, memory, recompute_s, found, picked)
     return None
 

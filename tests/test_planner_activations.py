@@ -60,6 +60,15 @@ def residual() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
         return Residual(H, N), (torch.empty(B, H), torch.empty(B, H))
 
 
+def _units(policy: ActivationPolicy) -> int:
+    """Saved units of a policy whose first k blocks are heavier (see the tests' docstrings)."""
+    k = len(policy.blocks)
+    if not k:
+        return SAVED_UNITS[policy.default]
+    gain = {Recompute.KEEP: 1, Recompute.SELECTIVE: 2}[policy.default]
+    return SAVED_UNITS[policy.default] - gain * (k - 1)
+
+
 def _plan(budget_bytes: float | None) -> Plan:
     model, inputs = residual()
     return plan(model, inputs, mesh_shape=(D,), device=hardware(FAST),
@@ -88,19 +97,22 @@ def test_a_budget_that_fits_keeps_everything():
     assert roomy.cost.memory_bytes_keep == roomy.cost.memory_bytes_per_rank
 
 
-def _mixed(k: int) -> ActivationPolicy:
-    """Selective, with the first ``k`` blocks recomputed whole."""
-    return ActivationPolicy(Recompute.SELECTIVE, tuple((f"layers.{i}", Recompute.FULL) for i in range(k)))
+def _mixed(k: int, lighter: Recompute = Recompute.SELECTIVE, heavier: Recompute = Recompute.FULL) -> ActivationPolicy:
+    """``lighter``, with the first ``k`` blocks under ``heavier``."""
+    return ActivationPolicy(lighter, tuple((f"layers.{i}", heavier) for i in range(k)))
 
 
 def test_tighter_budgets_pick_selective_then_full_blocks_then_fsdp_with_full():
-    """Between selective and full: the first k blocks full. Each full block saves 2u (3u -> u) but the block
-    recomputed in the backward then holds 3u instead of u: the first one gains nothing, each next one 2u."""
+    """Between two policies, the first k blocks under the heavier. A selective block saves u over keep but the
+    block recomputed in the backward then holds u more: the first gains nothing, each next one u. A full block
+    saves 2u over selective and holds 3u instead of u: the first gains nothing, each next one 2u."""
     keep, selective, full = (_fsdp_footprint(r) for r in (Recompute.KEEP, Recompute.SELECTIVE, Recompute.FULL))
     assert full < selective < keep
     answers = {
-        keep - U / 2: ActivationPolicy(Recompute.SELECTIVE),  # keep fits nowhere
-        selective - U / 2: _mixed(2),  # nor selective: two full blocks
+        keep - U / 2: _mixed(2, Recompute.KEEP, Recompute.SELECTIVE),  # keep fits nowhere: two selective blocks
+        keep - 3 * U / 2: _mixed(3, Recompute.KEEP, Recompute.SELECTIVE),
+        selective + U / 2: ActivationPolicy(Recompute.SELECTIVE),  # three selective blocks are not enough
+        selective - U / 2: _mixed(2),  # selective fits nowhere: two full blocks
         selective - 2 * U - U / 2: _mixed(3),
         full + SLACK: ActivationPolicy(Recompute.FULL),  # the tightest that fits
     }
@@ -114,18 +126,17 @@ def test_tighter_budgets_pick_selective_then_full_blocks_then_fsdp_with_full():
         assert p.cost.step_s == pytest.approx(p.cost.compute_s + p.cost.recompute_s + p.cost.exposed_comm_s)
         fits = {o.policy: o.fits for o in p.policies}
         assert fits[Recompute.KEEP.value] is False and fits[policy_label(policy)] is True
+        assert p.cost.activation_bytes_per_rank == pytest.approx(_units(policy) * U, abs=SLACK)
         assert min((o for o in p.policies if o.fits), key=lambda o: o.step_s).policy == policy_label(policy)
     tightest = _plan(full + SLACK)
     assert (tightest.strategy, tightest.data_parallel) == ("fsdp", "fsdp")
     assert tightest.cost.activation_bytes_per_rank == pytest.approx(SAVED_UNITS[Recompute.FULL] * U, abs=SLACK)
-    two = _plan(selective - U / 2)
-    assert two.cost.activation_bytes_per_rank == pytest.approx((SAVED_UNITS[Recompute.SELECTIVE] - 2) * U, abs=SLACK)
 
 
 def test_recompute_time_is_the_recomputed_ops_forward():
     """On 100 TFLOP/s and 1 TB/s every op here is memory-bound: an fp32 gelu reads and writes (B/D, h) once."""
     gelu = 2 * B / D * H * 4 / 1e12
-    p = _plan(_fsdp_footprint(Recompute.KEEP) - U / 2)
+    p = _plan(_fsdp_footprint(Recompute.SELECTIVE) + U / 2)
     assert p.activations.default is Recompute.SELECTIVE
     assert p.cost.recompute_s == pytest.approx(N * gelu, rel=1e-6)
 
@@ -142,7 +153,7 @@ def test_an_impossible_budget_names_the_smallest_that_fits_with_full_recompute()
 
 
 def test_the_plan_prints_why_and_its_json_keeps_the_policy():
-    p = _plan(_fsdp_footprint(Recompute.KEEP) - U / 2)
+    p = _plan(_fsdp_footprint(Recompute.SELECTIVE) + U / 2)
     text = str(p)
     assert "activations: selective in every block" in text
     assert "activation policies: the fastest plan that fits wins" in text

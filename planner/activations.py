@@ -262,7 +262,7 @@ def _real_instances(graph: OpGraph, found: Blocks) -> list[tuple[str, str]] | No
     rep_of: dict[str, str] = {}
     for p in graph.params:
         if p.op is not None and p.bucket not in (None, "root") and found.of_op[p.op] is not None:
-            rep_of.setdefault(p.bucket, found.of_op[p.op])
+            rep_of.setdefault(p.bucket.lstrip("."), found.of_op[p.op])  # ".3": block 3 of an nn.Sequential root
     instances = list(rep_of.items())
     for block, ops in found.instances.items():
         if sum(1 for _, rep in instances if rep == block) != graph.ops[ops[0]].count:

@@ -15,11 +15,6 @@ change two numbers per op, both on one rank and times the op's repeat count:
 * ``FULL``: a block saves only its input; its whole forward runs again in its backward.
   Every op of the block drops its saved bytes and adds its forward time.
 
-Collectives are never recomputed (as ``compiler/passes/recompute.py`` applies the policy):
-a forward tensor-parallel conversion (the all-reduce after a row Linear, an all-gather)
-whose consumer is recomputed keeps its result saved instead, so those bytes are added back
-(one per edge and candidate pair, on the ILP's edge variables).
-
 In both, a block's output (what an op outside its own instance reads: the next block's
 input, the final norm's) stays saved: it is the next block's checkpoint (SELECTIVE does not
 recompute it either; FULL does, as part of the block's forward). While one block's
@@ -29,11 +24,19 @@ variable bounded below by each instance's sum. Sharded parameters are not gather
 the recomputation: fsdp's backward all-gather, which the cost model already prices, brings
 the block's parameters before the recomputed forward needs them, and zero2 keeps them whole.
 
+Collectives are never recomputed (as ``compiler/passes/recompute.py`` applies the policy):
+a forward tensor-parallel conversion (the all-reduce after a row Linear, an all-gather)
+whose consumer is recomputed keeps its result saved instead, so those bytes are added back
+(one per edge and candidate pair, on the ILP's edge variables). Random ops (dropout), which that
+pass saves rather than replays, are priced as recomputed: the op graph does not tell them
+from other pointwise ops.
+
 The added time lands in the backward, so it also hides more of the backward's
 data-parallel collectives (``exposed = max(0, dp_bwd - compute_bwd - recompute)``); the step
 is ``compute + recompute + exposed comm``. For one assignment KEEP is never slower, so a
 policy that recomputes wins only where the memory budget rules out the faster placements
-without it (``solver.solve_activations``).
+without it (``solver.solve_activations``), and between two policies the fewest blocks under
+the heavier one that fit ([Note: mixing policies across blocks]).
 """
 
 from __future__ import annotations

@@ -192,7 +192,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--per-rank", action="store_true",
                    help="example_inputs are one rank's slice (as strategy='auto' takes them): plan for mesh-size slices")
     p.add_argument("--mesh-shape", type=_ints, required=True, help="ranks per mesh dimension: 8, or 2,4")
-    p.add_argument("--memory-budget-gb", type=float, default=None, help="per rank; default: the device's memory (none for cpu)")
+    p.add_argument("--memory-budget-gb", type=float, default=None, help="per rank; default: the device's memory (none for cpu). The plan recomputes "
+                   "activations (selective or full checkpointing) when that is the fastest way to fit")
     p.add_argument("--device", default="h100", choices=sorted(PRESETS), help="cost-model preset, as dpar inspect's")
     p.add_argument("--mesh-dim-names", type=lambda t: tuple(t.split(",")), default=None,
                    help="fix each dimension's role instead of letting the solver choose: dp,tp")

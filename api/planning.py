@@ -6,6 +6,7 @@ repeated blocks).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -14,13 +15,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dpar.planner.capture import build_op_graph
-from dpar.planner.evaluate import evaluate
+from dpar.planner.evaluate import Assignment, evaluate
 from dpar.compiler.costs import DeviceSpec, device_spec
 from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
-from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan
+from dpar.planner.activations import POLICIES
+from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
 from dpar.planner.rules import candidates
 from dpar.core.errors import OptionsError
+from dpar.core.plan import Recompute
 from dpar.core.torch_internals import pytree
 
 __all__ = ["CostBreakdown", "DeviceSpec", "ParameterPlan", "Plan", "global_batch", "plan"]
@@ -38,6 +41,13 @@ def plan(
     """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank (by default
     the device's memory: 80 GB on ``"h100"``, 141 on ``"h200"``; none on ``"cpu"``).
 
+    Placements and activation checkpointing are chosen together: when keeping every activation does
+    not fit at the fastest placements, each policy (``keep``, ``selective``: recompute the cheap ops
+    between matmuls, ``full``: recompute each block) is solved for and the fastest that fits wins
+    (``plan.activations``, which ``parallelize(plan=...)`` applies; ``print(plan)`` shows each
+    policy's best, the memory before and after and the recompute time added). A budget nothing
+    reaches, even recomputing every block, is an ``OptionsError`` naming the smallest that fits.
+
     ``example_inputs`` is the **global** batch: the rows of one training step over all ranks,
     which the plan's data-parallel axes split (``print(plan)`` names them). Every plan is
     priced at that same batch. This is not what one rank is fed: under DDP's data contract
@@ -49,7 +59,7 @@ def plan(
     the one device description ``dpar inspect`` prices with too (``dpar.compiler.costs``); a preset's
     last mesh dimension is node-local (NVLink) when it fits in a node, the others cross nodes.
     """
-    from dpar.planner.solver import solve  # scipy.optimize: loaded when planning, not on import dpar
+    from dpar.planner.solver import solve_activations  # scipy.optimize: loaded when planning, not on import dpar
 
     shape = _mesh_shape(mesh_shape)
     names = _mesh_dim_names(mesh_dim_names, shape)
@@ -59,7 +69,59 @@ def plan(
     graph = build_op_graph(model, inputs)
     found = _usable_layouts(graph, shape, names)
     budget = device.memory_bytes if memory_budget_gb is None else memory_budget_gb * 1e9
-    return evaluate(graph, solve(graph, found, device, budget), device)
+    return _fastest(graph, found, device, budget)
+
+
+def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None) -> Plan:
+    """Each activation policy's optimum (``solve_activations``), priced alike; the fastest that fits, with the others
+    beside it to say why (see [Note: choosing the activation policy] in ``planner/solver.py``)."""
+    from dpar.planner.activations import with_policy
+    from dpar.planner.solver import Unfit, solve_activations
+
+    plans: dict[Recompute, Plan] = {}
+    options = []
+    assignments = solve_activations(graph, found, device, budget)
+    for recompute, assignment in assignments.items():
+        if isinstance(assignment, Unfit):
+            options.append(PolicyOption(recompute.value, assignment.layout.strategy, 0.0, 0.0,
+                                        round(assignment.least_bytes), False))
+            continue
+        plans[recompute] = p = with_policy(evaluate(graph, assignment, device), graph, assignment, device, recompute)
+        options.append(PolicyOption(recompute.value, p.strategy, p.cost.step_s, p.cost.recompute_s,
+                                    p.cost.memory_bytes_per_rank, True))
+    best = min(plans, key=lambda r: (plans[r].cost.step_s, POLICIES.index(r)))  # ties: the least recomputation
+    chosen = plans[best]
+    if best is not Recompute.KEEP and budget is not None:  # see [Note: mixing policies across blocks]
+        tried = [a for a in assignments.values() if isinstance(a, Assignment)]
+        mixed = _fewest_blocks(graph, found, device, budget, tried, best)
+        if mixed is not None and mixed.cost.step_s < chosen.cost.step_s:
+            options.append(PolicyOption(policy_label(mixed.activations), mixed.strategy, mixed.cost.step_s,
+                                        mixed.cost.recompute_s, mixed.cost.memory_bytes_per_rank, True))
+            chosen = mixed
+    return dataclasses.replace(chosen, policies=tuple(options), memory_budget_bytes=budget)
+
+
+def _fewest_blocks(
+    graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float, solved: list[Assignment], best: Recompute,
+) -> Plan | None:
+    """The fastest plan putting the fewest blocks under a heavier policy, the rest under a lighter one, that fits
+    (keep and selective when selective is the best uniform policy, selective and full when either is): on the solved
+    policies' placements and on every layout without a tp axis (one candidate per op: nothing else to choose)."""
+    from dpar.planner.activations import fewest_blocks, with_policy
+
+    pairs = [(Recompute.SELECTIVE, Recompute.FULL)]
+    if best is Recompute.SELECTIVE:
+        pairs.insert(0, (Recompute.KEEP, Recompute.SELECTIVE))
+    tried = solved + [Assignment(layout, (0,) * len(graph.ops)) for layout in found if layout.tp_degree == 1]
+    plans = []
+    for assignment in dict.fromkeys(tried):
+        base = evaluate(graph, assignment, device)
+        for lighter, heavier in pairs:
+            priced = with_policy(base, graph, assignment, device, heavier)
+            mixed = fewest_blocks(priced, graph, assignment, device, budget, lighter, heavier)
+            if mixed is not None:
+                plans.append(mixed)
+    return min(plans, key=lambda p: p.cost.step_s, default=None)
 
 
 def global_batch(rank_slice: Sequence[object], ranks: int) -> tuple[object, ...]:

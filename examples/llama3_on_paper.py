@@ -1,4 +1,4 @@
-"""Llama-3-8B and -70B on paper: inspect and plan them at 64 to 1024 ranks, nothing allocated.
+"""Llama-3-8B, -70B and -405B on paper: inspect and plan them at 64 to 16,384 ranks, nothing allocated.
 
 The models are Hugging Face's ``LlamaForCausalLM`` at Llama 3's sizes, built on the
 meta device (no storage: 8B would be 32 GB of fp32 parameters), wrapped to return
@@ -15,6 +15,11 @@ step on a device preset; ``dpar plan`` chooses placements for a mesh.
     dpar plan examples/llama3_on_paper.py:llama3_8b_pipeline --per-rank --mesh-shape 64 --pipeline \
         --device h100 --loss examples/llama3_on_paper.py:model_loss
     dpar plan examples/llama3_on_paper.py:llama3_70b --per-rank --mesh-shape 1024
+    dpar plan examples/llama3_on_paper.py:llama3_70b --per-rank --mesh-shape 64,8 --memory-budget-gb 80
+    dpar plan examples/llama3_on_paper.py:llama3_405b --per-rank --mesh-shape 2048,8 --memory-budget-gb 80
+
+With a memory budget the planner also chooses activation checkpointing (keep, selective or
+full recomputation of every layer) and prints each policy's best plan beside the one chosen.
 
 What to check the figures against, for AdamW in fp32 (P parameters, 4P bytes):
 ddp holds 16P per rank and its ring all-reduce sends 2 (N - 1) / N * 4P bytes per
@@ -37,6 +42,8 @@ import torch.nn as nn
 CONFIGS = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
+    "405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+                 num_key_value_heads=8),
 }
 
 
@@ -52,7 +59,7 @@ class CausalLM(nn.Module):
 
 
 def llama3(size: str, rows: int = 1, seq: int = 2048, **overrides: int) -> tuple[nn.Module, tuple[torch.Tensor]]:
-    """Llama 3 at ``size`` ("8b", "70b") on the meta device, and a (rows, seq) batch of token ids."""
+    """Llama 3 at ``size`` ("8b", "70b", "405b") on the meta device, and a (rows, seq) batch of token ids."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -69,6 +76,10 @@ def llama3_8b() -> tuple[nn.Module, tuple[torch.Tensor]]:
 
 def llama3_70b() -> tuple[nn.Module, tuple[torch.Tensor]]:
     return llama3("70b")
+
+
+def llama3_405b() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    return llama3("405b")
 
 
 def llama3_8b_pipeline() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:

@@ -6,11 +6,13 @@ Frozen dataclasses with a JSON round trip; ``str(plan)`` is the table ``dpar pla
 from __future__ import annotations
 
 import dataclasses
+import enum
 import io
 import json
 import math
 from typing import Any
 
+from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy, Recompute
 from dpar.planner.layout import Layout
 
 
@@ -30,11 +32,26 @@ class CostBreakdown:
     compute_s: float  # roofline of every op's share, forward and backward
     comm_s: float  # every collective, hidden or not: tp_comm_s + dp_comm_s
     exposed_comm_s: float  # tp_comm_s + the dp communication compute does not hide
-    step_s: float  # compute_s + exposed_comm_s
-    memory_bytes_per_rank: int  # parameter state + saved activations
+    step_s: float  # compute_s + recompute_s + exposed_comm_s
+    memory_bytes_per_rank: int  # parameter state + saved activations (under the plan's activation policy)
     tp_comm_s: float = 0.0  # tensor-parallel collectives (critical path)
     dp_comm_s: float = 0.0  # data-parallel collectives (overlap with compute)
     activation_bytes_per_rank: int = 0  # the saved-activation part of memory_bytes_per_rank
+    recompute_s: float = 0.0  # forward ops run again in the backward (activation checkpointing)
+    memory_bytes_keep: int | None = None  # memory_bytes_per_rank of the same placements keeping every activation
+    activation_bytes_keep: int | None = None  # ... its activation part
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyOption:
+    """The best plan the solver found under one activation policy: why the plan's policy was chosen."""
+
+    policy: str  # keep | selective | full
+    strategy: str  # "" when nothing fits under this policy
+    step_s: float
+    recompute_s: float
+    memory_bytes_per_rank: int  # the plan's, or the smallest footprint found when nothing fits
+    fits: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +98,9 @@ class Plan:
     batch_size: int  # rows of the global batch the plan is priced at; the dp axes split it
     collectives: tuple[CollectivePlan, ...] = ()
     ops: tuple[OpPlan, ...] = ()
+    activations: ActivationPolicy = KEEP_ACTIVATIONS  # what each block saves; parallelize applies it with the plan
+    policies: tuple[PolicyOption, ...] = ()  # each policy's best, as the solver compared them
+    memory_budget_bytes: float | None = None  # the budget it was planned under
 
     @property
     def data_axes(self) -> tuple[int, ...]:
@@ -121,7 +141,7 @@ class Plan:
         return sum(c.count for c in self.collectives if c.kind == kind and c.mesh_dim == mesh_dim and phase in (None, c.phase))
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
+        return json.dumps(dataclasses.asdict(self), indent=1, default=_enum_value)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -139,6 +159,9 @@ class Plan:
             batch_size=raw["batch_size"],
             collectives=tuple(CollectivePlan(**c) for c in raw["collectives"]),
             ops=tuple(OpPlan(**o) for o in raw["ops"]),
+            activations=_policy_of(raw.get("activations")),
+            policies=tuple(PolicyOption(**o) for o in raw.get("policies", ())),
+            memory_budget_bytes=raw.get("memory_budget_bytes"),
         )
 
     def __str__(self) -> str:
@@ -147,6 +170,22 @@ class Plan:
         buffer = io.StringIO()
         render(self, Console(file=buffer, width=140, force_terminal=False, color_system=None))
         return buffer.getvalue()
+
+
+def _enum_value(value: object) -> object:
+    if isinstance(value, enum.Enum):
+        return value.value
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _policy_of(raw: dict[str, Any] | None) -> ActivationPolicy:
+    if raw is None:
+        return KEEP_ACTIVATIONS
+    return ActivationPolicy(
+        default=Recompute.parse(raw["default"]),
+        blocks=tuple((block, Recompute.parse(r)) for block, r in raw.get("blocks", ())),
+        budget_bytes=raw.get("budget_bytes"),
+    )
 
 
 def _dim(placement: str) -> int | None:
@@ -209,12 +248,14 @@ def render(plan: Plan, console: Any) -> None:
         for c in plan.collectives:
             comm.add_row(c.kind, c.mesh_dim, c.phase, str(c.count), _bytes(c.bytes), c.where)
         console.print(comm)
+    c = plan.cost
+    _render_activations(plan, console)
     cost = Table(title="modelled cost per step, per rank")
     cost.add_column("term")
     cost.add_column("value", justify="right")
-    c = plan.cost
     for term, value in (
         ("compute", _seconds(c.compute_s)),
+        ("recompute (activation checkpointing)", _seconds(c.recompute_s)),
         ("tp comm (critical path)", _seconds(c.tp_comm_s)),
         ("dp comm (overlappable)", _seconds(c.dp_comm_s)),
         ("exposed comm", _seconds(c.exposed_comm_s)),
@@ -224,3 +265,52 @@ def render(plan: Plan, console: Any) -> None:
     ):
         cost.add_row(term, value)
     console.print(cost)
+
+
+def policy_label(policy: ActivationPolicy) -> str:
+    """``selective``, or ``full in 30 blocks (layers.0 .. layers.29), selective in the rest``."""
+    if policy.budget_bytes is not None:
+        return f"a budget of {_bytes(policy.budget_bytes)} saved"
+    parts = []
+    for r in Recompute:
+        named = [b for b, p in policy.blocks if p is r and r is not policy.default]
+        if named:
+            span = f"{named[0]} .. {named[-1]}" if len(named) > 1 else named[0]
+            parts.append(f"{r.value} in {len(named)} block{'s' if len(named) > 1 else ''} ({span})")
+    return ", ".join([*parts, f"{policy.default.value} in the rest"]) if parts else policy.default.value
+
+
+_policy_name = policy_label
+
+
+def _render_activations(plan: Plan, console: Any) -> None:
+    """The activation policy and why: each policy's best plan, and memory before (keep) and after (the policy)."""
+    from rich.table import Table
+
+    c = plan.cost
+    budget = "no memory budget" if plan.memory_budget_bytes is None else f"budget {_bytes(plan.memory_budget_bytes)} per rank"
+    where = " in every block" if not plan.activations.blocks else ""
+    console.print(f"activations: {_policy_name(plan.activations)}{where} ({budget})")
+    if [o.policy for o in plan.policies] == [Recompute.KEEP.value]:
+        console.print("  keeping every activation fits at the fastest placements; recomputing would only add time")
+    elif plan.policies:
+        why = Table(title="activation policies: the fastest plan that fits wins")
+        for column in ("policy", "best plan", "step", "recompute", "memory/rank", "fits"):
+            why.add_column(column, justify="right" if column in ("step", "recompute", "memory/rank") else "left")
+        for o in plan.policies:
+            chosen = " <- chosen" if o.policy == policy_label(plan.activations) else ""
+            why.add_row(
+                o.policy, o.strategy or "-", _seconds(o.step_s) if o.fits else "-", _seconds(o.recompute_s) if o.fits else "-",
+                _bytes(o.memory_bytes_per_rank) + ("" if o.fits else " (least found)"), ("yes" if o.fits else "no") + chosen,
+            )
+        console.print(why)
+    if plan.activations.recomputes and c.memory_bytes_keep is not None:
+        table = Table(title="memory per rank, keep vs chosen")
+        for column in ("", "keep", "chosen policy"):
+            table.add_column(column, justify="right" if column else "left")
+        state = c.memory_bytes_per_rank - c.activation_bytes_per_rank
+        table.add_row("parameters, gradients, optimizer state", _bytes(state), _bytes(state))
+        table.add_row("activations", _bytes(c.activation_bytes_keep or 0), _bytes(c.activation_bytes_per_rank))
+        table.add_row("total", _bytes(c.memory_bytes_keep), _bytes(c.memory_bytes_per_rank))
+        table.add_row("recompute added to the step", "0", _seconds(c.recompute_s))
+        console.print(table)

@@ -33,6 +33,7 @@ milliseconds to a fraction of a second.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -41,8 +42,10 @@ from scipy.optimize import LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from dpar.compiler.costs import DeviceSpec
+from dpar.core.plan import Recompute
+from dpar.planner.activations import POLICIES, ActivationModel, blocks
 from dpar.planner.costs import CostModel
-from dpar.planner.evaluate import Assignment
+from dpar.planner.evaluate import Assignment, chosen
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.rules import candidates
@@ -50,6 +53,7 @@ from dpar.core.errors import OptionsError
 
 TIE_LAYOUT = 1e-4  # per position in layouts(), in units of single-device compute
 TIE_CANDIDATE = 1e-6  # per position in candidates()
+GB = 1e9
 
 
 class _Problem:
@@ -75,14 +79,23 @@ class _Problem:
         self.lower_b.append(lower)
         self.upper_b.append(upper)
 
-    def solve(self) -> np.ndarray | None:
-        rows, cols, vals = zip(*self.entries)
-        matrix = coo_array((vals, (rows, cols)), shape=(len(self.lower_b), len(self.cost))).tocsr()
+    def solve(self, cost: dict[int, float] | None = None, rows: int | None = None) -> np.ndarray | None:
+        """Minimise the objective (or ``cost``, variable -> coefficient) subject to the first ``rows`` rows (all)."""
+        rows = len(self.lower_b) if rows is None else rows
+        entries = [(r, c, v) for r, c, v in self.entries if r < rows]
+        matrix = coo_array(
+            ([v for _, _, v in entries], ([r for r, _, _ in entries], [c for _, c, _ in entries])),
+            shape=(rows, len(self.cost)),
+        ).tocsr()
+        objective = np.array(self.cost)
+        if cost is not None:
+            objective = np.zeros(len(self.cost))
+            objective[list(cost)] = list(cost.values())
         result = milp(
-            np.array(self.cost),
+            objective,
             integrality=np.array(self.integral),
             bounds=(0, np.array(self.upper)),
-            constraints=LinearConstraint(matrix, self.lower_b, self.upper_b),
+            constraints=LinearConstraint(matrix, self.lower_b[:rows], self.upper_b[:rows]),
             options={"mip_rel_gap": 0.0, "time_limit": 120.0},
         )
         return result.x if result.status == 0 else None
@@ -94,79 +107,194 @@ def single_device_compute(graph: OpGraph, device: DeviceSpec) -> float:
     return sum(c.compute_fwd + c.compute_bwd for c in costs) or 1.0
 
 
-def solve(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, memory_budget: float | None) -> Assignment:
-    """The optimal assignment; ``OptionsError`` when none fits ``memory_budget`` bytes per rank."""
-    if memory_budget is not None and smallest_footprint(graph, layouts, device)[0] > memory_budget:
-        raise no_fit(graph, layouts, device, memory_budget)
-    scale = single_device_compute(graph, device)
-    problem = _Problem()
-    exposed = {phase: problem.var(1.0, False, math.inf) for phase in ("forward", "backward")}
-    overlap: dict[str, dict[int, float]] = {phase: {v: 1.0} for phase, v in exposed.items()}
-    memory: dict[int, float] = {}
-    chosen: dict[Layout, tuple[int, list[list[int]]]] = {}
-    for rank, layout in enumerate(layouts):
-        model = CostModel(graph, layout, device)
-        z = problem.var(TIE_LAYOUT * rank + model.batch_gather()[1] / scale, True)
-        for phase, seconds in model.dp_latency().items():
-            overlap[phase][z] = -seconds / scale
-        cands = [candidates(op, layout.tp_degree) for op in graph.ops]
-        x = []
-        for o, op_cands in enumerate(cands):
-            x.append([])
-            for c, cand in enumerate(op_cands):
-                cost = model.op_cost(o, cand)
-                v = problem.var((cost.compute_fwd + cost.compute_bwd + cost.tp_comm) / scale + TIE_CANDIDATE * c, True)
-                x[-1].append(v)
-                overlap["forward"][v] = -(cost.dp_fwd - cost.compute_fwd) / scale
-                overlap["backward"][v] = -(cost.dp_bwd - cost.compute_bwd) / scale
-                memory[v] = cost.memory
-            problem.row({**{v: 1.0 for v in x[-1]}, z: -1.0}, 0.0, 0.0)
-        if layout.tp_degree > 1:  # see [Note: a tp axis must split a parameter]
-            splitting = {
-                x[o][c]: 1.0 for o, op_cands in enumerate(cands) for c, cand in enumerate(op_cands) if cand.splits_a_parameter
-            }
-            problem.row({**splitting, z: -1.0}, 0.0, math.inf)
-        _edges(problem, graph, model, cands, x, scale)
-        _shared(problem, graph, cands, x)
-        chosen[layout] = (z, x)
-    problem.row({z: 1.0 for z, _ in chosen.values()}, 1.0, 1.0)
-    for phase in exposed:
-        problem.row(overlap[phase], 0.0, math.inf)
+@dataclasses.dataclass(frozen=True)
+class Unfit:
+    """No assignment fits the budget under ``recompute``: the least memory per rank one reaches, and where."""
+
+    recompute: Recompute
+    least_bytes: float
+    layout: Layout
+
+
+def solve(
+    graph: OpGraph, layouts: list[Layout], device: DeviceSpec, memory_budget: float | None,
+    recompute: Recompute = Recompute.KEEP,
+) -> Assignment:
+    """The optimal assignment under one activation policy; ``OptionsError`` when none fits ``memory_budget`` bytes per rank."""
+    found = _solve(graph, layouts, device, memory_budget, recompute)
+    if isinstance(found, Unfit):
+        raise no_fit(found, memory_budget)
+    return found
+
+
+def _solve(
+    graph: OpGraph, layouts: list[Layout], device: DeviceSpec, memory_budget: float | None, recompute: Recompute,
+) -> Assignment | Unfit:
+    problem, memory, chosen = _build(graph, layouts, device, recompute)
     if memory_budget is not None:
         problem.row(memory, -math.inf, memory_budget)
+        if _lower_bound(graph, layouts, device, recompute) > memory_budget:  # no need to search
+            return _least(problem, memory, chosen, recompute)
     solution = problem.solve()
     if solution is None:
         if memory_budget is not None:
-            raise no_fit(graph, layouts, device, memory_budget)
+            return _least(problem, memory, chosen, recompute)
         raise OptionsError(f"dpar internal error: the planner's ILP found no solution for {len(layouts)} layouts")
+    return _assignment(solution, chosen)
+
+
+def _assignment(solution: np.ndarray, chosen: dict[Layout, tuple[int, list[list[int]]]]) -> Assignment:
     for layout, (z, x) in chosen.items():
         if solution[z] > 0.5:
             return Assignment(layout, tuple(int(np.argmax([solution[v] for v in op_vars])) for op_vars in x))
     raise AssertionError("one layout is always chosen")
 
 
-def smallest_footprint(graph: OpGraph, layouts: list[Layout], device: DeviceSpec) -> tuple[float, Layout]:
-    """The least memory per rank any assignment reaches (memory does not depend on the edges)."""
-    found = []
+def _least(problem: _Problem, memory: dict[int, float], chosen: dict, recompute: Recompute) -> Unfit:
+    """The same ILP minimising memory, without the budget row (the last): the smallest budget that fits."""
+    solution = problem.solve(cost={v: b / GB for v, b in memory.items()}, rows=len(problem.lower_b) - 1)
+    if solution is None:
+        raise OptionsError("dpar internal error: the planner's ILP found no assignment at any memory")
+    least = sum(b * solution[v] for v, b in memory.items())
+    return Unfit(recompute, least, _assignment(solution, chosen).layout)
+
+
+def _build(
+    graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute,
+) -> tuple[_Problem, dict[int, float], dict[Layout, tuple[int, list[list[int]]]]]:
+    """The ILP of [Note: the planner's ILP] under one activation policy, and its memory row (variable -> bytes)."""
+    found = blocks(graph)
+    scale = single_device_compute(graph, device)
+    problem = _Problem()
+    exposed = {phase: problem.var(1.0, False, math.inf) for phase in ("forward", "backward")}
+    overlap: dict[str, dict[int, float]] = {phase: {v: 1.0} for phase, v in exposed.items()}
+    memory: dict[int, float] = {}
+    live = problem.var(0.0, False, math.inf)  # the recomputed block's GB (see [Note: pricing recomputation])
+    memory[live] = GB  # in GB, not bytes: a cost of 1e-9 a byte would be below HiGHS's tolerances
+    chosen: dict[Layout, tuple[int, list[list[int]]]] = {}
+    for rank, layout in enumerate(layouts):
+        model = CostModel(graph, layout, device)
+        acts = ActivationModel(graph, model, recompute, found)
+        z = problem.var(TIE_LAYOUT * rank + model.batch_gather()[1] / scale, True)
+        for phase, seconds in model.dp_latency().items():
+            overlap[phase][z] = -seconds / scale
+        cands = [candidates(op, layout.tp_degree) for op in graph.ops]
+        x = []
+        instance_live: dict[str, dict[int, float]] = defaultdict(dict)
+        for o, op_cands in enumerate(cands):
+            x.append([])
+            for c, cand in enumerate(op_cands):
+                cost = model.op_cost(o, cand)
+                again = acts.seconds(o, cost)
+                v = problem.var(
+                    (cost.compute_fwd + cost.compute_bwd + again + cost.tp_comm) / scale + TIE_CANDIDATE * c, True
+                )
+                x[-1].append(v)
+                overlap["forward"][v] = -(cost.dp_fwd - cost.compute_fwd) / scale
+                overlap["backward"][v] = -(cost.dp_bwd - cost.compute_bwd - again) / scale
+                memory[v] = acts.memory(o, cand, cost)
+                if found.of_op[o] is not None and acts.live(o, cand):
+                    instance_live[found.of_op[o]][v] = acts.live(o, cand)
+            problem.row({**{v: 1.0 for v in x[-1]}, z: -1.0}, 0.0, 0.0)
+        for terms in instance_live.values():  # live >= each instance's recomputed bytes
+            problem.row({live: 1.0, **{v: -b / GB for v, b in terms.items()}}, 0.0, math.inf)
+        if layout.tp_degree > 1:  # see [Note: a tp axis must split a parameter]
+            splitting = {
+                x[o][c]: 1.0 for o, op_cands in enumerate(cands) for c, cand in enumerate(op_cands) if cand.splits_a_parameter
+            }
+            problem.row({**splitting, z: -1.0}, 0.0, math.inf)
+        _edges(problem, graph, model, cands, x, scale, acts, memory)
+        _shared(problem, graph, cands, x)
+        chosen[layout] = (z, x)
+    problem.row({z: 1.0 for z, _ in chosen.values()}, 1.0, 1.0)
+    for phase in exposed:
+        problem.row(overlap[phase], 0.0, math.inf)
+    return problem, memory, chosen
+
+
+def policies(graph: OpGraph) -> tuple[Recompute, ...]:
+    """The policies worth solving for: without blocks every policy keeps everything."""
+    return POLICIES if any(b is not None for b in blocks(graph).of_op) else POLICIES[:1]
+
+
+def solve_activations(
+    graph: OpGraph, layouts: list[Layout], device: DeviceSpec, memory_budget: float | None,
+) -> dict[Recompute, Assignment | Unfit]:
+    """The optimal assignment under each activation policy, or the least memory it reaches when none fits the budget;
+    ``OptionsError`` when no policy fits.
+
+    [Note: choosing the activation policy]
+    Placements and policy are chosen together by solving the ILP once per policy (keep,
+    selective, full, each with its own saved bytes and recompute time) and keeping the fastest
+    that fits (``evaluate`` then prices each the same way, ``api/planning.py`` picks). One ILP
+    with a policy variable beside the layout's would be the same optimum; three keep each
+    solve as small as today's, and give the report its "why": each policy's best step and
+    memory side by side (a policy that cannot fit shows its least memory instead, from the same
+    ILP minimising memory; one whose lower bound exceeds the budget skips the search).
+    KEEP's fastest assignment is solved first, without the budget: if it fits, it is the answer
+    and nothing else is solved (for any one assignment recompute + max(0, comm - compute -
+    recompute) >= max(0, comm - compute), so no policy beats it): one ILP, as before.
+    """
+    fastest = _solve(graph, layouts, device, None, Recompute.KEEP)
+    if memory_budget is None or keep_memory(graph, fastest, device) <= memory_budget:
+        return {Recompute.KEEP: fastest}
+    found: dict[Recompute, Assignment | Unfit] = {}
+    for recompute in policies(graph):
+        found[recompute] = _solve(graph, layouts, device, memory_budget, recompute)
+    if all(isinstance(a, Unfit) for a in found.values()):
+        raise no_fit(min(found.values(), key=lambda u: u.least_bytes), memory_budget)
+    return found
+
+
+def keep_memory(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> float:
+    """Memory per rank of ``assignment`` keeping every activation."""
+    model = CostModel(graph, assignment.layout, device)
+    return ActivationModel(graph, model, Recompute.KEEP).total(chosen(graph, assignment))[0]
+
+
+def _lower_bound(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute) -> float:
+    """No assignment under ``recompute`` takes less memory: each op's least-memory candidate, without the live
+    block and the kept conversions (which only add)."""
+    found, least = blocks(graph), math.inf
     for layout in layouts:
         model = CostModel(graph, layout, device)
-        total = sum(min(model.op_cost(o, c).memory for c in candidates(op, layout.tp_degree)) for o, op in enumerate(graph.ops))
-        found.append((total, layout))
-    return min(found, key=lambda t: t[0])
+        acts = ActivationModel(graph, model, recompute, found)
+        least = min(least, sum(
+            min(acts.memory(o, c, model.op_cost(o, c)) for c in candidates(op, layout.tp_degree))
+            for o, op in enumerate(graph.ops)
+        ))
+    return least
 
 
-def no_fit(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, budget: float) -> OptionsError:
-    footprint, layout = smallest_footprint(graph, layouts, device)
+def smallest_footprint(
+    graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute = Recompute.KEEP,
+) -> tuple[float, Layout]:
+    """The least memory per rank any assignment reaches under ``recompute`` (the ILP minimising memory), and its layout."""
+    problem, memory, chosen = _build(graph, layouts, device, recompute)
+    problem.row({}, 0.0, 0.0)  # stands for the budget row _least leaves out
+    found = _least(problem, memory, chosen, recompute)
+    return found.least_bytes, found.layout
+
+
+def no_fit(unfit: Unfit, budget: float) -> OptionsError:
+    """Nothing fits ``budget``: the smallest budget that does, with the policy and layout that reach it."""
+    layout = unfit.layout
     mesh = "x".join(map(str, layout.mesh_shape))
+    with_policy = "" if unfit.recompute is Recompute.KEEP else f", activation checkpointing {unfit.recompute.value}"
     return OptionsError(
-        f"no plan fits memory_budget_gb={budget / 1e9:.3g}: the smallest footprint found is {footprint / 1e9:.3g} GB "
-        f"per rank ({layout.strategy} on mesh {mesh}, roles {'/'.join(layout.roles)}); raise memory_budget_gb to at "
-        "least that, or plan for more ranks (a bigger mesh_shape) so that sharding divides the state further"
+        f"no plan fits memory_budget_gb={budget / 1e9:.3g}: the smallest footprint found is "
+        f"{unfit.least_bytes / 1e9:.4g} GB per rank ({layout.strategy} on mesh {mesh}, roles "
+        f"{'/'.join(layout.roles)}{with_policy}); raise memory_budget_gb to at least that, or plan for more ranks "
+        "(a bigger mesh_shape) so that sharding divides the state further"
     )
 
 
-def _edges(problem: _Problem, graph: OpGraph, model: CostModel, cands: list, x: list[list[int]], scale: float) -> None:
-    """Forward resharding per edge; backward per producer and gradient placement (see the Note)."""
+def _edges(
+    problem: _Problem, graph: OpGraph, model: CostModel, cands: list, x: list[list[int]], scale: float,
+    acts: ActivationModel, memory: dict[int, float],
+) -> None:
+    """Forward resharding per edge (its result's bytes when a recomputed op reads it: ``memory``); backward per
+    producer and gradient placement (see the Note)."""
     pairs: dict[int, dict[tuple[int, int], int]] = {}
     for i, e in enumerate(graph.edges):
         src, dst = cands[e.src], cands[e.dst]
@@ -185,6 +313,9 @@ def _edges(problem: _Problem, graph: OpGraph, model: CostModel, cands: list, x: 
             _, seconds = model.edge_forward(e, src[c1], dst[c2])
             if seconds:
                 problem.cost[v] += seconds / scale
+            kept = acts.converted(e, src[c1], dst[c2])
+            if kept:
+                memory[v] = memory.get(v, 0.0) + kept
         pairs[i] = pair
     out_edges: dict[int, list[int]] = defaultdict(list)
     for i, e in enumerate(graph.edges):

@@ -32,3 +32,21 @@ def test_plan_command_takes_one_rank_slice_with_per_rank(tmp_path, capsys):
 def test_plan_command_reports_a_budget_nothing_fits_and_fails(capsys):
     assert main(["plan", GPT, "--mesh-shape", "8", "--memory-budget-gb", "1e-6"]) == 2
     assert "no plan fits memory_budget_gb=1e-06" in capsys.readouterr().out
+
+
+def test_plan_command_with_a_budget_prints_the_activation_policy_and_why(tmp_path, capsys):
+    from test_planner_activations import U, _fsdp_footprint
+
+    from dpar.core.plan import Recompute
+
+    target = f"{Path(__file__).resolve().parent / 'test_planner_activations.py'}:residual"
+    budget = (_fsdp_footprint(Recompute.SELECTIVE) + U / 2) / 1e9  # keep, or keep with three selective blocks, fits nowhere
+    out = tmp_path / "plan.json"
+    assert main(["plan", target, "--mesh-shape", "4", "--device", "cpu", "--memory-budget-gb", str(budget),
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = Plan.from_json(out.read_text())
+    assert plan.activations.default is Recompute.SELECTIVE
+    assert "activations: selective in every block" in printed
+    assert "activation policies: the fastest plan that fits wins" in printed
+    assert "memory per rank, keep vs chosen" in printed and "recompute added to the step" in printed

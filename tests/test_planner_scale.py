@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 from planner_models import gpt
 
+from dpar.core.plan import Recompute
 from dpar.planner.capture import build_op_graph
+from dpar.planner.plan import policy_label
 from dpar.planning import plan
 
 GPT_24 = dict(n_layer=24, n_embd=1024, n_head=16, block=1024, vocab=50304, batch=64)
@@ -31,3 +34,37 @@ def test_24_block_gpt_plans_at_64_ranks_in_under_10_s(mesh_shape):
           f"{p.cost.step_s * 1e3:.2f} ms/step")
     assert seconds < 10.0
     assert len(p.parameters) == len(list(model.parameters()))
+
+
+def _llama3(size: str):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from llama3_on_paper import llama3
+
+    from dpar.planning import global_batch
+
+    model, rank_slice = llama3(size)  # meta device, one row of 2048 tokens per rank
+    return model, rank_slice, global_batch
+
+
+@pytest.mark.parametrize(("size", "mesh_shape", "recomputes"), [("8b", (8, 8), False), ("70b", (64, 8), True)])
+def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, recomputes):
+    """Llama 3 on 64 / 512 H100s, 80 GB each: 8B keeps its activations; 70B's keep 86.9 GB per rank at
+    best (fsdp), so the plan recomputes the cheap ops of some blocks (selective) instead of failing."""
+    model, rank_slice, global_batch = _llama3(size)
+    start = time.perf_counter()
+    p = plan(model, global_batch(rank_slice, math.prod(mesh_shape)), mesh_shape=mesh_shape, memory_budget_gb=80,
+             device="h100")
+    seconds = time.perf_counter() - start
+    print(f"Llama-3-{size} on {mesh_shape}: {p.strategy}, {policy_label(p.activations)}, "
+          f"{p.cost.step_s * 1e3:.1f} ms/step, {p.cost.memory_bytes_keep / 1e9:.2f} -> "
+          f"{p.cost.memory_bytes_per_rank / 1e9:.2f} GB per rank, planned in {seconds:.1f} s")
+    assert seconds < 60.0
+    assert p.cost.memory_bytes_per_rank <= 80e9
+    assert p.activations.recomputes is recomputes
+    assert {o.policy: o.fits for o in p.policies}["keep"] is not recomputes
+    if recomputes:  # the cheap ops only, and not in every block: selective everywhere would be slower
+        assert {r for _, r in p.activations.blocks} == {Recompute.SELECTIVE}
+        assert p.cost.step_s < {o.policy: o.step_s for o in p.policies}["selective"]

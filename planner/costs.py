@@ -16,12 +16,21 @@ their α terms depend on the layout only, their β terms on each parameter's tp 
 hierarchically, innermost (last, fastest) dimension first on the whole payload, the next
 on what is left: all-reduce over (a, b) = all-reduce_b(B) + all-reduce_a(B / n_b).
 
-Memory and communication follow ZeRO's mixed-precision accounting (compute does not yet: it is
-priced in the model's dtype, as ``dpar inspect`` prices it): parameters, gradients, activations
-and every collective payload in 2-byte bf16, optimizer state 12 bytes per parameter (fp32
-master copy and AdamW's two moments), so a replicated trained parameter costs 16Ψ, zero2
-2Ψ + 14Ψ/D and fsdp 16Ψ/D. Activations saved for backward: every op's output that a
-gradient flows through (the gathered parameters fsdp holds for one layer are not counted).
+Memory and communication are in the model's own dtypes, as the step runs them and as ``dpar inspect``
+counts them (no mixed-precision convention the run does not use): a parameter of E bytes an element
+takes E for itself, E for its gradient and E for each AdamW moment (``compiler.memory.OPTIMIZER_STATES``),
+so an fp32 parameter replicated costs 16Ψ, and under zero2 and fsdp, which keep shards of all three
+at rest, 16Ψ/D; zero2 also holds every parameter gathered from its forward to its backward (E·Ψ),
+fsdp one block at a time (not counted here). Collective payloads are the parameters' (gradients')
+own bytes. Activations are the tensors the backward reads (see [Note: what the backward saves] in
+``capture.py``), each once, in its own dtype.
+
+Data-parallel kernels: what dpar's graphs run beside the model's ops, memory-bound, priced as
+reads plus writes at the memory bandwidth (``dp_kernel_bytes``): ddp divides every gradient by D
+before the all-reduce; zero2 and fsdp copy each gathered parameter out of the all-gather's buffer
+in the forward, copy the gradients into the reduce-scatter's buffer and divide them; fsdp copies the
+parameters it gathers again in the backward out too (every block's; the root's stay gathered from
+the forward, and are not gathered again).
 
 The batch: each rank is fed its own rows (see [Note: which mesh axes split the data] in
 ``plan.py``), and the ranks of a tp group compute on the same rows, so a tp layout first
@@ -44,32 +53,41 @@ from collections import defaultdict
 import sympy
 
 from dpar.compiler.costs import ALPHA, BETA, B, N, DeviceSpec, comm_time_expr, moved_bytes_expr, roofline
+from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import Edge, Op, OpGraph, ParamInfo
 from dpar.planner.rules import BACKWARD_CONVERT, FORWARD_CONVERT, Candidate
 
-BYTES = 2  # bf16 parameters, gradients, activations and collective payloads
 STATS_BYTES = 4  # fp32 per-row statistics of a vocab-parallel softmax / loss
-OPTIMIZER_BYTES = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq
+STATES = OPTIMIZER_STATES["adamw"]  # AdamW's exp_avg and exp_avg_sq, each of the parameter's size and dtype
 
-PSI, D, G = sympy.symbols("Psi D g", nonnegative=True)  # elements per rank after tp, dp degree, trained (0/1)
+PSI, D, G, E = sympy.symbols("Psi D g E", nonnegative=True)  # elements per rank after tp, dp degree, trained (0/1), bytes an element
 
-STATE_BYTES = {  # parameter + gradient + optimizer state of Ψ elements
-    "replicate": BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI,
-    "zero2": BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI / D,
-    "fsdp": (BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI) / D,
+STATE_BYTES = {  # parameter + gradient + optimizer state of Ψ elements of E bytes, at rest
+    "replicate": E * PSI + G * (1 + STATES) * E * PSI,
+    "zero2": (E * PSI + G * (1 + STATES) * E * PSI) / D,
+    "fsdp": (E * PSI + G * (1 + STATES) * E * PSI) / D,
 }
-# (collective, phase, only for trained parameters) per data-parallel mode.
+GATHERED_BYTES = {"replicate": 0 * PSI, "zero2": E * PSI, "fsdp": 0 * PSI}  # held gathered through the step (D > 1)
+# (collective, phase, only for trained parameters, not for the root's) per data-parallel mode.
 DP_COLLECTIVES = {
-    "replicate": (("all_reduce", "backward", True),),
-    "zero2": (("all_gather", "forward", False), ("reduce_scatter", "backward", True)),
-    "fsdp": (("all_gather", "forward", False), ("all_gather", "backward", False), ("reduce_scatter", "backward", True)),
+    "replicate": (("all_reduce", "backward", True, False),),
+    "zero2": (("all_gather", "forward", False, False), ("reduce_scatter", "backward", True, False)),
+    "fsdp": (("all_gather", "forward", False, False), ("all_gather", "backward", False, True),
+             ("reduce_scatter", "backward", True, False)),
+}
+# Bytes read plus written per parameter byte by the data-parallel kernels: (phase, trained only, not the root's).
+DP_KERNELS = {
+    "replicate": (("backward", True, False),),  # gradient / D
+    "zero2": (("forward", False, False), ("backward", True, False), ("backward", True, False)),  # copy-out; copy-in, / D
+    "fsdp": (("forward", False, False), ("backward", False, True), ("backward", True, False), ("backward", True, False)),
 }
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 _comm_time = {k: sympy.lambdify((N, B, ALPHA, BETA), comm_time_expr(k), "math") for k in KINDS}
 _moved = {k: sympy.lambdify((N, B), moved_bytes_expr(k), "math") for k in KINDS}
-_state_bytes = {k: sympy.lambdify((PSI, D, G), e, "math") for k, e in STATE_BYTES.items()}
+_state_bytes = {k: sympy.lambdify((PSI, D, G, E), e, "math") for k, e in STATE_BYTES.items()}
+_gathered_bytes = {k: sympy.lambdify((PSI, E), e, "math") for k, e in GATHERED_BYTES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +99,7 @@ class OpCost:
     tp_comm: float  # critical path
     dp_fwd: float  # bandwidth term of the data-parallel collectives that may hide behind forward compute
     dp_bwd: float  # ... behind backward compute (the α terms are per bucket: CostModel.dp_latency)
-    memory: float  # parameter state + saved activations, bytes
+    memory: float  # parameter state + gathered parameters + saved activations, bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +131,13 @@ class CostModel:
             if info.op is not None:
                 self.owned[info.op].append(info)
         trained = {p.bucket for p in graph.params if p.op is not None and p.requires_grad}
-        self.buckets = {True: len(trained), False: len(trained | {p.bucket for p in graph.params if p.op is not None})}
+        every = trained | {p.bucket for p in graph.params if p.op is not None}
+        self.buckets = {(True, False): len(trained), (False, False): len(every), (False, True): len(every - {"root"})}
+        self.saved_output = [op.saves_output for op in graph.ops]  # held from the forward to the backward
+        for e in graph.edges:
+            dst = graph.ops[e.dst]
+            if e.position < len(dst.saves_inputs) and dst.saves_inputs[e.position]:
+                self.saved_output[e.src] = True
 
     def collective(self, kind: str, nbytes: float, axes: tuple[int, ...], alpha: bool = True) -> float:
         """Hierarchical ring over ``axes``, innermost first (see the Note); ``alpha=False``: bandwidth term only."""
@@ -131,16 +155,16 @@ class CostModel:
             payload /= self.layout.mesh_shape[axis]
         return total
 
-    def dp_collectives(self) -> list[tuple[str, str, bool, int]]:
-        """(kind, phase, trained only, buckets) of this layout's data-parallel collectives per step."""
+    def dp_collectives(self) -> list[tuple[str, str, bool, bool, int]]:
+        """(kind, phase, trained only, not the root's, buckets) of this layout's data-parallel collectives per step."""
         if self.dp == 1:
             return []
-        return [(k, phase, t, self.buckets[t]) for k, phase, t in DP_COLLECTIVES[self.layout.data_parallel]]
+        return [(k, phase, t, r, self.buckets[t, r]) for k, phase, t, r in DP_COLLECTIVES[self.layout.data_parallel]]
 
     def dp_latency(self) -> dict[str, float]:
         """The α part of the data-parallel collectives: one per bucket and kind, whatever the candidates."""
         seconds = {"forward": 0.0, "backward": 0.0}
-        for kind, phase, _, buckets in self.dp_collectives():
+        for kind, phase, _, _, buckets in self.dp_collectives():
             seconds[phase] += buckets * self.collective(kind, 0.0, self.layout.dp_axes)
         return seconds
 
@@ -154,9 +178,28 @@ class CostModel:
         nbytes = self.graph.batch_bytes / self.dp
         return nbytes, self.tp_collective("all_gather", nbytes)
 
-    def activation_bytes(self, numel: float, batched: bool, placement: str) -> float:
+    def activation_bytes(self, numel: float, batched: bool, placement: str, itemsize: int) -> float:
         """Bytes per rank of an activation: batch split over dp, ``S`` split over tp (``P`` is whole)."""
-        return numel * BYTES / (self.dp if batched else 1) / (self.tp if placement == "S" else 1)
+        return numel * itemsize / (self.dp if batched else 1) / (self.tp if placement == "S" else 1)
+
+    def saved_bytes(self, index: int, cand: Candidate) -> float:
+        """Bytes one rank holds from op ``index``'s forward to its backward (one instance): its output if its
+        backward or a reader's reads it, and what the op saves of its own (see [Note: what the backward
+        saves] in ``capture.py``)."""
+        op = self.graph.ops[index]
+        held = self.activation_bytes(op.output_numel, op.batched, cand.output, op.output_itemsize) if self.saved_output[index] else 0.0
+        own = op.internal_saved / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
+        return held + own
+
+    def dp_kernel_bytes(self, numel: dict[tuple[bool, bool], float]) -> dict[str, float]:
+        """Bytes the data-parallel kernels read and write per phase for parameters of ``numel`` bytes by
+        (trained, root) (see the Note)."""
+        found = {"forward": 0.0, "backward": 0.0}
+        if self.dp == 1:
+            return found
+        for phase, trained_only, not_root in DP_KERNELS[self.layout.data_parallel]:
+            found[phase] += 2 * sum(b for (trained, root), b in numel.items() if (trained or not trained_only) and not (root and not_root))
+        return found
 
     def stats_bytes(self, op: Op) -> float:
         """One fp32 value per row of the (vocab-)sharded input, on this rank."""
@@ -168,43 +211,57 @@ class CostModel:
         if op.kind == "output":
             return OpCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         moved = sum(
-            self.activation_bytes(math.prod(s), b, p) for s, b, p in zip(op.input_shapes, op.input_batched, cand.inputs)
+            self.activation_bytes(math.prod(s), b, p, e)
+            for s, b, p, e in zip(op.input_shapes, op.input_batched, cand.inputs, op.input_itemsizes)
         )
-        moved += sum(local_numel(s, p, self.tp) * BYTES for s, p in zip(op.param_shapes, cand.params))
-        moved += self.activation_bytes(op.output_numel, op.batched, cand.output)
+        moved += sum(local_numel(s, p, self.tp) * e for s, p, e in zip(op.param_shapes, cand.params, op.param_itemsizes))
+        moved += self.activation_bytes(op.output_numel, op.batched, cand.output, op.output_itemsize)
         flops = op.flops / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
-        fwd = roofline(flops, moved / BYTES * op.dtype.itemsize, op.dtype, self.device)  # bytes in the op's dtype
+        fwd = roofline(flops, moved, op.dtype, self.device)
         grads = int(op.input_grad) + int(op.param_grad) if op.params else 2 * int(op.input_grad)
         stats = cand.stats * self.tp_collective("all_reduce", self.stats_bytes(op)) if cand.stats else 0.0
-        saved = self.activation_bytes(op.output_numel, op.batched, cand.output) if op.needs_grad else 0.0
-        numel = {True: 0.0, False: 0.0}  # owned parameter elements per rank, trained or frozen
+        saved = self.saved_bytes(index, cand)
+        nbytes: dict[tuple[bool, bool], float] = defaultdict(float)  # owned parameter bytes per rank by (trained, root)
+        state = gathered = 0.0
         for info in self.owned.get(index, []):
-            numel[info.requires_grad] += local_numel(info.shape, cand.params[info.slot], self.tp)
+            local = local_numel(info.shape, cand.params[info.slot], self.tp)
+            nbytes[info.requires_grad, info.bucket == "root"] += local * info.itemsize
+            state += self.param_state_bytes(local, info.requires_grad, info.itemsize)
+            gathered += self.gathered_bytes(local, info.itemsize)
         dp = {"forward": 0.0, "backward": 0.0}
-        for kind, phase, trained_only, _ in self.dp_collectives():
-            payload = (numel[True] + (0.0 if trained_only else numel[False])) * BYTES
+        for kind, phase, trained_only, not_root, _ in self.dp_collectives():
+            payload = sum(b for (trained, root), b in nbytes.items() if (trained or not trained_only) and not (root and not_root))
             dp[phase] += self.collective(kind, payload, self.layout.dp_axes, alpha=False)
-        state = self.param_state_bytes(numel[True], True) + self.param_state_bytes(numel[False], False)
+        kernels = {phase: b / self.device.memory_bandwidth for phase, b in self.dp_kernel_bytes(nbytes).items()}
         n = op.count
-        return OpCost(n * fwd, n * fwd * grads, n * stats, dp["forward"], dp["backward"], n * saved + state)
+        return OpCost(
+            n * fwd + kernels["forward"], n * fwd * grads + kernels["backward"], n * stats,
+            dp["forward"], dp["backward"], n * saved + state + gathered,
+        )
 
-    def param_state_bytes(self, numel: float, trained: bool) -> float:
-        return _state_bytes[self.layout.data_parallel](numel, self.dp, int(trained))
+    def param_state_bytes(self, numel: float, trained: bool, itemsize: int) -> float:
+        """Parameter, gradient and optimizer state of ``numel`` elements per rank (after tp), at rest."""
+        return _state_bytes[self.layout.data_parallel](numel, self.dp, int(trained), itemsize)
+
+    def gathered_bytes(self, numel: float, itemsize: int) -> float:
+        """Bytes of the parameter held gathered through the step (zero2's, from its forward to its backward)."""
+        return _gathered_bytes[self.layout.data_parallel](numel, itemsize) if self.dp > 1 else 0.0
 
     def param_moved_bytes(self, info: ParamInfo, placement: str) -> float:
         """Bytes one rank sends per step for this parameter's data-parallel collectives."""
-        payload = local_numel(info.shape, placement, self.tp) * BYTES
+        payload = local_numel(info.shape, placement, self.tp) * info.itemsize
         return sum(
             self.moved(kind, payload, self.layout.dp_axes)
-            for kind, _, trained_only, _ in self.dp_collectives()
-            if info.requires_grad or not trained_only
+            for kind, _, trained_only, not_root, _ in self.dp_collectives()
+            if (info.requires_grad or not trained_only) and not (not_root and info.bucket == "root")
         )
 
     def edge_forward(self, edge: Edge, src: Candidate, dst: Candidate) -> tuple[str | None, float]:
         kind = FORWARD_CONVERT.get((src.output, dst.inputs[edge.position]))
         if kind is None:
             return None, 0.0
-        nbytes = self.activation_bytes(edge.numel, self.graph.ops[edge.src].batched, "R")
+        src_op = self.graph.ops[edge.src]
+        nbytes = self.activation_bytes(edge.numel, src_op.batched, "R", src_op.output_itemsize)
         return kind, edge.count * self.tp_collective(kind, nbytes)
 
     def backward_convert(self, src: int, arriving: str, wanted: str) -> tuple[str | None, float]:
@@ -213,4 +270,4 @@ class CostModel:
         op = self.graph.ops[src]
         if kind is None or not op.needs_grad:
             return None, 0.0
-        return kind, op.count * self.tp_collective(kind, self.activation_bytes(op.output_numel, op.batched, "R"))
+        return kind, op.count * self.tp_collective(kind, self.activation_bytes(op.output_numel, op.batched, "R", op.output_itemsize))

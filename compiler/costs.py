@@ -311,9 +311,14 @@ def roofline(flops: float, nbytes: float, dtype: torch.dtype, spec: DeviceSpec) 
     return max(flops / spec.flops(dtype), nbytes / spec.memory_bandwidth)
 
 
+def is_kernel(node: fx.Node) -> bool:
+    """A node that runs a kernel, priced by ``node_cost``: not a view (alias), a collective or a wait."""
+    return is_compute(node) and not getattr(node.target, "is_view", False)
+
+
 def node_cost(node: fx.Node, spec: DeviceSpec) -> NodeCost:
     """Roofline time of a compute node; views (aliases), collectives and waits cost no compute."""
-    if not is_compute(node) or getattr(node.target, "is_view", False):
+    if not is_kernel(node):
         return NodeCost(0, 0, 0.0)
     flops = node_flops(node)
     out = _val(node)

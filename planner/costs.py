@@ -27,10 +27,12 @@ own bytes. Activations are the tensors the backward reads (see [Note: what the b
 
 Data-parallel kernels: what dpar's graphs run beside the model's ops, memory-bound, priced as
 reads plus writes at the memory bandwidth (``dp_kernel_bytes``): ddp divides every gradient by D
-before the all-reduce; zero2 and fsdp copy each gathered parameter out of the all-gather's buffer
-in the forward, copy the gradients into the reduce-scatter's buffer and divide them; fsdp copies the
-parameters it gathers again in the backward out too (every block's; the root's stay gathered from
-the forward, and are not gathered again).
+before the all-reduce and copies those below the bucket cap into their bucket; zero2 and fsdp copy
+each rank's shard into the all-gather's buffer and the gathered parameter out of it in the forward,
+copy the gradients into the reduce-scatter's buffer and divide them; fsdp gathers and copies again
+in the backward (every block's parameters; the root's stay gathered from the forward). The
+backward's adds of the gradients of a tensor read by several ops are priced too
+(``accumulation_seconds``).
 
 The batch: each rank is fed its own rows (see [Note: which mesh axes split the data] in
 ``plan.py``), and the ranks of a tp group compute on the same rows, so a tp layout first
@@ -54,6 +56,7 @@ import sympy
 
 from dpar.compiler.costs import ALPHA, BETA, B, N, DeviceSpec, comm_time_expr, moved_bytes_expr, roofline
 from dpar.compiler.memory import OPTIMIZER_STATES
+from dpar.compiler.options import DDP_BUCKET_CAP_MB
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import Edge, Op, OpGraph, ParamInfo
 from dpar.planner.rules import BACKWARD_CONVERT, FORWARD_CONVERT, Candidate
@@ -77,10 +80,18 @@ DP_COLLECTIVES = {
              ("reduce_scatter", "backward", True, False)),
 }
 # Bytes read plus written per parameter byte by the data-parallel kernels: (phase, trained only, not the root's).
-DP_KERNELS = {
-    "replicate": (("backward", True, False),),  # gradient / D
-    "zero2": (("forward", False, False), ("backward", True, False), ("backward", True, False)),  # copy-out; copy-in, / D
-    "fsdp": (("forward", False, False), ("backward", False, True), ("backward", True, False), ("backward", True, False)),
+BUCKET_CAP_BYTES = DDP_BUCKET_CAP_MB * 2**20  # ddp: a gradient smaller than this is copied into a shared bucket
+DP_KERNELS = {  # (phase, trained only, not the root's, of the local shard only)
+    "replicate": (("backward", True, False, False),),  # gradient / D (and the copy into its bucket: ``bucket_copy_bytes``)
+    "zero2": (
+        ("forward", False, False, True), ("forward", False, False, False),  # the shard into the all-gather, the parameter out
+        ("backward", True, False, False), ("backward", True, False, False),  # the gradient into the reduce-scatter, / D
+    ),
+    "fsdp": (
+        ("forward", False, False, True), ("forward", False, False, False),
+        ("backward", False, True, True), ("backward", False, True, False),  # the blocks gathered again
+        ("backward", True, False, False), ("backward", True, False, False),
+    ),
 }
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -134,6 +145,10 @@ class CostModel:
         every = trained | {p.bucket for p in graph.params if p.op is not None}
         self.buckets = {(True, False): len(trained), (False, False): len(every), (False, True): len(every - {"root"})}
         self.saved_output = [op.saves_output for op in graph.ops]  # held from the forward to the backward
+        self.grad_readers = [0] * len(graph.ops)  # instances of readers handing a gradient back, all instances
+        for e in graph.edges:
+            if graph.ops[e.src].needs_grad and graph.ops[e.dst].needs_grad and graph.ops[e.dst].kind != "output":
+                self.grad_readers[e.src] += e.count
         for e in graph.edges:
             dst = graph.ops[e.dst]
             if e.position < len(dst.saves_inputs) and dst.saves_inputs[e.position]:
@@ -182,6 +197,16 @@ class CostModel:
         """Bytes per rank of an activation: batch split over dp, ``S`` split over tp (``P`` is whole)."""
         return numel * itemsize / (self.dp if batched else 1) / (self.tp if placement == "S" else 1)
 
+    def accumulation_seconds(self, index: int, cand: Candidate) -> float:
+        """The backward's adds summing the gradients of op ``index``'s output that its readers hand back (one
+        fewer than the readers a gradient comes from), each reading two and writing one of its size."""
+        op = self.graph.ops[index]
+        readers = self.grad_readers[index] - op.count
+        if readers <= 0:
+            return 0.0
+        nbytes = self.activation_bytes(op.output_numel, op.batched, cand.output, op.output_itemsize)
+        return readers * roofline(0, 3 * nbytes, op.dtype, self.device)
+
     def saved_bytes(self, index: int, cand: Candidate) -> float:
         """Bytes one rank holds from op ``index``'s forward to its backward (one instance): its output if its
         backward or a reader's reads it, and what the op saves of its own (see [Note: what the backward
@@ -197,9 +222,17 @@ class CostModel:
         found = {"forward": 0.0, "backward": 0.0}
         if self.dp == 1:
             return found
-        for phase, trained_only, not_root in DP_KERNELS[self.layout.data_parallel]:
-            found[phase] += 2 * sum(b for (trained, root), b in numel.items() if (trained or not trained_only) and not (root and not_root))
+        for phase, trained_only, not_root, shard in DP_KERNELS[self.layout.data_parallel]:
+            nbytes = sum(b for (trained, root), b in numel.items() if (trained or not trained_only) and not (root and not_root))
+            found[phase] += 2 * nbytes / (self.dp if shard else 1)
         return found
+
+    def bucket_copy_bytes(self, info: ParamInfo, nbytes: float) -> float:
+        """ddp: bytes read and written copying a gradient into a bucket it shares (one below the cap; one above it
+        is all-reduced alone, in place)."""
+        if self.dp == 1 or self.layout.data_parallel != "replicate" or not info.requires_grad or nbytes >= BUCKET_CAP_BYTES:
+            return 0.0
+        return 2 * nbytes
 
     def stats_bytes(self, op: Op) -> float:
         """One fp32 value per row of the (vocab-)sharded input, on this rank."""
@@ -219,13 +252,17 @@ class CostModel:
         flops = op.flops / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
         fwd = roofline(flops, moved, op.dtype, self.device)
         grads = int(op.input_grad) + int(op.param_grad) if op.params else 2 * int(op.input_grad)
+        bwd = fwd * grads
+        if op.kernels is not None:  # the op's own ATen kernels (see [Note: an op's kernels] in ``capture.py``)
+            fwd, bwd = self.kernel_seconds(op, cand)
         stats = cand.stats * self.tp_collective("all_reduce", self.stats_bytes(op)) if cand.stats else 0.0
         saved = self.saved_bytes(index, cand)
         nbytes: dict[tuple[bool, bool], float] = defaultdict(float)  # owned parameter bytes per rank by (trained, root)
-        state = gathered = 0.0
+        state = gathered = copies = 0.0
         for info in self.owned.get(index, []):
             local = local_numel(info.shape, cand.params[info.slot], self.tp)
             nbytes[info.requires_grad, info.bucket == "root"] += local * info.itemsize
+            copies += self.bucket_copy_bytes(info, local * info.itemsize)
             state += self.param_state_bytes(local, info.requires_grad, info.itemsize)
             gathered += self.gathered_bytes(local, info.itemsize)
         dp = {"forward": 0.0, "backward": 0.0}
@@ -233,11 +270,23 @@ class CostModel:
             payload = sum(b for (trained, root), b in nbytes.items() if (trained or not trained_only) and not (root and not_root))
             dp[phase] += self.collective(kind, payload, self.layout.dp_axes, alpha=False)
         kernels = {phase: b / self.device.memory_bandwidth for phase, b in self.dp_kernel_bytes(nbytes).items()}
+        kernels["backward"] += copies / self.device.memory_bandwidth + self.accumulation_seconds(index, cand)
         n = op.count
         return OpCost(
-            n * fwd + kernels["forward"], n * fwd * grads + kernels["backward"], n * stats,
+            n * fwd + kernels["forward"], n * bwd + kernels["backward"], n * stats,
             dp["forward"], dp["backward"], n * saved + state + gathered,
         )
+
+    def kernel_seconds(self, op: Op, cand: Candidate) -> tuple[float, float]:
+        """(forward, backward) seconds of one instance of ``op`` on one rank: each of its kernels at the
+        roofline, its FLOPs and the bytes that carry the batch split over dp, everything over tp when the
+        candidate splits the op."""
+        batch = self.dp if op.batched else 1
+        split = self.tp if cand.split else 1
+        seconds = {"forward": 0.0, "backward": 0.0}
+        for phase, _, flops, dtype, batched, fixed in op.kernels or ():
+            seconds[phase] += roofline(flops / batch / split, (batched / batch + fixed) / split, dtype, self.device)
+        return seconds["forward"], seconds["backward"]
 
     def param_state_bytes(self, numel: float, trained: bool, itemsize: int) -> float:
         """Parameter, gradient and optimizer state of ``numel`` elements per rank (after tp), at rest."""

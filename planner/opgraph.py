@@ -33,6 +33,9 @@ class Op:
     saves_inputs: tuple[bool, ...] = ()  # per activation input: its backward reads it (see [Note: what the backward saves])
     saves_output: bool = False  # its backward reads its own output
     internal_saved: int = 0  # bytes its backward reads that are neither input nor output (a logsumexp, an rstd), global batch
+    kernels: tuple[tuple[str, str, int, torch.dtype, int, int], ...] | None = None
+    """The ATen kernels it runs, forward and backward, at the global batch: (phase, ATen op, FLOPs, dtype, bytes carrying the
+    batch, other bytes); None: priced by the closed form (see [Note: an op's kernels] in ``capture.py``)."""
 
     @property
     def output_numel(self) -> int:

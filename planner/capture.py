@@ -190,7 +190,8 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
         value = node.meta.get("val")
         saves_inputs, saves_output, internal, kernels = (
             ((False,) * len(inputs), False, 0, None) if kind == "output"
-            else _backward_reads(node, wants_grad, param_args, probed, {int(math.prod(parameters[p].shape)) for p in params})
+            else _backward_reads(node, wants_grad, param_args, probed, {int(math.prod(parameters[p].shape)) for p in params}
+                                 | {int(math.prod(shape)) for shape, b in zip(in_shapes, in_batched) if not b})
         )
         ops.append(
             Op(

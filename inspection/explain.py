@@ -18,7 +18,7 @@ from dpar.inspect.buckets import bucket_of, graph_buckets
 from dpar.compiler.costs import DeviceSpec, assumed_device, comm_time, device_spec, moved_bytes, payload_bytes
 from dpar.inspect.fake_world import fake_world
 from dpar.compiler.logs import artifact
-from dpar.compiler.memory import step_peak
+from dpar.compiler.memory import liveness, step_peak
 from dpar.inspect.memory import per_rank_memory
 from dpar.inspect.meta import attention_fused, differentiable_on_meta, is_meta
 from dpar.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
@@ -243,6 +243,8 @@ def _report(
     if world_size > 1:  # one rank has nothing to reduce
         _check_gradients_reduced(name, strategy, params, rows)
     memory = per_rank_memory(params, strategy_named(strategy), optimizer, step_peak(pairs), world_size)
+    # What the forwards hand their backwards (and the loss): the planner's activations (``Plan.cost``).
+    saved = sum(liveness(fw, {}, set(), set(), exclude_outputs=False).live_at_end.activations for fw, bw in pairs if bw is not None)
     timeline = build_timeline(
         step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, group_sizes=group_sizes
     )
@@ -250,5 +252,5 @@ def _report(
         model=name, world_size=world_size, strategy=strategy, device=spec.name,
         options=tuple(sorted(dataclasses.asdict(options).items())),
         graphs=tuple(views), collectives=tuple(rows), buckets=tuple(buckets), memory=memory, timeline=timeline,
-        scales_in_n=not strategy_named(strategy).local_state,
+        scales_in_n=not strategy_named(strategy).local_state, saved_activations=saved,
     )

@@ -1,13 +1,14 @@
 """The planner's cost model: sympy closed forms, evaluated for every op, candidate and layout.
 
 [Note: the planner's cost model]
-Compute is a roofline on each rank's share (``dpar.compiler.costs.roofline``, the one the
-inspector prices each node with): ``max(F / peak(dtype), M / mem_bandwidth)`` with F the op's
-FLOPs (``costs.node_flops``, the one count) and M the bytes it reads and writes in the dtype it
-computes in (the model's own: an fp32 model at the device's TF32 peak, one under bf16 at its bf16
-peak), both divided by how the op is split (the batch over the data-parallel degree D, the
-sharded tensors over the tp degree T; a replicated weight is read whole by every rank). Backward costs one more forward per
-gradient it produces (dX and dW of a Linear; twice the forward for ops without weights).
+Compute is a roofline per kernel (``dpar.compiler.costs.roofline``, the one the inspector prices
+each node with): ``max(F / peak(dtype), M / mem_bandwidth)``. The kernels are the ATen ops each op
+runs forward and backward as autograd traces them ([Note: an op's kernels] in ``capture.py``), with
+F their FLOPs (``costs.node_flops``, the one count) and M the bytes they read and write in their own
+dtype, split as the op is (the batch over the data-parallel degree D, everything over the tp degree
+T where the candidate splits the op; a replicated weight is read whole by every rank). An op whose
+kernels could not be traced falls back to one roofline on the op and one more forward per gradient
+it produces.
 
 Communication is the α-β ring model of ``dpar.compiler.costs`` per mesh dimension,
 each with its own α and β (``DeviceSpec.links``: node-local or across nodes). Data-parallel collectives run per bucket, one bucket per

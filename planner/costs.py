@@ -22,7 +22,8 @@ counts them (no mixed-precision convention the run does not use): a parameter of
 takes E for itself, E for its gradient and E for each AdamW moment (``compiler.memory.OPTIMIZER_STATES``),
 so an fp32 parameter replicated costs 16Ψ, and under zero2 and fsdp, which keep shards of all three
 at rest, 16Ψ/D; zero2 also holds every parameter gathered from its forward to its backward (E·Ψ),
-fsdp one block at a time (not counted here). Collective payloads are the parameters' (gradients')
+fsdp the root's (embedding, head: its backward does not gather them again) and one block at a time
+(that block is not counted here). Collective payloads are the parameters' (gradients')
 own bytes. Activations are the tensors the backward reads (see [Note: what the backward saves] in
 ``capture.py``), each once, in its own dtype.
 
@@ -72,7 +73,13 @@ STATE_BYTES = {  # parameter + gradient + optimizer state of Ψ elements of E by
     "zero2": (E * PSI + G * (1 + STATES) * E * PSI) / D,
     "fsdp": (E * PSI + G * (1 + STATES) * E * PSI) / D,
 }
-GATHERED_BYTES = {"replicate": 0 * PSI, "zero2": E * PSI, "fsdp": 0 * PSI}  # held gathered through the step (D > 1)
+# Held gathered from the forward to the backward (D > 1), by (mode, the parameter is the root's): zero2 every
+# parameter; fsdp the root's (embedding, head), which its backward does not gather again.
+GATHERED_BYTES = {
+    ("replicate", False): 0 * PSI, ("replicate", True): 0 * PSI,
+    ("zero2", False): E * PSI, ("zero2", True): E * PSI,
+    ("fsdp", False): 0 * PSI, ("fsdp", True): E * PSI,
+}
 # (collective, phase, only for trained parameters, not for the root's) per data-parallel mode.
 DP_COLLECTIVES = {
     "replicate": (("all_reduce", "backward", True, False),),
@@ -265,7 +272,7 @@ class CostModel:
             nbytes[info.requires_grad, info.bucket == "root"] += local * info.itemsize
             copies += self.bucket_copy_bytes(info, local * info.itemsize)
             state += self.param_state_bytes(local, info.requires_grad, info.itemsize)
-            gathered += self.gathered_bytes(local, info.itemsize)
+            gathered += self.gathered_bytes(local, info.itemsize, info.bucket == "root")
         dp = {"forward": 0.0, "backward": 0.0}
         for kind, phase, trained_only, not_root, _ in self.dp_collectives():
             payload = sum(b for (trained, root), b in nbytes.items() if (trained or not trained_only) and not (root and not_root))
@@ -293,9 +300,9 @@ class CostModel:
         """Parameter, gradient and optimizer state of ``numel`` elements per rank (after tp), at rest."""
         return _state_bytes[self.layout.data_parallel](numel, self.dp, int(trained), itemsize)
 
-    def gathered_bytes(self, numel: float, itemsize: int) -> float:
-        """Bytes of the parameter held gathered through the step (zero2's, from its forward to its backward)."""
-        return _gathered_bytes[self.layout.data_parallel](numel, itemsize) if self.dp > 1 else 0.0
+    def gathered_bytes(self, numel: float, itemsize: int, root: bool) -> float:
+        """Bytes of the parameter held gathered from the forward to the backward (zero2's, fsdp's root's)."""
+        return _gathered_bytes[self.layout.data_parallel, root](numel, itemsize) if self.dp > 1 else 0.0
 
     def param_moved_bytes(self, info: ParamInfo, placement: str) -> float:
         """Bytes one rank sends per step for this parameter's data-parallel collectives."""

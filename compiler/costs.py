@@ -258,6 +258,17 @@ def _tensor_bytes(value: Any) -> int:
 
 _aten = torch.ops.aten
 _ATTENTION = {_aten.scaled_dot_product_attention, _aten._scaled_dot_product_flash_attention_for_cpu}
+_ATTENTION_BACKWARD = {_aten._scaled_dot_product_flash_attention_for_cpu_backward}  # args: grad_out, q, k, v, ...
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Scaled-dot-product attention as the one fused kernel it runs as on a GPU (flash / memory-efficient) and
+    on the CPU (``_scaled_dot_product_flash_attention_for_cpu``), on any device meta included: it saves Q, K,
+    V, its output and a logsumexp per row, never the B·H·S² score matrix the math path writes. What
+    ``dpar inspect`` traces a meta model's attention as and what the planner asks autograd about (see
+    [Note: attention on meta] in ``inspection/meta.py``)."""
+    return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 def node_flops(node: fx.Node) -> int:
@@ -267,7 +278,8 @@ def node_flops(node: fx.Node) -> int:
     kernels), and the composite ops a non-decomposed (exported) graph keeps whole: ``aten.linear``
     (2·M·K·N; the bias's M·N is not counted, as addmm's formula does not), ``aten.matmul``
     (2·out·K) and scaled-dot-product attention (Q·Kᵀ and P·V: 2·B·H·S_q·S_k·(D_qk + D_v), torch's
-    formula; no causal halving). 0 for every other op (elementwise, norms, softmax, embedding, loss):
+    formula; no causal halving; its fused backward twice that: dQ, dK, dV and dP, torch's count, which
+    is the planner's "one forward per gradient" for an op of two inputs). 0 for every other op (elementwise, norms, softmax, embedding, loss):
     their time is the bytes they move (``node_cost``'s roofline), not their arithmetic.
     """
     if node.op != "call_function":
@@ -278,9 +290,10 @@ def node_flops(node: fx.Node) -> int:
         return 2 * int(_tensor_numel(out)) * int(_val(node.args[1]).shape[-1])
     if packet is _aten.matmul:
         return 2 * int(_tensor_numel(out)) * int(_val(node.args[0]).shape[-1])
-    if packet in _ATTENTION:
-        q, k, v = (_val(a) for a in node.args[:3])
-        return 2 * (int(q.numel()) // int(q.shape[-1])) * int(k.shape[-2]) * (int(q.shape[-1]) + int(v.shape[-1]))
+    if packet in _ATTENTION or packet in _ATTENTION_BACKWARD:
+        q, k, v = (_val(a) for a in node.args[int(packet in _ATTENTION_BACKWARD):][:3])
+        forward = 2 * (int(q.numel()) // int(q.shape[-1])) * int(k.shape[-2]) * (int(q.shape[-1]) + int(v.shape[-1]))
+        return forward * (2 if packet in _ATTENTION_BACKWARD else 1)
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
@@ -298,9 +311,14 @@ def roofline(flops: float, nbytes: float, dtype: torch.dtype, spec: DeviceSpec) 
     return max(flops / spec.flops(dtype), nbytes / spec.memory_bandwidth)
 
 
+def is_kernel(node: fx.Node) -> bool:
+    """A node that runs a kernel, priced by ``node_cost``: not a view (alias), a collective or a wait."""
+    return is_compute(node) and not getattr(node.target, "is_view", False)
+
+
 def node_cost(node: fx.Node, spec: DeviceSpec) -> NodeCost:
     """Roofline time of a compute node; views (aliases), collectives and waits cost no compute."""
-    if not is_compute(node) or getattr(node.target, "is_view", False):
+    if not is_kernel(node):
         return NodeCost(0, 0, 0.0)
     flops = node_flops(node)
     out = _val(node)

@@ -18,9 +18,9 @@ from dpar.inspect.buckets import bucket_of, graph_buckets
 from dpar.compiler.costs import DeviceSpec, assumed_device, comm_time, device_spec, moved_bytes, payload_bytes
 from dpar.inspect.fake_world import fake_world
 from dpar.compiler.logs import artifact
-from dpar.compiler.memory import step_peak
+from dpar.compiler.memory import liveness, step_peak
 from dpar.inspect.memory import per_rank_memory
-from dpar.inspect.meta import differentiable_on_meta, is_meta
+from dpar.inspect.meta import attention_fused, differentiable_on_meta, is_meta
 from dpar.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
 from dpar.inspect.strategies import Parallelize, strategy as strategy_named
 from dpar.inspect.timeline import build_timeline
@@ -69,7 +69,9 @@ def _record_unchanged(gm: fx.GraphModule, example_inputs: Sequence[Any], role: G
     return lower(gm, example_inputs)
 
 
-def _capture(model: torch.nn.Module, example_inputs: Any, options: Mapping[str, Any], world_size: int) -> list[_Capture]:
+def _capture(
+    model: torch.nn.Module, example_inputs: Any, options: Mapping[str, Any], world_size: int, on_meta: bool = False
+) -> list[_Capture]:
     captures: list[_Capture] = []
     state_names = {
         id(t): name
@@ -78,6 +80,8 @@ def _capture(model: torch.nn.Module, example_inputs: Any, options: Mapping[str, 
     }
 
     def backend(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+        if on_meta:  # see [Note: attention on meta] in meta.py
+            gm = attention_fused(gm)
         graph_inputs = tuple(classify_inputs(gm, inputs))
         names = tuple(state_names.get(id(v), i.name) for i, v in zip(graph_inputs, inputs))
         with recording() as graphs:
@@ -149,12 +153,13 @@ def explain(
     parsed = Options.parse(compile_options)
     # One knob: a sharded strategy's buckets are laid out by parallelize, ddp's when compiling.
     cap = compile_options.pop("bucket_cap_mb", None) if chosen.takes_bucket_cap else None
-    on_meta = differentiable_on_meta() if is_meta(model, example_inputs) else contextlib.nullcontext()
+    meta = is_meta(model, example_inputs)
+    on_meta = differentiable_on_meta() if meta else contextlib.nullcontext()
     with fake_world(world_size), assumed_device(spec), on_meta:  # ddp's buckets planned for ``device``, not this CPU
         torch.compiler.reset()
         try:
             work = chosen.prepare(copy.deepcopy(model), _positional(example_inputs), world_size, cap, parallelize)
-            captures = _capture(work, example_inputs, compile_options, world_size)
+            captures = _capture(work, example_inputs, compile_options, world_size, on_meta=meta)
         finally:
             torch.compiler.reset()
     report = _report(type(model).__name__, work, captures, world_size, chosen.name, spec, parsed, optimizer, ranks_shown)
@@ -238,6 +243,8 @@ def _report(
     if world_size > 1:  # one rank has nothing to reduce
         _check_gradients_reduced(name, strategy, params, rows)
     memory = per_rank_memory(params, strategy_named(strategy), optimizer, step_peak(pairs), world_size)
+    # What the forwards hand their backwards (and the loss): the planner's activations (``Plan.cost``).
+    saved = sum(liveness(fw, {}, set(), set(), exclude_outputs=False).live_at_end.activations for fw, bw in pairs if bw is not None)
     timeline = build_timeline(
         step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, group_sizes=group_sizes
     )
@@ -245,5 +252,5 @@ def _report(
         model=name, world_size=world_size, strategy=strategy, device=spec.name,
         options=tuple(sorted(dataclasses.asdict(options).items())),
         graphs=tuple(views), collectives=tuple(rows), buckets=tuple(buckets), memory=memory, timeline=timeline,
-        scales_in_n=not strategy_named(strategy).local_state,
+        scales_in_n=not strategy_named(strategy).local_state, saved_activations=saved,
     )

@@ -100,6 +100,10 @@ class Report:
     scales_in_n: bool = True
     """False where collectives run over mesh dimensions of fixed size (hsdp, tp, 2-D): the step time
     and memory are the simulated mesh's, and the formulas in N do not extrapolate."""
+    saved_activations: int = 0
+    """Bytes the forward graphs hand their backwards (the tensors the backward reads, and the loss), by
+    liveness: what ``dpar plan`` counts as activations. The peak (``memory.activations``) adds what lives
+    only at its moment (gradients before their reduction, bucket buffers, the loss's backward)."""
 
     @property
     def title(self) -> str:
@@ -139,6 +143,7 @@ class Report:
             ("optimizer state", m.optimizer), ("gathered parameters (at the peak)", m.gathered),
             ("activations (at the peak, estimate)", m.activations),
             ("total", m.total),
+            ("  activations saved for the backward (dpar plan's)", self.saved_activations),
         ]
         return Table(
             f"Memory per rank (N = {self.world_size})",

@@ -21,20 +21,40 @@ cache is no output to train through. Python the backend would break the graph on
 
 View ops (view, transpose, reshape, ...) move no data: they are folded into the edges, so an
 edge runs from the op that produced a tensor to the op that reads it, through any views.
+
+[Note: what the backward saves]
+An op's activations are not "its output": they are the tensors its backward reads, which autograd
+decides op by op (a Linear keeps its input, not its output; a softmax its output; an add nothing;
+flash attention Q, K, V, its output and a logsumexp per row). The planner asks autograd itself:
+each op (once per signature) runs on meta tensors shaped as in the graph, with ``requires_grad``
+where a gradient flows, and the ``_saved_*`` tensors of the autograd nodes it made are matched to
+its inputs and output by storage (``saves_inputs``, ``saves_output``); what matches neither (a
+logsumexp, a norm's rstd) is the op's own (``internal_saved``). A tensor is then held from the
+forward to the backward if its producer or any reader saves it, once however many do, in its own
+dtype: the rule AOTAutograd's partitioner follows when it cuts the joint graph, so that ``dpar
+inspect``'s liveness over the real graphs (``compiler/memory.py``) and the planner count the same
+tensors. Scaled-dot-product attention runs as the fused kernel (``compiler.costs.flash_attention``)
+as a GPU or the CPU runs it, not the math path meta tensors would take.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import math
+from collections import defaultdict
 import operator
 from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from dpar.compiler.costs import node_flops
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from dpar.compiler.costs import flash_attention, is_kernel, node_flops
 from dpar.compiler.propagation import rules
 from dpar.planner.opgraph import Op, OpGraph
 from dpar.planner.repeats import collapse_repeats
@@ -124,6 +144,8 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
     parameters = dict(model.named_parameters())
 
     source: dict[fx.Node, object] = {}  # node -> op index, ("param", name), "input" or None
+    probed: dict[object, Probe] = {}
+    folded: dict[int, tuple] = defaultdict(tuple)  # op index -> kernels of the views and copies folded into its output
     ops: list[Op] = []
     for node in program.graph.nodes:
         if node.op == "placeholder":
@@ -137,22 +159,40 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
             continue
         if node.op == "call_function" and _is_view(node):
             source[node] = source.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            if isinstance(source[node], int) and isinstance(node.meta.get("val"), torch.Tensor):
+                # A view moves no data, but a copy folded as one (clone) does, and a view's backward may
+                # (slice_backward writes the whole input): its kernels are its producer's.
+                kernels = _backward_reads(node, {node.args[0]: ops[source[node]].needs_grad}, set(), probed, set())[3]
+                folded[source[node]] += kernels or ()
             continue
         if node.op not in ("call_function", "output"):
             continue
         leaves = node.args[0] if node.op == "output" else (node.args, dict(node.kwargs))
-        inputs, in_shapes, in_batched, params, in_grad = [], [], [], [], False
+        inputs, in_shapes, in_batched, params, grads, in_sizes = [], [], [], [], [], []
+        wants_grad: dict[fx.Node, bool] = {}  # per tensor argument: a gradient flows into it
+        param_args: set[fx.Node] = set()
         for arg in pytree.tree_leaves(leaves):
             src = source.get(arg) if isinstance(arg, fx.Node) else None
             if isinstance(src, tuple):
                 params.append(src[1])
+                wants_grad[arg] = parameters[src[1]].requires_grad
+                param_args.add(arg)
             elif isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor):
                 inputs.append(src if isinstance(src, int) else -1)
                 in_shapes.append(_shape(arg.meta["val"]))
+                in_sizes.append(arg.meta["val"].element_size())
                 in_batched.append((ops[src].batched if isinstance(src, int) else src == "input") or _batch_shaped(arg, [], batch_size))
-                in_grad = in_grad or (ops[src].needs_grad if isinstance(src, int) else src == "input" and user_grad)
+                grads.append(ops[src].needs_grad if isinstance(src, int) else src == "input" and user_grad)
+                wants_grad[arg] = grads[-1]
+        in_grad = any(grads)
         kind = "output" if node.op == "output" else _kind(node, params)
         p_shapes = [tuple(parameters[p].shape) for p in params]
+        value = node.meta.get("val")
+        saves_inputs, saves_output, internal, kernels = (
+            ((False,) * len(inputs), False, 0, None) if kind == "output"
+            else _backward_reads(node, wants_grad, param_args, probed, {int(math.prod(parameters[p].shape)) for p in params}
+                                 | {int(math.prod(shape)) for shape, b in zip(in_shapes, in_batched) if not b})
+        )
         ops.append(
             Op(
                 name=node.name,
@@ -169,10 +209,146 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
                 param_grad=any(parameters[p].requires_grad for p in params),
                 input_grad=in_grad,
                 batched=any(in_batched) or _batch_shaped(node, params, batch_size),
+                output_itemsize=value.element_size() if isinstance(value, torch.Tensor) else 0,
+                input_itemsizes=tuple(in_sizes),
+                param_itemsizes=tuple(parameters[p].element_size() for p in params),
+                saves_inputs=saves_inputs,
+                saves_output=saves_output,
+                internal_saved=internal,
+                kernels=kernels,
             )
         )
         source[node] = len(ops) - 1
+    ops = [dataclasses.replace(op, kernels=op.kernels + folded[i]) if folded.get(i) and op.kernels is not None else op
+           for i, op in enumerate(ops)]
     return collapse_repeats(ops, list(parameters.items()), batch_size, batch_bytes)
+
+
+def _backward_reads(
+    node: fx.Node, wants_grad: dict[fx.Node, bool], param_args: set[fx.Node], probed: dict[object, Probe],
+    param_numels: set[int],
+) -> Probe:
+    """(per activation input: saved, output saved, bytes of the op's own saved tensors, its kernels): see [Note:
+    what the backward saves] and [Note: an op's kernels]. Parameters are held as state anyway and are not reported."""
+    tensors = [a for a in pytree.tree_leaves((node.args, dict(node.kwargs))) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    activations = [a for a in tensors if a not in param_args]  # in the order of the op's ``inputs``
+    key = (node.target, tuple((_shape(a.meta["val"]), a.meta["val"].dtype, wants_grad.get(a, False)) for a in tensors),
+           tuple(repr(a) for a in pytree.tree_leaves((node.args, dict(node.kwargs))) if not isinstance(a, fx.Node)))
+    if key in probed:
+        return probed[key]
+    fallback = (tuple(wants_grad.get(a, False) for a in activations), False, 0, None)
+    target = flash_attention if node.target in ATTENTION and not node.kwargs.get("enable_gqa") else node.target
+    made: dict[fx.Node, torch.Tensor] = {}
+
+    def fresh(a: object) -> object:
+        if not isinstance(a, fx.Node):
+            return a
+        value = a.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            return value
+        if a not in made:
+            t = torch.empty_strided(_shape(value), tuple(int(s) for s in value.stride()), dtype=value.dtype, device="meta")
+            made[a] = t.requires_grad_(wants_grad.get(a, False) and (t.is_floating_point() or t.is_complex()))
+        return made[a]
+
+    try:
+        args, kwargs = pytree.tree_map(fresh, (node.args, dict(node.kwargs)))
+        if target is flash_attention:
+            kwargs = {k: v for k, v in kwargs.items() if k != "enable_gqa"}
+        with torch.enable_grad():
+            out = target(*args, **kwargs)
+    except Exception:  # an op that will not run on meta: assume its backward reads every input a gradient flows to
+        probed[key] = fallback
+        return fallback
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    saved = _saved_tensors([t.grad_fn for t in outs if t.grad_fn is not None])
+    storage = lambda t: StorageWeakRef(t.untyped_storage())  # noqa: E731
+    saved_keys = {storage(t): t for t in saved}
+    inputs = [storage(made[a]) for a in activations if a in made]
+    output_keys = {storage(t) for t in outs}
+    others = {storage(t) for a, t in made.items() if a not in activations} | set(inputs) | output_keys
+    internal = sum(int(t.untyped_storage().nbytes()) for k, t in saved_keys.items() if k not in others)
+    try:
+        kernels = _kernels(target, args, kwargs, made, outs, param_numels | {int(made[a].numel()) for a in made if a not in activations})
+    except Exception:  # priced by the op's closed form instead (``CostModel.op_cost``)
+        kernels = None
+    found = (tuple(k in saved_keys for k in inputs), any(k in saved_keys for k in output_keys), internal, kernels)
+    probed[key] = found
+    return found
+
+
+def _kernels(target: object, args: object, kwargs: dict, made: dict[fx.Node, torch.Tensor], outs: list[torch.Tensor],
+             fixed_numels: set[int]) -> tuple[Kernel, ...]:
+    """[Note: an op's kernels]
+    The ATen kernels one op runs, forward and backward, as AOTAutograd would trace them into the graphs
+    ``dpar inspect`` prices: the op and ``torch.autograd.grad`` of it traced by ``make_fx`` on meta
+    tensors (composite ops decompose: a Linear is ``t`` and ``mm``, a cross-entropy ``_log_softmax`` and
+    ``nll_loss_forward``, whose backwards are their own kernels, not "one more forward per gradient").
+    Each kernel is (phase, the ATen op, FLOPs by ``compiler.costs.node_flops``, dtype, bytes that carry the batch,
+    bytes that do not), priced by the one roofline at a rank's share of the batch (``CostModel``). A
+    tensor of a parameter's size (the weight, its gradient) does not carry the batch."""
+    tensors = list(made.values())
+    wanted = [t for t in tensors if t.requires_grad]
+    differentiable = [o for o in outs if o.requires_grad]
+    tangents = [torch.empty_like(o) for o in differentiable]
+
+    def rebuild(values: list[torch.Tensor]) -> tuple[object, dict]:
+        swap = dict(zip(map(id, tensors), values))
+        return pytree.tree_map(lambda a: swap.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+
+    def forward(*values: torch.Tensor) -> object:
+        a, k = rebuild(list(values))
+        return target(*a, **k)
+
+    def joint(*values: torch.Tensor) -> object:
+        inputs, grads_out = list(values[: len(tensors)]), list(values[len(tensors):])
+        a, k = rebuild(inputs)
+        out = target(*a, **k)
+        leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        need = [t for t in inputs if t.requires_grad]
+        grads = torch.autograd.grad(leaves, need, grads_out, allow_unused=True) if leaves and need else ()
+        return out, grads
+
+    with torch.enable_grad():
+        forward_nodes = _compute_nodes(make_fx(forward)(*tensors))
+        joint_nodes = _compute_nodes(make_fx(joint)(*tensors, *tangents)) if wanted and differentiable else forward_nodes
+    found = []
+    for i, node in enumerate(joint_nodes):
+        values = [a.meta.get("val") for a in node.all_input_nodes] + [node.meta.get("val")]
+        values = [v for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
+        nbytes = [(int(v.numel()) * v.element_size(), int(v.numel()) not in fixed_numels) for v in values]
+        out = node.meta.get("val")
+        dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
+        found.append((
+            "forward" if i < len(forward_nodes) else "backward", str(node.target), node_flops(node), dtype,
+            sum(b for b, batched in nbytes if batched), sum(b for b, batched in nbytes if not batched),
+        ))
+    return tuple(found)
+
+
+def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes ``dpar inspect`` prices (``compiler.costs.is_kernel``)."""
+    return [n for n in gm.graph.nodes if is_kernel(n)]
+
+
+Kernel = tuple[str, str, int, torch.dtype, int, int]  # phase, ATen op, FLOPs, dtype, bytes carrying the batch, other bytes
+Probe = tuple[tuple[bool, ...], bool, int, "tuple[Kernel, ...] | None"]
+
+
+def _saved_tensors(roots: list[object]) -> list[torch.Tensor]:
+    """Every tensor the autograd nodes reachable from ``roots`` saved (``_saved_*``), up to the leaves."""
+    found, seen, stack = [], set(), list(roots)
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen or type(fn).__name__ == "AccumulateGrad":
+            continue
+        seen.add(id(fn))
+        for name in dir(fn):
+            if name.startswith("_saved_"):
+                value = getattr(fn, name, None)
+                found += [t for t in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(t, torch.Tensor)]
+        stack += [nxt for nxt, _ in fn.next_functions]
+    return found
 
 
 def _dtype(node: fx.Node, kind: str) -> torch.dtype:

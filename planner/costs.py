@@ -1,13 +1,14 @@
 """The planner's cost model: sympy closed forms, evaluated for every op, candidate and layout.
 
 [Note: the planner's cost model]
-Compute is a roofline on each rank's share (``dpar.compiler.costs.roofline``, the one the
-inspector prices each node with): ``max(F / peak(dtype), M / mem_bandwidth)`` with F the op's
-FLOPs (``costs.node_flops``, the one count) and M the bytes it reads and writes in the dtype it
-computes in (the model's own: an fp32 model at the device's TF32 peak, one under bf16 at its bf16
-peak), both divided by how the op is split (the batch over the data-parallel degree D, the
-sharded tensors over the tp degree T; a replicated weight is read whole by every rank). Backward costs one more forward per
-gradient it produces (dX and dW of a Linear; twice the forward for ops without weights).
+Compute is a roofline per kernel (``dpar.compiler.costs.roofline``, the one the inspector prices
+each node with): ``max(F / peak(dtype), M / mem_bandwidth)``. The kernels are the ATen ops each op
+runs forward and backward as autograd traces them ([Note: an op's kernels] in ``capture.py``), with
+F their FLOPs (``costs.node_flops``, the one count) and M the bytes they read and write in their own
+dtype, split as the op is (the batch over the data-parallel degree D, everything over the tp degree
+T where the candidate splits the op; a replicated weight is read whole by every rank). An op whose
+kernels could not be traced falls back to one roofline on the op and one more forward per gradient
+it produces.
 
 Communication is the α-β ring model of ``dpar.compiler.costs`` per mesh dimension,
 each with its own α and β (``DeviceSpec.links``: node-local or across nodes). Data-parallel collectives run per bucket, one bucket per
@@ -16,12 +17,24 @@ their α terms depend on the layout only, their β terms on each parameter's tp 
 hierarchically, innermost (last, fastest) dimension first on the whole payload, the next
 on what is left: all-reduce over (a, b) = all-reduce_b(B) + all-reduce_a(B / n_b).
 
-Memory and communication follow ZeRO's mixed-precision accounting (compute does not yet: it is
-priced in the model's dtype, as ``dpar inspect`` prices it): parameters, gradients, activations
-and every collective payload in 2-byte bf16, optimizer state 12 bytes per parameter (fp32
-master copy and AdamW's two moments), so a replicated trained parameter costs 16Ψ, zero2
-2Ψ + 14Ψ/D and fsdp 16Ψ/D. Activations saved for backward: every op's output that a
-gradient flows through (the gathered parameters fsdp holds for one layer are not counted).
+Memory and communication are in the model's own dtypes, as the step runs them and as ``dpar inspect``
+counts them (no mixed-precision convention the run does not use): a parameter of E bytes an element
+takes E for itself, E for its gradient and E for each AdamW moment (``compiler.memory.OPTIMIZER_STATES``),
+so an fp32 parameter replicated costs 16Ψ, and under zero2 and fsdp, which keep shards of all three
+at rest, 16Ψ/D; zero2 also holds every parameter gathered from its forward to its backward (E·Ψ),
+fsdp the root's (embedding, head: its backward does not gather them again) and one block at a time
+(that block is not counted here). Collective payloads are the parameters' (gradients')
+own bytes. Activations are the tensors the backward reads (see [Note: what the backward saves] in
+``capture.py``), each once, in its own dtype.
+
+Data-parallel kernels: what dpar's graphs run beside the model's ops, memory-bound, priced as
+reads plus writes at the memory bandwidth (``dp_kernel_bytes``): ddp divides every gradient by D
+before the all-reduce and copies those below the bucket cap into their bucket; zero2 and fsdp copy
+each rank's shard into the all-gather's buffer and the gathered parameter out of it in the forward,
+copy the gradients into the reduce-scatter's buffer and divide them; fsdp gathers and copies again
+in the backward (every block's parameters; the root's stay gathered from the forward). The
+backward's adds of the gradients of a tensor read by several ops are priced too
+(``accumulation_seconds``).
 
 The batch: each rank is fed its own rows (see [Note: which mesh axes split the data] in
 ``plan.py``), and the ranks of a tp group compute on the same rows, so a tp layout first
@@ -44,32 +57,56 @@ from collections import defaultdict
 import sympy
 
 from dpar.compiler.costs import ALPHA, BETA, B, N, DeviceSpec, comm_time_expr, moved_bytes_expr, roofline
+from dpar.compiler.memory import OPTIMIZER_STATES
+from dpar.compiler.options import DDP_BUCKET_CAP_MB
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import Edge, Op, OpGraph, ParamInfo
 from dpar.planner.rules import BACKWARD_CONVERT, FORWARD_CONVERT, Candidate
 
-BYTES = 2  # bf16 parameters, gradients, activations and collective payloads
 STATS_BYTES = 4  # fp32 per-row statistics of a vocab-parallel softmax / loss
-OPTIMIZER_BYTES = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq
+STATES = OPTIMIZER_STATES["adamw"]  # AdamW's exp_avg and exp_avg_sq, each of the parameter's size and dtype
 
-PSI, D, G = sympy.symbols("Psi D g", nonnegative=True)  # elements per rank after tp, dp degree, trained (0/1)
+PSI, D, G, E = sympy.symbols("Psi D g E", nonnegative=True)  # elements per rank after tp, dp degree, trained (0/1), bytes an element
 
-STATE_BYTES = {  # parameter + gradient + optimizer state of Ψ elements
-    "replicate": BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI,
-    "zero2": BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI / D,
-    "fsdp": (BYTES * PSI + G * (BYTES + OPTIMIZER_BYTES) * PSI) / D,
+STATE_BYTES = {  # parameter + gradient + optimizer state of Ψ elements of E bytes, at rest
+    "replicate": E * PSI + G * (1 + STATES) * E * PSI,
+    "zero2": (E * PSI + G * (1 + STATES) * E * PSI) / D,
+    "fsdp": (E * PSI + G * (1 + STATES) * E * PSI) / D,
 }
-# (collective, phase, only for trained parameters) per data-parallel mode.
+# Held gathered from the forward to the backward (D > 1), by (mode, the parameter is the root's): zero2 every
+# parameter; fsdp the root's (embedding, head), which its backward does not gather again.
+GATHERED_BYTES = {
+    ("replicate", False): 0 * PSI, ("replicate", True): 0 * PSI,
+    ("zero2", False): E * PSI, ("zero2", True): E * PSI,
+    ("fsdp", False): 0 * PSI, ("fsdp", True): E * PSI,
+}
+# (collective, phase, only for trained parameters, not for the root's) per data-parallel mode.
 DP_COLLECTIVES = {
-    "replicate": (("all_reduce", "backward", True),),
-    "zero2": (("all_gather", "forward", False), ("reduce_scatter", "backward", True)),
-    "fsdp": (("all_gather", "forward", False), ("all_gather", "backward", False), ("reduce_scatter", "backward", True)),
+    "replicate": (("all_reduce", "backward", True, False),),
+    "zero2": (("all_gather", "forward", False, False), ("reduce_scatter", "backward", True, False)),
+    "fsdp": (("all_gather", "forward", False, False), ("all_gather", "backward", False, True),
+             ("reduce_scatter", "backward", True, False)),
+}
+# Bytes read plus written per parameter byte by the data-parallel kernels: (phase, trained only, not the root's).
+BUCKET_CAP_BYTES = DDP_BUCKET_CAP_MB * 2**20  # ddp: a gradient smaller than this is copied into a shared bucket
+DP_KERNELS = {  # (phase, trained only, not the root's, of the local shard only)
+    "replicate": (("backward", True, False, False),),  # gradient / D (and the copy into its bucket: ``bucket_copy_bytes``)
+    "zero2": (
+        ("forward", False, False, True), ("forward", False, False, False),  # the shard into the all-gather, the parameter out
+        ("backward", True, False, False), ("backward", True, False, False),  # the gradient into the reduce-scatter, / D
+    ),
+    "fsdp": (
+        ("forward", False, False, True), ("forward", False, False, False),
+        ("backward", False, True, True), ("backward", False, True, False),  # the blocks gathered again
+        ("backward", True, False, False), ("backward", True, False, False),
+    ),
 }
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 _comm_time = {k: sympy.lambdify((N, B, ALPHA, BETA), comm_time_expr(k), "math") for k in KINDS}
 _moved = {k: sympy.lambdify((N, B), moved_bytes_expr(k), "math") for k in KINDS}
-_state_bytes = {k: sympy.lambdify((PSI, D, G), e, "math") for k, e in STATE_BYTES.items()}
+_state_bytes = {k: sympy.lambdify((PSI, D, G, E), e, "math") for k, e in STATE_BYTES.items()}
+_gathered_bytes = {k: sympy.lambdify((PSI, E), e, "math") for k, e in GATHERED_BYTES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +118,7 @@ class OpCost:
     tp_comm: float  # critical path
     dp_fwd: float  # bandwidth term of the data-parallel collectives that may hide behind forward compute
     dp_bwd: float  # ... behind backward compute (the α terms are per bucket: CostModel.dp_latency)
-    memory: float  # parameter state + saved activations, bytes
+    memory: float  # parameter state + gathered parameters + saved activations, bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +150,17 @@ class CostModel:
             if info.op is not None:
                 self.owned[info.op].append(info)
         trained = {p.bucket for p in graph.params if p.op is not None and p.requires_grad}
-        self.buckets = {True: len(trained), False: len(trained | {p.bucket for p in graph.params if p.op is not None})}
+        every = trained | {p.bucket for p in graph.params if p.op is not None}
+        self.buckets = {(True, False): len(trained), (False, False): len(every), (False, True): len(every - {"root"})}
+        self.saved_output = [op.saves_output for op in graph.ops]  # held from the forward to the backward
+        self.grad_readers = [0] * len(graph.ops)  # instances of readers handing a gradient back, all instances
+        for e in graph.edges:
+            if graph.ops[e.src].needs_grad and graph.ops[e.dst].needs_grad and graph.ops[e.dst].kind != "output":
+                self.grad_readers[e.src] += e.count
+        for e in graph.edges:
+            dst = graph.ops[e.dst]
+            if e.position < len(dst.saves_inputs) and dst.saves_inputs[e.position]:
+                self.saved_output[e.src] = True
 
     def collective(self, kind: str, nbytes: float, axes: tuple[int, ...], alpha: bool = True) -> float:
         """Hierarchical ring over ``axes``, innermost first (see the Note); ``alpha=False``: bandwidth term only."""
@@ -131,16 +178,16 @@ class CostModel:
             payload /= self.layout.mesh_shape[axis]
         return total
 
-    def dp_collectives(self) -> list[tuple[str, str, bool, int]]:
-        """(kind, phase, trained only, buckets) of this layout's data-parallel collectives per step."""
+    def dp_collectives(self) -> list[tuple[str, str, bool, bool, int]]:
+        """(kind, phase, trained only, not the root's, buckets) of this layout's data-parallel collectives per step."""
         if self.dp == 1:
             return []
-        return [(k, phase, t, self.buckets[t]) for k, phase, t in DP_COLLECTIVES[self.layout.data_parallel]]
+        return [(k, phase, t, r, self.buckets[t, r]) for k, phase, t, r in DP_COLLECTIVES[self.layout.data_parallel]]
 
     def dp_latency(self) -> dict[str, float]:
         """The α part of the data-parallel collectives: one per bucket and kind, whatever the candidates."""
         seconds = {"forward": 0.0, "backward": 0.0}
-        for kind, phase, _, buckets in self.dp_collectives():
+        for kind, phase, _, _, buckets in self.dp_collectives():
             seconds[phase] += buckets * self.collective(kind, 0.0, self.layout.dp_axes)
         return seconds
 
@@ -154,9 +201,46 @@ class CostModel:
         nbytes = self.graph.batch_bytes / self.dp
         return nbytes, self.tp_collective("all_gather", nbytes)
 
-    def activation_bytes(self, numel: float, batched: bool, placement: str) -> float:
+    def activation_bytes(self, numel: float, batched: bool, placement: str, itemsize: int) -> float:
         """Bytes per rank of an activation: batch split over dp, ``S`` split over tp (``P`` is whole)."""
-        return numel * BYTES / (self.dp if batched else 1) / (self.tp if placement == "S" else 1)
+        return numel * itemsize / (self.dp if batched else 1) / (self.tp if placement == "S" else 1)
+
+    def accumulation_seconds(self, index: int, cand: Candidate) -> float:
+        """The backward's adds summing the gradients of op ``index``'s output that its readers hand back (one
+        fewer than the readers a gradient comes from), each reading two and writing one of its size."""
+        op = self.graph.ops[index]
+        readers = self.grad_readers[index] - op.count
+        if readers <= 0:
+            return 0.0
+        nbytes = self.activation_bytes(op.output_numel, op.batched, cand.output, op.output_itemsize)
+        return readers * roofline(0, 3 * nbytes, op.dtype, self.device)
+
+    def saved_bytes(self, index: int, cand: Candidate) -> float:
+        """Bytes one rank holds from op ``index``'s forward to its backward (one instance): its output if its
+        backward or a reader's reads it, and what the op saves of its own (see [Note: what the backward
+        saves] in ``capture.py``)."""
+        op = self.graph.ops[index]
+        held = self.activation_bytes(op.output_numel, op.batched, cand.output, op.output_itemsize) if self.saved_output[index] else 0.0
+        own = op.internal_saved / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
+        return held + own
+
+    def dp_kernel_bytes(self, numel: dict[tuple[bool, bool], float]) -> dict[str, float]:
+        """Bytes the data-parallel kernels read and write per phase for parameters of ``numel`` bytes by
+        (trained, root) (see the Note)."""
+        found = {"forward": 0.0, "backward": 0.0}
+        if self.dp == 1:
+            return found
+        for phase, trained_only, not_root, shard in DP_KERNELS[self.layout.data_parallel]:
+            nbytes = sum(b for (trained, root), b in numel.items() if (trained or not trained_only) and not (root and not_root))
+            found[phase] += 2 * nbytes / (self.dp if shard else 1)
+        return found
+
+    def bucket_copy_bytes(self, info: ParamInfo, nbytes: float) -> float:
+        """ddp: bytes read and written copying a gradient into a bucket it shares (one below the cap; one above it
+        is all-reduced alone, in place)."""
+        if self.dp == 1 or self.layout.data_parallel != "replicate" or not info.requires_grad or nbytes >= BUCKET_CAP_BYTES:
+            return 0.0
+        return 2 * nbytes
 
     def stats_bytes(self, op: Op) -> float:
         """One fp32 value per row of the (vocab-)sharded input, on this rank."""
@@ -168,43 +252,73 @@ class CostModel:
         if op.kind == "output":
             return OpCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         moved = sum(
-            self.activation_bytes(math.prod(s), b, p) for s, b, p in zip(op.input_shapes, op.input_batched, cand.inputs)
+            self.activation_bytes(math.prod(s), b, p, e)
+            for s, b, p, e in zip(op.input_shapes, op.input_batched, cand.inputs, op.input_itemsizes)
         )
-        moved += sum(local_numel(s, p, self.tp) * BYTES for s, p in zip(op.param_shapes, cand.params))
-        moved += self.activation_bytes(op.output_numel, op.batched, cand.output)
+        moved += sum(local_numel(s, p, self.tp) * e for s, p, e in zip(op.param_shapes, cand.params, op.param_itemsizes))
+        moved += self.activation_bytes(op.output_numel, op.batched, cand.output, op.output_itemsize)
         flops = op.flops / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
-        fwd = roofline(flops, moved / BYTES * op.dtype.itemsize, op.dtype, self.device)  # bytes in the op's dtype
+        fwd = roofline(flops, moved, op.dtype, self.device)
         grads = int(op.input_grad) + int(op.param_grad) if op.params else 2 * int(op.input_grad)
+        bwd = fwd * grads
+        if op.kernels is not None:  # the op's own ATen kernels (see [Note: an op's kernels] in ``capture.py``)
+            fwd, bwd = self.kernel_seconds(op, cand)
         stats = cand.stats * self.tp_collective("all_reduce", self.stats_bytes(op)) if cand.stats else 0.0
-        saved = self.activation_bytes(op.output_numel, op.batched, cand.output) if op.needs_grad else 0.0
-        numel = {True: 0.0, False: 0.0}  # owned parameter elements per rank, trained or frozen
+        saved = self.saved_bytes(index, cand)
+        nbytes: dict[tuple[bool, bool], float] = defaultdict(float)  # owned parameter bytes per rank by (trained, root)
+        state = gathered = copies = 0.0
         for info in self.owned.get(index, []):
-            numel[info.requires_grad] += local_numel(info.shape, cand.params[info.slot], self.tp)
+            local = local_numel(info.shape, cand.params[info.slot], self.tp)
+            nbytes[info.requires_grad, info.bucket == "root"] += local * info.itemsize
+            copies += self.bucket_copy_bytes(info, local * info.itemsize)
+            state += self.param_state_bytes(local, info.requires_grad, info.itemsize)
+            gathered += self.gathered_bytes(local, info.itemsize, info.bucket == "root")
         dp = {"forward": 0.0, "backward": 0.0}
-        for kind, phase, trained_only, _ in self.dp_collectives():
-            payload = (numel[True] + (0.0 if trained_only else numel[False])) * BYTES
+        for kind, phase, trained_only, not_root, _ in self.dp_collectives():
+            payload = sum(b for (trained, root), b in nbytes.items() if (trained or not trained_only) and not (root and not_root))
             dp[phase] += self.collective(kind, payload, self.layout.dp_axes, alpha=False)
-        state = self.param_state_bytes(numel[True], True) + self.param_state_bytes(numel[False], False)
+        kernels = {phase: b / self.device.memory_bandwidth for phase, b in self.dp_kernel_bytes(nbytes).items()}
+        kernels["backward"] += copies / self.device.memory_bandwidth + self.accumulation_seconds(index, cand)
         n = op.count
-        return OpCost(n * fwd, n * fwd * grads, n * stats, dp["forward"], dp["backward"], n * saved + state)
+        return OpCost(
+            n * fwd + kernels["forward"], n * bwd + kernels["backward"], n * stats,
+            dp["forward"], dp["backward"], n * saved + state + gathered,
+        )
 
-    def param_state_bytes(self, numel: float, trained: bool) -> float:
-        return _state_bytes[self.layout.data_parallel](numel, self.dp, int(trained))
+    def kernel_seconds(self, op: Op, cand: Candidate) -> tuple[float, float]:
+        """(forward, backward) seconds of one instance of ``op`` on one rank: each of its kernels at the
+        roofline, its FLOPs and the bytes that carry the batch split over dp, everything over tp when the
+        candidate splits the op."""
+        batch = self.dp if op.batched else 1
+        split = self.tp if cand.split else 1
+        seconds = {"forward": 0.0, "backward": 0.0}
+        for phase, _, flops, dtype, batched, fixed in op.kernels or ():
+            seconds[phase] += roofline(flops / batch / split, (batched / batch + fixed) / split, dtype, self.device)
+        return seconds["forward"], seconds["backward"]
+
+    def param_state_bytes(self, numel: float, trained: bool, itemsize: int) -> float:
+        """Parameter, gradient and optimizer state of ``numel`` elements per rank (after tp), at rest."""
+        return _state_bytes[self.layout.data_parallel](numel, self.dp, int(trained), itemsize)
+
+    def gathered_bytes(self, numel: float, itemsize: int, root: bool) -> float:
+        """Bytes of the parameter held gathered from the forward to the backward (zero2's, fsdp's root's)."""
+        return _gathered_bytes[self.layout.data_parallel, root](numel, itemsize) if self.dp > 1 else 0.0
 
     def param_moved_bytes(self, info: ParamInfo, placement: str) -> float:
         """Bytes one rank sends per step for this parameter's data-parallel collectives."""
-        payload = local_numel(info.shape, placement, self.tp) * BYTES
+        payload = local_numel(info.shape, placement, self.tp) * info.itemsize
         return sum(
             self.moved(kind, payload, self.layout.dp_axes)
-            for kind, _, trained_only, _ in self.dp_collectives()
-            if info.requires_grad or not trained_only
+            for kind, _, trained_only, not_root, _ in self.dp_collectives()
+            if (info.requires_grad or not trained_only) and not (not_root and info.bucket == "root")
         )
 
     def edge_forward(self, edge: Edge, src: Candidate, dst: Candidate) -> tuple[str | None, float]:
         kind = FORWARD_CONVERT.get((src.output, dst.inputs[edge.position]))
         if kind is None:
             return None, 0.0
-        nbytes = self.activation_bytes(edge.numel, self.graph.ops[edge.src].batched, "R")
+        src_op = self.graph.ops[edge.src]
+        nbytes = self.activation_bytes(edge.numel, src_op.batched, "R", src_op.output_itemsize)
         return kind, edge.count * self.tp_collective(kind, nbytes)
 
     def backward_convert(self, src: int, arriving: str, wanted: str) -> tuple[str | None, float]:
@@ -213,4 +327,4 @@ class CostModel:
         op = self.graph.ops[src]
         if kind is None or not op.needs_grad:
             return None, 0.0
-        return kind, op.count * self.tp_collective(kind, self.activation_bytes(op.output_numel, op.batched, "R"))
+        return kind, op.count * self.tp_collective(kind, self.activation_bytes(op.output_numel, op.batched, "R", op.output_itemsize))

@@ -10,7 +10,7 @@ import dataclasses
 from collections import defaultdict
 
 from dpar.compiler.costs import DeviceSpec
-from dpar.planner.costs import BYTES, CostModel, OpCost, local_numel
+from dpar.planner.costs import CostModel, OpCost, local_numel
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import CollectivePlan, CostBreakdown, OpPlan, ParameterPlan, Plan
@@ -61,7 +61,8 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
         kind, seconds = model.edge_forward(e, picked[e.src], picked[e.dst])
         if kind:
             tp_comm += seconds
-            nbytes = model.activation_bytes(e.numel, graph.ops[e.src].batched, "R")
+            src = graph.ops[e.src]
+            nbytes = model.activation_bytes(e.numel, src.batched, "R", src.output_itemsize)
             collectives.append(_tp(kind, "forward", nbytes, e.count, f"{graph.ops[e.src].name} -> {graph.ops[e.dst].name}"))
     for src, placements in backward_arrivals(graph, picked).items():
         for arriving in sorted(placements):
@@ -69,7 +70,7 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
             if kind:
                 tp_comm += seconds
                 op = graph.ops[src]
-                nbytes = model.activation_bytes(op.output_numel, op.batched, "R")
+                nbytes = model.activation_bytes(op.output_numel, op.batched, "R", op.output_itemsize)
                 collectives.append(_tp(kind, "backward", nbytes, op.count, f"gradient of {op.name}"))
     for op, cand in zip(graph.ops, picked):
         if cand.stats and layout.tp_degree > 1:
@@ -79,11 +80,7 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
     dp_fwd, dp_bwd = total.dp_fwd + latency["forward"], total.dp_bwd + latency["backward"]
     exposed = tp_comm + max(0.0, dp_fwd - total.compute_fwd) + max(0.0, dp_bwd - total.compute_bwd)
     compute = total.compute_fwd + total.compute_bwd
-    activations = sum(
-        op.count * model.activation_bytes(op.output_numel, op.batched, c.output)
-        for op, c in zip(graph.ops, picked)
-        if op.needs_grad and op.kind != "output"
-    )
+    activations = sum(op.count * model.saved_bytes(i, c) for i, (op, c) in enumerate(zip(graph.ops, picked)) if op.kind != "output")
     cost = CostBreakdown(
         compute_s=compute,
         comm_s=tp_comm + dp_fwd + dp_bwd,
@@ -114,13 +111,14 @@ def _tp(kind: str, phase: str, nbytes: float, count: int, where: str) -> Collect
 def _dp_collectives(graph: OpGraph, model: CostModel, picked: list[Candidate]) -> list[CollectivePlan]:
     """One entry per kind and phase: ``count`` buckets moving ``bytes`` between them."""
     found = []
-    for kind, phase, trained_only, buckets in model.dp_collectives():
-        numel = sum(
-            local_numel(p.shape, picked[p.op].params[p.slot], model.tp)
+    for kind, phase, trained_only, not_root, buckets in model.dp_collectives():
+        nbytes = sum(
+            local_numel(p.shape, picked[p.op].params[p.slot], model.tp) * p.itemsize
             for p in graph.params
-            if p.op is not None and (p.requires_grad or not trained_only)
+            if p.op is not None and (p.requires_grad or not trained_only) and not (not_root and p.bucket == "root")
         )
-        found.append(CollectivePlan(kind, "dp", phase, round(numel * BYTES), buckets, "one per bucket (numbered block, root)"))
+        where = "one per bucket (numbered block)" if not_root else "one per bucket (numbered block, root)"
+        found.append(CollectivePlan(kind, "dp", phase, round(nbytes), buckets, where))
     return found
 
 
@@ -140,7 +138,7 @@ def _parameters(graph: OpGraph, model: CostModel, picked: list[Candidate]) -> tu
                 shape=info.shape,
                 placements=placements,
                 comm_bytes=round(model.param_moved_bytes(info, tp_placement)),
-                memory_bytes=round(model.param_state_bytes(numel, info.requires_grad)),
+                memory_bytes=round(model.param_state_bytes(numel, info.requires_grad, info.itemsize)),
             )
         )
     return tuple(found)

@@ -27,10 +27,23 @@ class Op:
     batched: bool  # the output carries the batch dimension (split by data parallel)
     count: int = 1
     dtype: torch.dtype = torch.float32  # what it computes in: picks the device's peak (``DeviceSpec.flops``)
+    output_itemsize: int = 4  # bytes per element of its output, in the dtype the model runs in
+    input_itemsizes: tuple[int, ...] = ()  # per activation input
+    param_itemsizes: tuple[int, ...] = ()  # per parameter read
+    saves_inputs: tuple[bool, ...] = ()  # per activation input: its backward reads it (see [Note: what the backward saves])
+    saves_output: bool = False  # its backward reads its own output
+    internal_saved: int = 0  # bytes its backward reads that are neither input nor output (a logsumexp, an rstd), global batch
+    kernels: tuple[tuple[str, str, int, torch.dtype, int, int], ...] | None = None
+    """The ATen kernels it runs, forward and backward, at the global batch: (phase, ATen op, FLOPs, dtype, bytes carrying the
+    batch, other bytes); None: priced by the closed form (see [Note: an op's kernels] in ``capture.py``)."""
 
     @property
     def output_numel(self) -> int:
         return math.prod(self.output_shape)
+
+    @property
+    def output_bytes(self) -> int:
+        return self.output_numel * self.output_itemsize
 
     @property
     def needs_grad(self) -> bool:
@@ -58,6 +71,7 @@ class ParamInfo:
     op: int | None  # representative op index; None: no op reads it
     slot: int | None  # its position in that op's ``params``
     bucket: str | None  # its numbered block (``blocks.3``) or ``root``: one data-parallel collective per bucket
+    itemsize: int = 4  # bytes per element of its dtype: what it, its gradient and each optimizer state take
 
 
 @dataclasses.dataclass(frozen=True)

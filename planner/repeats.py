@@ -101,12 +101,12 @@ def collapse_repeats(
             (first, slot), others = found[0], found[1:]
             block = _instance(ops[first].module)
             bucket = f"{block[0]}.{block[1]}" if block else "root"
-            params.append(ParamInfo(name, tuple(param.shape), param.requires_grad, new[rep[first]], slot, bucket))
+            params.append(ParamInfo(name, tuple(param.shape), param.requires_grad, new[rep[first]], slot, bucket, param.element_size()))
             shared.update(
                 (new[rep[first]], slot, new[rep[j]], s) for j, s in others if new[rep[j]] != new[rep[first]]
             )
         else:
-            params.append(ParamInfo(name, tuple(param.shape), param.requires_grad, None, None, None))
+            params.append(ParamInfo(name, tuple(param.shape), param.requires_grad, None, None, None, param.element_size()))
     reps = []
     for old in kept:
         op = ops[old]

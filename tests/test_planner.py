@@ -26,14 +26,14 @@ def test_small_hidden_large_batch_mlp_is_ddp_with_the_closed_form_all_reduce():
     p = _plan_mlp(**NARROW_MLP)
     assert (p.strategy, p.data_parallel, p.mesh_dim_names) == ("ddp", "replicate", ("dp",))
     assert all(pp.placements == ("R",) for pp in p.parameters)
-    # One all-reduce per layer bucket (layers.0 .. layers.3) of 256x256 + 256 bf16 values on 8 ranks.
+    # One all-reduce per layer bucket (layers.0 .. layers.3) of 256x256 + 256 fp32 gradients (the model's dtype) on 8 ranks.
     alpha, beta = FAST
-    payload = (256 * 256 + 256) * 2
+    payload = (256 * 256 + 256) * 4
     per_bucket = 2 * 7 * alpha + 2 * 7 / 8 * payload * beta
     assert p.cost.dp_comm_s == pytest.approx(4 * per_bucket, rel=1e-9)
     assert p.cost.exposed_comm_s == 0.0  # hidden behind the backward
     assert p.count("all_reduce", "dp") == 4
-    assert all(pp.comm_bytes == round(2 * 7 / 8 * math.prod(pp.shape) * 2) for pp in p.parameters)
+    assert all(pp.comm_bytes == round(2 * 7 / 8 * math.prod(pp.shape) * 4) for pp in p.parameters)
 
 
 def test_large_hidden_small_batch_mlp_is_column_row_tp_with_l_minus_1_all_reduces():
@@ -79,7 +79,7 @@ def test_memory_budget_nothing_fits_names_the_smallest_footprint_and_the_fix():
 
 @pytest.mark.parametrize(("links", "roles"), [((SLOW, FAST), ("dp", "tp")), ((FAST, SLOW), ("tp", "dp"))])
 def test_2d_mesh_puts_dp_on_the_slow_axis_and_tp_on_the_fast_one(links, roles):
-    p = _plan_mlp(hidden=4096, batch=4096, mesh_shape=(2, 4), links=links)  # 6144: the batch gather tips it to dp
+    p = _plan_mlp(hidden=4096, batch=6144, mesh_shape=(2, 4), links=links)  # 6144: the batch gather tips it to dp
     assert p.mesh_dim_names == roles
     tp_axis = roles.index("tp")
     assert {pp.placements[tp_axis] for pp in p.parameters} == {"S(0)", "S(1)", "R"}

@@ -102,7 +102,7 @@ class ActivationModel:
         op = self.graph.ops[o]
         if not op.needs_grad or op.kind == "output":
             return 0.0
-        return op.count * self.model.activation_bytes(op.output_numel, op.batched, cand.output)
+        return op.count * self.model.saved_bytes(o, cand)
 
     def recomputed(self, o: int) -> bool:
         """Op ``o`` runs again in the backward: under FULL its whole block; under SELECTIVE the cheap ops whose outputs
@@ -131,7 +131,8 @@ class ActivationModel:
         """Bytes of edge ``e``'s forward tp conversion result kept for a recomputed consumer (0 without one)."""
         if not self.recomputed(e.dst) or FORWARD_CONVERT.get((src.output, dst.inputs[e.position])) is None:
             return 0.0
-        return e.count * self.model.activation_bytes(e.numel, self.graph.ops[e.src].batched, "R")
+        src_op = self.graph.ops[e.src]
+        return e.count * self.model.activation_bytes(e.numel, src_op.batched, "R", src_op.output_itemsize)
 
     def total(self, picked: list[Candidate], costs: list[OpCost] | None = None) -> tuple[float, float]:
         """(memory, of which saved activations) per rank under one assignment: what the ILP's memory row sums."""

@@ -1,11 +1,13 @@
 """The planner chooses activation checkpointing with the placements: known answers on a model small enough to count by hand.
 
-``Residual`` stacks ``N`` blocks ``x + fc2(gelu(fc1(x)))`` on a (B, h) batch. Per block, with
-``u = B h 2 / D`` bf16 bytes of one (B, h) activation on one of D data-parallel ranks, the cost
-model saves ``fc1``, ``gelu``, ``fc2`` and the residual add: 4u (keep). Selective recomputes the
-gelu (the add is the next block's checkpoint, so it stays): 3u a block, plus one gelu live again
-while its block runs its backward, u. Full keeps only the add: u a block, plus fc1, gelu and fc2
-live again, 3u. See [Note: pricing recomputation] in planner/activations.py.
+``Residual`` stacks ``N`` blocks ``x + fc2(gelu(fc1(x))`` on a (B, h) batch. Per block, with
+``u = B h 4 / D`` fp32 bytes of one (B, h) activation on one of D data-parallel ranks, the cost
+model counts what the backward reads: ``fc1``'s output (gelu's backward reads it), ``gelu``'s
+(fc2's weight gradient reads it) and the residual add's (the next fc1's weight gradient, or the
+loss, reads it); ``fc2``'s output is read by no backward: 3u (keep). Selective recomputes the
+gelu (the add is the next block's checkpoint, so it stays): 2u a block, plus one gelu live again
+while its block runs its backward, u. Full keeps only the add: u a block, plus fc1 and gelu live
+again, 2u. See [Note: pricing recomputation] in planner/activations.py.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from dpar.planner.solver import smallest_footprint
 from dpar.planning import plan
 
 N, B, H, D = 4, 16384, 256, 4
-U = B * H * 2 / D  # one (B, h) activation, bf16, on one of D ranks
+U = B * H * 4 / D  # one (B, h) activation, fp32, on one of D ranks
 PSI = N * 2 * (H * H + H)  # parameters
-FSDP_STATE = 16 * PSI / D  # ZeRO-3: bf16 parameter and gradient, fp32 master and two moments, over D
-SAVED_UNITS = {Recompute.KEEP: 4 * N, Recompute.SELECTIVE: 3 * N + 1, Recompute.FULL: N + 3}
+FSDP_STATE = 16 * PSI / D  # fp32 parameter, gradient and AdamW's two moments, over D
+SAVED_UNITS = {Recompute.KEEP: 3 * N, Recompute.SELECTIVE: 2 * N + 1, Recompute.FULL: N + 2}
 SLACK = 64  # bytes: the scalar loss and rounding
 
 
@@ -65,8 +67,7 @@ def _units(policy: ActivationPolicy) -> int:
     k = len(policy.blocks)
     if not k:
         return SAVED_UNITS[policy.default]
-    gain = {Recompute.KEEP: 1, Recompute.SELECTIVE: 2}[policy.default]
-    return SAVED_UNITS[policy.default] - gain * (k - 1)
+    return SAVED_UNITS[policy.default] - (k - 1)
 
 
 def _plan(budget_bytes: float | None) -> Plan:
@@ -105,7 +106,7 @@ def _mixed(k: int, lighter: Recompute = Recompute.SELECTIVE, heavier: Recompute 
 def test_tighter_budgets_pick_selective_then_full_blocks_then_fsdp_with_full():
     """Between two policies, the first k blocks under the heavier. A selective block saves u over keep but the
     block recomputed in the backward then holds u more: the first gains nothing, each next one u. A full block
-    saves 2u over selective and holds 3u instead of u: the first gains nothing, each next one 2u."""
+    saves u over selective and holds 2u instead of u: the first gains nothing, each next one u."""
     keep, selective, full = (_fsdp_footprint(r) for r in (Recompute.KEEP, Recompute.SELECTIVE, Recompute.FULL))
     assert full < selective < keep
     answers = {
@@ -113,7 +114,7 @@ def test_tighter_budgets_pick_selective_then_full_blocks_then_fsdp_with_full():
         keep - 3 * U / 2: _mixed(3, Recompute.KEEP, Recompute.SELECTIVE),
         selective + U / 2: ActivationPolicy(Recompute.SELECTIVE),  # three selective blocks are not enough
         selective - U / 2: _mixed(2),  # selective fits nowhere: two full blocks
-        selective - 2 * U - U / 2: _mixed(3),
+        selective - 3 * U / 2: _mixed(3),
         full + SLACK: ActivationPolicy(Recompute.FULL),  # the tightest that fits
     }
     for budget, policy in answers.items():

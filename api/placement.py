@@ -101,10 +101,9 @@ def activation_policy(model: nn.Module, given: Any) -> ActivationPolicy:
         raise ActivationPolicyError(
             f"{prefix}expected one of {list(ACTIVATION_POLICIES)}, a dict {{block: policy}} such as "
             f"{{'layers.0': 'full'}}, or a dpar.ActivationPolicy; got {given!r}")
-    if policy.budget_bytes is not None:
-        raise ActivationPolicyError(
-            f"{prefix}a budget of saved-activation bytes (budget_bytes={policy.budget_bytes}) is not applied yet; "
-            f"choose a policy per block ({', '.join(ACTIVATION_POLICIES)}), or let dpar.plan choose one")
+    budget = policy.budget_bytes
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ActivationPolicyError(f"{prefix}budget_bytes is saved-activation bytes per rank, an integer >= 0; got {budget!r}")
     if not policy.recomputes:
         return policy
     blocks = model_blocks(model)

@@ -8,27 +8,17 @@ figure at the peak, with the policy and without it (``keep``).
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from rich.console import Console
 from rich.table import Table
 
-from dpar.compiler.passes.recompute import recomputed_per_block
+from dpar.compiler.passes.recompute import recomputed_per_block, saved_bytes
 from dpar.inspect.report import Report
 
 
 def _graph(report: Report, role: str) -> fx.GraphModule | None:
     view = next((v for v in report.graphs if v.label.split(": ")[-1].startswith(role)), None)
     return None if view is None else view.graph
-
-
-def saved_bytes(forward: fx.GraphModule) -> int:
-    """Bytes of the values the forward computes and returns: what it saves for the backward (and the loss)."""
-    saved = {
-        o for o in forward.graph.output_node().args[0]
-        if isinstance(o, fx.Node) and o.op != "placeholder" and isinstance(o.meta.get("val"), torch.Tensor)
-    }
-    return sum(o.meta["val"].numel() * o.meta["val"].element_size() for o in saved)
 
 
 def activation_rows(policy: str, report: Report, keep: Report) -> dict[str, object]:

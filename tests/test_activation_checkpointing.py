@@ -18,12 +18,14 @@ import torch.fx as fx
 import torch.nn as nn
 
 import third_party
+from dpar.core.plan import ActivationPolicy
 from distributed import run_ranks
 from fake_world import fake_world
 from training import TOLERANCE
 
 WORLD = 2
 POLICIES = ("keep", "selective", "full")
+BUDGET = 50_000  # bytes per rank the forward may save: HF llama's 2 blocks under fsdp, between selective and full
 
 # (model, strategy, policies trained): every policy against the same strategy's "keep".
 TRAINED = (
@@ -90,6 +92,10 @@ def trained_rank(rank: int, world_size: int) -> dict:
             run = third_party.Run(model, strategy, lr=1e-2, parallelize_kwargs=(("activation_checkpointing", policy),))
             results[(model, strategy, policy)] = third_party.train(rank, world_size, run)
             results["seconds"][(model, strategy, policy)] = time.perf_counter() - start
+    torch._dynamo.reset()
+    budget = (("activation_checkpointing", ActivationPolicy(budget_bytes=BUDGET)),)
+    results[("llama", "fsdp", "budget")] = third_party.train(
+        rank, world_size, third_party.Run("llama", "fsdp", lr=1e-2, parallelize_kwargs=budget))
     for model in dict.fromkeys(m for m, _, _ in TRAINED):
         torch._dynamo.reset()
         results[(model, "torch_ddp")] = third_party.train(rank, world_size, third_party.Run(model, "torch_ddp", lr=1e-2))
@@ -112,7 +118,8 @@ def _bit_exact(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("case", [(m, s, p) for m, s, ps in TRAINED for p in ps if p != "keep"], ids=str)
+@pytest.mark.parametrize("case", [(m, s, p) for m, s, ps in TRAINED for p in ps if p != "keep"] + [("llama", "fsdp", "budget")],
+                         ids=str)
 def test_checkpointed_training_is_bit_exact_and_matches_torch_ddp(case: tuple[str, str, str]) -> None:
     model, strategy, policy = case
     result = trained()[0]  # the full state dicts, as rank 0 gathers them
@@ -190,6 +197,28 @@ def test_saved_activations_shrink_and_no_collective_is_added(strategy: str) -> N
         assert set(recomputed) == {"inner.model.layers.0", "inner.model.layers.1"}, recomputed
 
 
+def test_a_budget_chooses_the_blocks_to_recompute_or_names_the_smallest_that_fits() -> None:
+    import dpar
+    from dpar.compiler.passes.recompute import CHOSEN_KEY, saved_bytes
+
+    def compiled(budget: int) -> dict[str, fx.GraphModule]:
+        with fake_world(WORLD) as recorded:
+            model = third_party.build("llama")
+            example = third_party.rank_slice(third_party.global_batch(0, 2 * WORLD), 0, WORLD)
+            dpar.parallelize(model, strategy="fsdp", activation_checkpointing=ActivationPolicy(budget_bytes=budget))
+            torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(*example).backward()
+            return {g.label: g.graph for g in recorded}
+
+    graphs = compiled(BUDGET)
+    chosen = graphs["joint graph"].meta[CHOSEN_KEY]
+    saved = saved_bytes(graphs["forward graph"])
+    print(f"llama fsdp, budget {BUDGET:,} B: {chosen}, forward saves {saved:,} B")
+    assert saved <= BUDGET
+    assert {r for _, r in chosen.blocks} - {dpar.Recompute.KEEP}, chosen  # it had to recompute something
+    with pytest.raises(dpar.ActivationPolicyError, match=r"raise the budget to at least [\d,]+"):
+        compiled(1_000)
+
+
 # --- bad input --------------------------------------------------------------------------------------
 
 
@@ -204,8 +233,8 @@ def test_policies_are_checked_before_anything_is_placed() -> None:
         dpar.parallelize(model, strategy="fsdp", activation_checkpointing={"layers.7": "full"})
     with pytest.raises(dpar.ActivationPolicyError, match="no blocks to checkpoint"):
         dpar.parallelize(nn.Linear(2, 2), strategy="ddp", activation_checkpointing="full")
-    with pytest.raises(dpar.ActivationPolicyError, match="budget"):
-        dpar.parallelize(model, strategy="ddp", activation_checkpointing=dpar.ActivationPolicy(budget_bytes=2**20))
+    with pytest.raises(dpar.ActivationPolicyError, match="budget_bytes"):
+        dpar.parallelize(model, strategy="ddp", activation_checkpointing=dpar.ActivationPolicy(budget_bytes=-1))
     with pytest.raises(dpar.ActivationPolicyError, match="expected one of"):
         dpar.parallelize(model, strategy="ddp", activation_checkpointing=3)
     assert dpar.placement.plan_of(model) is None  # nothing attached by a refused call

@@ -35,6 +35,12 @@ every strategy and which breaks AOTAutograd's saved-value order under the sharde
 forward drew, so the numbers are those of training without checkpointing, bit for bit, at
 the cost of keeping that output.
 
+A budget (``ActivationPolicy.budget_bytes``, saved bytes per rank) is met with the same three
+policies: the pass walks a ladder from keep everywhere to full everywhere, one block at a time
+(the first n blocks selective, then the first n full), partitions a copy of the joint graph at
+each step it tries (a binary search: the saved bytes fall along the ladder) and keeps the first
+policy whose forward saves at most the budget; none fits: a named error with the smallest figure.
+
 Buffers mutated in the forward (BatchNorm's running statistics) are updated once: the joint
 graph is functional, the new statistics are forward outputs that the forward graph copies
 into the buffers, and a recomputed BatchNorm in the backward only feeds the gradient (its
@@ -44,17 +50,23 @@ are left to the partitioner, as without a policy.
 
 from __future__ import annotations
 
+import logging
 import operator
 import re
 from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
+from functorch.compile import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dpar.compiler.lowering import JOINT_INPUTS_KEY
+from dpar.compiler.graph_utils import copy_graph_module
+from dpar.compiler.lowering import JOINT_INPUTS_KEY, PARTITION_KWARGS_KEY
+from dpar.core.errors import ActivationPolicyError
 from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.surgery.sharding import block_of
+
+log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
@@ -129,10 +141,77 @@ def _must_save(node: fx.Node) -> Iterable[fx.Node]:
     return [node, *(u for u in node.users if u.target is operator.getitem)]
 
 
-def tag_recompute(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
-    """Tag each block's forward nodes for the partitioner by ``policy`` (see the Note above).
+CHOSEN_KEY = "dpar_activation_policy"
+"""``gm.meta`` key on the joint graph: the per-block policy applied (a budget's choice included)."""
 
-    Tags already set by the strategy's passes (gathers, sequence parallel) are kept; a node of a
+
+def tag_recompute(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
+    """Tag each block's forward nodes for the partitioner by ``policy`` (see the Note above); a budget
+    is first turned into the per-block policy that meets it (``fit_budget``)."""
+    if policy.budget_bytes is not None:
+        policy = fit_budget(joint, policy.budget_bytes)
+    joint.meta[CHOSEN_KEY] = policy
+    return _tagged(joint, policy)
+
+
+def saved_bytes(forward: fx.GraphModule) -> int:
+    """Bytes of the tensors the forward computes and returns: what it saves for the backward (and its
+    loss); its inputs returned again (parameters) are not counted."""
+    saved = {
+        o for o in forward.graph.output_node().args[0]
+        if isinstance(o, fx.Node) and o.op != "placeholder" and isinstance(o.meta.get("val"), torch.Tensor)
+    }
+    return sum(o.meta["val"].numel() * o.meta["val"].element_size() for o in saved)
+
+
+def blocks_in(joint: fx.GraphModule) -> list[str]:
+    """The blocks the joint graph's forward runs, in order."""
+    forward = forward_nodes(joint)
+    found = (block_path(n) for n in joint.graph.nodes if n.op == "call_function" and n in forward)
+    return [b for b in dict.fromkeys(found) if b is not None]
+
+
+def ladder(blocks: list[str]) -> list[ActivationPolicy]:
+    """keep everywhere, then the first 1, 2, ... blocks selective, then the first 1, 2, ... full."""
+    rungs, current = [ActivationPolicy()], {b: Recompute.KEEP for b in blocks}
+    for recompute in (Recompute.SELECTIVE, Recompute.FULL):
+        for block in blocks:
+            current[block] = recompute
+            rungs.append(ActivationPolicy(blocks=tuple(current.items())))
+    return rungs
+
+
+def saved_under(joint: fx.GraphModule, policy: ActivationPolicy) -> int:
+    """The bytes the forward would save under ``policy``: a copy of ``joint`` tagged and partitioned."""
+    trial = copy_graph_module(joint)
+    trial.meta.update(joint.meta)
+    kwargs = joint.meta.get(PARTITION_KWARGS_KEY, {"num_fwd_outputs": joint.meta[JOINT_INPUTS_KEY][1]})
+    forward, _ = min_cut_rematerialization_partition(_tagged(trial, policy), None, **kwargs)
+    return saved_bytes(forward)
+
+
+def fit_budget(joint: fx.GraphModule, budget_bytes: int) -> ActivationPolicy:
+    """The first rung of ``ladder`` whose forward saves at most ``budget_bytes`` (binary search)."""
+    rungs = ladder(blocks_in(joint))
+    smallest = saved_under(joint, rungs[-1])
+    if smallest > budget_bytes:
+        raise ActivationPolicyError(
+            f"activation budget of {budget_bytes:,} bytes per rank: even full recomputation of every block saves "
+            f"{smallest:,} bytes (block inputs, attention and random-op outputs, what runs outside blocks); "
+            f"raise the budget to at least {smallest:,}, or shard more")
+    low, high = 0, len(rungs) - 1  # rungs[high] fits
+    while low < high:
+        middle = (low + high) // 2
+        if saved_under(joint, rungs[middle]) <= budget_bytes:
+            high = middle
+        else:
+            low = middle + 1
+    log.info("activation budget %d bytes: %s", budget_bytes, rungs[high])
+    return rungs[high]
+
+
+def _tagged(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
+    """Tags already set by the strategy's passes (gathers, sequence parallel) are kept; a node of a
     ``keep`` block is left untagged."""
     forward = forward_nodes(joint)
     instance: dict[str, int] = {}

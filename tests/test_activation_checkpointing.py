@@ -267,3 +267,25 @@ def test_the_plan_carries_the_policy_and_the_joint_stage_lists_it() -> None:
         assert plan.activations.of_block("inner.model.layers.0") is Recompute.KEEP
         listing = PassListing(plan, [], None, Options.parse({})).listing()
         assert listing["joint"][-1] == "tag_recompute", listing
+
+
+def test_inspect_shows_the_policy_the_recomputed_ops_and_the_bytes_saved() -> None:
+    import io
+
+    from rich.console import Console
+
+    import dpar
+    from dpar.inspect.activations import activation_rows, print_activations
+
+    model = third_party.build("llama")
+    example = third_party.rank_slice(third_party.global_batch(0, 2 * WORLD), 0, WORLD)
+    full = dpar.explain(model, example, world_size=WORLD, strategy="ddp", device="cpu", activation_checkpointing="full")
+    keep = dpar.explain(model, example, world_size=WORLD, strategy="ddp", device="cpu")
+    rows = activation_rows("full", full, keep)
+    before, after = rows["saved_bytes"]
+    assert before > after > 0, rows
+    assert set(rows["recomputed"]) == {"inner.model.layers.0", "inner.model.layers.1"}, rows
+    out = io.StringIO()
+    print_activations(rows, Console(file=out, width=120))
+    print(out.getvalue())
+    assert "ops each block computes again" in out.getvalue() and f"{after:,}" in out.getvalue()

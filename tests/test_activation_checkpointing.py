@@ -164,6 +164,10 @@ def _graphs(strategy: str, policy: str) -> dict[str, fx.GraphModule]:
         return {g.label.split(" (")[0]: g.graph for g in recorded}
 
 
+from dpar.compiler.passes.recompute import BLOCK_KEY, is_collective  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
+
+
 def recomputed_per_block(forward: fx.GraphModule, backward: fx.GraphModule) -> dict[str, int]:
     from dpar.compiler.passes.recompute import recomputed_per_block as count
 
@@ -187,13 +191,20 @@ def test_saved_activations_shrink_and_no_collective_is_added(strategy: str) -> N
         got = graphs[policy]
         assert _collective_kinds(got["forward graph"]) == _collective_kinds(keep["forward graph"]), policy
         backward, kept = _collective_kinds(got["backward graph"]), _collective_kinds(keep["backward graph"])
-        # zero2 keeps the gathered parameters for the backward, fsdp gathers each once again there, as
-        # without checkpointing: the recomputed matmuls read those.
-        assert backward.count("all_gather") == kept.count("all_gather"), (policy, backward, kept)
-        if strategy == "tp":  # tensor parallel's activation collectives: none recomputed beyond keep's
-            assert len(backward) <= len(kept), (policy, backward, kept)
+        if strategy == "tp":
+            # Tensor parallel's activation collectives: never more than keep's. Fewer, in fact: without a
+            # policy the partitioner copies forward collectives whose inputs the backward has into the
+            # backward, where they run dead (see _collectives_stay_in_forward in passes/recompute.py).
+            assert all(backward.count(k) <= kept.count(k) for k in set(backward)), (policy, backward, kept)
+            assert len(backward) < len(kept), (policy, backward, kept)
         else:
+            # zero2 keeps the gathered parameters for the backward, fsdp gathers each once again there,
+            # as without checkpointing: the recomputed matmuls read those.
             assert backward == kept, (policy, backward, kept)
+        # No collective of the forward runs again in the backward, but fsdp's planned re-gathers.
+        again = [n for n in got["backward graph"].graph.nodes if is_collective(n) and BLOCK_KEY in n.meta
+                 and n.meta.get("recompute") is not CheckpointPolicy.MUST_RECOMPUTE]
+        assert not again, (policy, again)
         recomputed = recomputed_per_block(got["forward graph"], got["backward graph"])
         print(f"llama {strategy} {policy}: ops of each block the backward computes again: {recomputed}")
         assert set(recomputed) == {"inner.model.layers.0", "inner.model.layers.1"}, recomputed

@@ -214,6 +214,7 @@ def _tagged(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
     """Tags already set by the strategy's passes (gathers, sequence parallel) are kept; a node of a
     ``keep`` block is left untagged."""
     forward = forward_nodes(joint)
+    _collectives_stay_in_forward(joint, forward)
     instance: dict[str, int] = {}
     for node in joint.graph.nodes:
         if node.op != "call_function" or node not in forward:
@@ -239,6 +240,23 @@ def _tagged(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
         else:
             node.meta[RECOMPUTE_KEY] = CheckpointPolicy.PREFER_RECOMPUTE
     return joint
+
+
+def _collectives_stay_in_forward(joint: fx.GraphModule, forward: set[fx.Node]) -> None:
+    """Every forward collective the plan does not gather again (all but fsdp's must-recompute gathers)
+    is must-save and tagged to stay in the forward graph.
+
+    Must-save keeps the min-cut from recomputing it. The tag is for the backward's extraction, which
+    copies every node whose inputs it has and drops only dead pure ones: a collective is not pure, so
+    one whose input the backward can compute (tensor parallel's all-reduce after a recomputed matmul)
+    would run again there, dead, with the matmul feeding it."""
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node not in forward or not is_collective(node):
+            continue
+        if node.meta.get(RECOMPUTE_KEY) in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
+            continue
+        node.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_SAVE
+        node.meta["partitioner_tag"] = "must_be_in_forward"
 
 
 def recomputed_per_block(forward: fx.GraphModule, backward: fx.GraphModule) -> dict[str, int]:

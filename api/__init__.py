@@ -11,8 +11,9 @@ from dpar.pipelining import pipeline
 from dpar.placement import parallelize
 from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
+from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.core.errors import (
-    BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
+    ActivationPolicyError, BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
     InitializationError, InspectionError, NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
     SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError, UnmaterializedStateError, WrappedTwiceError,
 )
@@ -24,6 +25,8 @@ register()
 _configure_logs()  # DPAR_LOGS applies from the first compile on
 
 __all__ = [
+    "ActivationPolicy",
+    "ActivationPolicyError",
     "BatchMismatchError",
     "CheckpointError",
     "CollectiveMismatchError",
@@ -40,6 +43,7 @@ __all__ = [
     "Plan",
     "ProcessGroupError",
     "RankLostError",
+    "Recompute",
     "SafetensorsCheckpointError",
     "ScheduleError",
     "TensorParallelPlanError",

@@ -52,12 +52,20 @@ def _inspect(args: argparse.Namespace) -> int:
     options = {"sink_waits": not args.no_sink_waits}
     if args.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = args.bucket_cap_mb
+    policy = args.activation_checkpointing
     report = explain(
         model, example_inputs, world_size=args.world_size, strategy=args.strategy,
         options=options, device=args.device, optimizer=args.optimizer,
+        **({"activation_checkpointing": policy} if policy not in (None, "keep") else {}),
     )
     console = Console(width=None if sys.stdout.isatty() else 160)  # pipes and CI logs: wide tables
     print_report(report, console, show_code=args.code)
+    if policy not in (None, "keep"):
+        from dpar.inspect.activations import activation_rows, print_activations
+
+        keep = explain(model, example_inputs, world_size=args.world_size, strategy=args.strategy,
+                       options=options, device=args.device, optimizer=args.optimizer)
+        print_activations(activation_rows(policy, report, keep), console)
     if args.trace:
         console.print(f"trace: {report.timeline.save(args.trace)} (open in ui.perfetto.dev)")
     if args.png:
@@ -173,6 +181,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--no-sink-waits", action="store_true", help="keep each wait next to its collective")
+    p.add_argument("--activation-checkpointing", default=None, choices=("keep", "selective", "full"),
+                   help="every block's policy, as dpar.parallelize(activation_checkpointing=...) takes it")
     p.add_argument("--code", action="store_true", help="print every graph after every pass")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("--dot", metavar="DIR", help="write Graphviz DOT (and SVG for small graphs) per graph")

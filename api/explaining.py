@@ -20,8 +20,15 @@ if TYPE_CHECKING:
 
 
 @functools.wraps(_explain)
-def explain(model: torch.nn.Module, example_inputs: Any, **kwargs: Any) -> Report | PipelineReport:
-    return _explain(model, example_inputs, parallelize=parallelize, **kwargs)
+def explain(
+    model: torch.nn.Module, example_inputs: Any, *, activation_checkpointing: Any = None, **kwargs: Any
+) -> Report | PipelineReport:
+    """``dpar.inspect``'s ``explain``; ``activation_checkpointing`` as ``dpar.parallelize`` takes it (ddp included)."""
+    place = parallelize
+    if activation_checkpointing is not None:
+        place = functools.partial(parallelize, activation_checkpointing=activation_checkpointing)
+        place.places_ddp = True  # type: ignore[attr-defined]
+    return _explain(model, example_inputs, parallelize=place, **kwargs)
 
 
 __all__ = ["explain"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,8 @@ from dpar.compiler.pipeline_parallel.split import capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import retarget_device_pass, trace_stage
 from dpar.core.pipeline_program import StageGraphs, StageSplit, SyncVariant
 from dpar.runtime.agreement import agree
-from dpar.core.errors import OptionsError, UnmaterializedStateError
-from dpar.core.plan import DataParallel
+from dpar.core.errors import ActivationPolicyError, OptionsError, UnmaterializedStateError
+from dpar.core.plan import ActivationPolicy, DataParallel, Recompute
 from dpar.core.model_state import check_materialized, local_part, record_meta_buffers, state_of
 from dpar.core.torch_internals import compute_local_shape_and_global_offset
 from dpar.runtime.liveness import PIPELINE_STEP, watching
@@ -305,6 +306,21 @@ def _shard_over_dp(
     return sync, gather, chunks
 
 
+def _refuse_checkpointing(given: Any) -> None:
+    """A stage's backward is cut from its joint graph by data dependence (pipeline_parallel/stage_graphs.py),
+    not by the partitioner that honours recompute tags: a policy that recomputes would be ignored, so it is
+    refused by name."""
+    keeps = given is None or given == "keep" or given is Recompute.KEEP or (
+        isinstance(given, ActivationPolicy) and not given.recomputes) or (
+        isinstance(given, dict) and all(v in ("keep", Recompute.KEEP) for v in given.values()))
+    if not keeps:
+        raise ActivationPolicyError(
+            f"pipeline: activation_checkpointing={given!r} is not supported inside pipeline stages yet (a stage's "
+            "backward is cut from its joint graph without the partitioner that recomputes); drop it, or use "
+            "torch.utils.checkpoint inside the model's blocks, or dpar.parallelize(..., activation_checkpointing=...) "
+            "without a pipeline")
+
+
 def pipeline(
     model: nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -317,6 +333,7 @@ def pipeline(
     split_points: Sequence[str] | None = None,
     dp_strategy: str = "ddp",
     bucket_cap_mb: float = 25,
+    activation_checkpointing: Any = None,
 ) -> PipelineStep:
     """Cut ``model`` into ``stages`` pipeline stages and return the step that trains it.
 
@@ -335,6 +352,7 @@ def pipeline(
     """
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise OptionsError("pipeline: this model is already cut into stages; call dpar.pipeline once per model.")
+    _refuse_checkpointing(activation_checkpointing)
     check_name(schedule)
     data_parallel = DataParallel.parse(dp_strategy, (DataParallel.DDP, DataParallel.FSDP), prefix="pipeline: ")
     groups = _groups(mesh)

@@ -9,6 +9,7 @@ vocabulary in core/plan.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,11 +21,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dpar.compiler.megatron import megatron_dims
 from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
-from dpar.core.plan import AxisRole, DataParallel, MeshAxis, ParallelPlan, Strategy, attach, check_bucket_cap, plan_of_model
+from dpar.core.plan import (
+    KEEP_ACTIVATIONS, ActivationPolicy, AxisRole, DataParallel, MeshAxis, ParallelPlan, Recompute, Strategy, attach,
+    check_bucket_cap, plan_of_model, replicated,
+)
 from dpar.core import model_state
 from dpar.runtime import optimizer_hooks
 from dpar.surgery import local_sgd, sharding, tensor_parallel, zero1
-from dpar.core.errors import OptionsError, ProcessGroupError
+from dpar.core.errors import ActivationPolicyError, OptionsError, ProcessGroupError
 
 if TYPE_CHECKING:
     from dpar.planner.plan import Plan
@@ -62,7 +66,64 @@ ACCEPTS: dict[str, tuple[frozenset[str], str]] = {
     "sequence_parallel": (_taking(lambda s: s.tensor_parallel), (
         "sequence_parallel splits the activations between tensor-parallel layers; it needs a "
         f"tensor-parallel strategy ({', '.join(TENSOR_PARALLEL)}), not {{strategy!r}}")),
+    # Every strategy takes it (tags on the joint graph, compiler/passes/recompute.py); refused nowhere.
+    "activation_checkpointing": (_taking(lambda s: True, auto=True), ""),
 }
+
+ACTIVATION_POLICIES = tuple(r.value for r in Recompute)
+
+
+def model_blocks(model: nn.Module) -> list[str]:
+    """The model's blocks, in module order: its outermost numbered modules (``layers.3``,
+    ``transformer.h.0``), the unit an activation policy is given for (``sharding.block_of``)."""
+    blocks = dict.fromkeys(sharding.block_of(name + ".") for name, _ in model.named_modules() if name)
+    return [b for b in blocks if b != "root"]
+
+
+def activation_policy(model: nn.Module, given: Any) -> ActivationPolicy:
+    """``activation_checkpointing=`` as a policy: a name (``keep``, ``selective``, ``full``) for every block,
+    ``{block: name}`` for the blocks named (the others keep), or an ``ActivationPolicy``. A block must be
+    one of the model's (``model_blocks``), and a policy that recomputes needs a model with blocks."""
+    if given is None:
+        return KEEP_ACTIVATIONS
+    prefix = "activation_checkpointing: "
+    if isinstance(given, Recompute):
+        policy = ActivationPolicy(given)
+    elif isinstance(given, str):
+        policy = ActivationPolicy(_recompute(given, prefix))
+    elif isinstance(given, dict):
+        policy = ActivationPolicy(blocks=tuple(
+            (str(block), r if isinstance(r, Recompute) else _recompute(r, f"{prefix}block {block!r}: "))
+            for block, r in given.items()))
+    elif isinstance(given, ActivationPolicy):
+        policy = given
+    else:
+        raise ActivationPolicyError(
+            f"{prefix}expected one of {list(ACTIVATION_POLICIES)}, a dict {{block: policy}} such as "
+            f"{{'layers.0': 'full'}}, or a dpar.ActivationPolicy; got {given!r}")
+    budget = policy.budget_bytes
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ActivationPolicyError(f"{prefix}budget_bytes is saved-activation bytes per rank, an integer >= 0; got {budget!r}")
+    if not policy.recomputes:
+        return policy
+    blocks = model_blocks(model)
+    if not blocks:
+        raise ActivationPolicyError(
+            f"{prefix}{type(model).__name__} has no blocks to checkpoint: a block is a numbered child of an "
+            "nn.ModuleList or nn.Sequential (layers.0, layers.1, ...); put the repeated layers in one, or pass 'keep'")
+    unknown = [b for b, _ in policy.blocks if b not in blocks]
+    if unknown:
+        shown = ", ".join(blocks[:12]) + (f", ... ({len(blocks)} in all)" if len(blocks) > 12 else "")
+        raise ActivationPolicyError(
+            f"{prefix}{type(model).__name__} has no block {unknown[0]!r}; its blocks are: {shown}")
+    return policy
+
+
+def _recompute(name: Any, prefix: str) -> Recompute:
+    try:
+        return Recompute.parse(name, prefix)
+    except OptionsError as refused:
+        raise ActivationPolicyError(str(refused)) from None
 
 
 def _sharded_buckets(model: nn.Module, bucket_cap_mb: float | None) -> dict[str, str]:
@@ -87,6 +148,7 @@ def parallelize(
     example_inputs: Sequence[Any] | None = None, plan: Plan | None = None, memory_budget_gb: float | None = None,
     sequence_parallel: bool = False, same_batch_in_tp_group: bool = False, sync_every: int | None = None,
     outer_optimizer: local_sgd.OuterSGD | None = None,
+    activation_checkpointing: str | dict[str, str] | ActivationPolicy | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place for ``strategy``; build the optimizer afterwards.
 
@@ -110,23 +172,41 @@ def parallelize(
     where communication cannot overlap compute. ``param_dtype`` (e.g. ``torch.bfloat16``) is the dtype
     parameters are gathered and computed in, and ``reduce_dtype`` the one gradients are reduce-scattered in;
     shards, their gradients and the optimizer state stay in the stored dtype (float32).
+
+    ``activation_checkpointing`` (every strategy): ``"keep"`` (the default) saves what the backward reads;
+    ``"full"`` saves each block's input and computes the block's forward again in its backward;
+    ``"selective"`` saves matmul and attention outputs and recomputes the cheap ops between them; a dict
+    ``{"layers.0": "full", ...}`` chooses per block (the others keep), or pass a ``dpar.ActivationPolicy``.
+    A block is a numbered layer (``layers.3``, ``transformer.h.0``). Collectives are never recomputed
+    (a sharded parameter is not gathered again for the recomputation) and random ops are saved, so the
+    numbers are those of training without checkpointing (compiler/passes/recompute.py).
     """
     if plan is not None:  # a "tp" axis that splits no parameter runs as data parallel: see Plan.as_run
+        if activation_checkpointing is None:  # the planner's choice, where it made one
+            activation_checkpointing = getattr(plan, "activations", None)
         plan = plan.as_run()
         strategy, tp_plan = plan.strategy, plan.tp_dims()
     options = dict(sync_every=sync_every, outer_optimizer=outer_optimizer, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   same_batch_in_tp_group=same_batch_in_tp_group, sequence_parallel=sequence_parallel)
+                   same_batch_in_tp_group=same_batch_in_tp_group, sequence_parallel=sequence_parallel,
+                   activation_checkpointing=activation_checkpointing)
     chosen = _checked(model, strategy, bucket_cap_mb, max_inflight_gathers, options)
+    options["activation_checkpointing"] = activations = activation_policy(model, activation_checkpointing)
     model_state.record_meta_buffers(model)  # see [Note: buffers of a model born on meta]
     if chosen is Strategy.DDP:
         # A replicate axis changes nothing at rest (the backend inserts the all-reduces); the state lets the
-        # backend find the parameters by name through swap_tensors and load_state_dict(assign=True).
+        # backend find the parameters by name through swap_tensors and load_state_dict(assign=True). A policy
+        # that recomputes is the one thing ddp's plan holds beyond the default's.
         model_state.state_of(model, create=True)
+        if activations.recomputes:
+            _world(strategy)
+            attach(dataclasses.replace(replicated(dist.group.WORLD.group_name, dist.get_world_size()),
+                                       activations=activations), model)
         return model
     world, device_type = _world(strategy), _mesh_device_type(model)
     mesh = _mesh_of_plan(model, plan) if plan is not None and mesh is None else mesh
     if chosen is None:
-        return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype)
+        return _parallelize_auto(model, mesh, example_inputs, memory_budget_gb, world, param_dtype, reduce_dtype,
+                                 activation_checkpointing)
     mesh = _checked_mesh(chosen, mesh, world, device_type)
     _place(model, chosen, mesh, tp_plan, example_inputs, bucket_cap_mb, max_inflight_gathers, options)
     return model
@@ -147,6 +227,7 @@ def _place(
     attach(ParallelPlan(  # kept in model's ModelState (see [Note: facts keyed by name, not by tensor])
         chosen, _axes(mesh, _roles(chosen, mesh)), buckets, max_inflight_gathers, options["param_dtype"],
         options["reduce_dtype"], options["sequence_parallel"], options["same_batch_in_tp_group"], options["sync_every"],
+        options["activation_checkpointing"],
     ), model)
     if chosen.data_parallel in _APPLY_MODE:
         _APPLY_MODE[chosen.data_parallel](model, mesh, options["sync_every"], options["outer_optimizer"])
@@ -346,6 +427,7 @@ def _parallelize_auto(
     world: int,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    activation_checkpointing: Any = None,
 ) -> nn.Module:
     """Plan on the given mesh's shape (default: the whole world in 1-D), then apply the plan.
 
@@ -359,7 +441,8 @@ def _parallelize_auto(
     shape = tuple(mesh.shape) if mesh is not None else (world,)
     chosen = make_plan(model, global_batch(example_inputs, world), mesh_shape=shape, memory_budget_gb=memory_budget_gb)
     placed = _mesh_of_plan(model, chosen.as_run(), mesh.mesh) if mesh is not None else None  # keep the given ranks' places
-    return parallelize(model, plan=chosen, mesh=placed, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return parallelize(model, plan=chosen, mesh=placed, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                       activation_checkpointing=activation_checkpointing)
 
 
 def plan_of(model: nn.Module) -> ParallelPlan | None:
@@ -367,4 +450,4 @@ def plan_of(model: nn.Module) -> ParallelPlan | None:
     return plan_of_model(model)
 
 
-__all__ = ["STRATEGIES", "parallelize", "plan_of"]
+__all__ = ["ACTIVATION_POLICIES", "STRATEGIES", "activation_policy", "model_blocks", "parallelize", "plan_of"]

@@ -41,6 +41,11 @@ JOINT_INPUTS_KEY = "dpar_joint_inputs"
 outputs), from AOTAutograd's partitioner arguments rather than from placeholder names."""
 
 
+PARTITION_KWARGS_KEY = "dpar_partition_kwargs"
+"""``gm.meta`` key set on a joint graph before its passes: the keywords AOTAutograd calls the partitioner
+with, so that a pass can partition a copy as the real partition will (passes/recompute.py's budget)."""
+
+
 FLAT_INPUT_KEY = "dpar_flat_input"
 """``node.meta`` key on a graph input: its position among AOTAutograd's flat forward inputs. Set by
 position on the joint graph's primals and on forward and inference graphs (whose inputs are the flat
@@ -81,6 +86,7 @@ def _recorded(joint: fx.GraphModule, inputs: Sequence[Any], kwargs: dict[str, An
     """The joint graph with its calling convention in ``meta``: passes read it there, not from node names."""
     primals, _tangents = inputs
     joint.meta[JOINT_INPUTS_KEY] = (len(primals), kwargs["num_fwd_outputs"])
+    joint.meta[PARTITION_KWARGS_KEY] = dict(kwargs)
     tag_flat_inputs(joint, len(primals))
     for node in [n for n in joint.graph.nodes if n.op == "placeholder"][len(primals):]:
         node.meta[TANGENT_KEY] = True

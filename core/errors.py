@@ -26,6 +26,11 @@ class TensorParallelPlanError(OptionsError):
     rule that keeps its block there (a convolution, BatchNorm, a grouped expert matmul)."""
 
 
+class ActivationPolicyError(OptionsError):
+    """An activation-checkpointing policy dpar cannot apply: an unknown policy, a block the model does
+    not have, a model without numbered blocks, or checkpointing where it is not supported yet."""
+
+
 class ProcessGroupError(DparError):
     """torch.distributed is not set up the way the launch or the model needs."""
 

@@ -213,8 +213,11 @@ class ActivationPolicy:
     ``layers.3``), or a budget of saved-activation bytes per rank that the recomputation must fit.
 
     ``default`` applies to every block not named in ``blocks`` (block path -> its own policy); the ops
-    outside blocks (embeddings, the head, the loss) are always kept. ``budget_bytes`` replaces the
-    per-block choice by the partitioner's: recompute what is cheapest until the saved activations fit.
+    outside blocks (embeddings, the head, the loss) are left to the partitioner. ``budget_bytes`` replaces
+    the per-block choice: the first policy on the ladder keep -> selective -> full, one block at a time,
+    whose forward saves at most that many bytes per rank (compiler/passes/recompute.py's ``fit_budget``).
+    Applied by compiler/passes/recompute.py under every strategy; ``dpar.parallelize(...,
+    activation_checkpointing=...)`` builds one from a name or a ``{block: name}`` dict.
     """
 
     default: Recompute = Recompute.KEEP

@@ -60,8 +60,8 @@ class InspectedStrategy:
         """``parallelize`` as a user would call it, on a copy inside the simulated world: 2-D strategies on a
         ``(world / 2, 2)`` mesh named as the strategy names its axes; tensor-parallel ones (and auto) planned
         from the example inputs. ddp needs no placement."""
-        if self.strategy is Strategy.DDP:
-            return model
+        if self.strategy is Strategy.DDP:  # unless a policy to attach rides with parallelize (api/explaining.py)
+            return parallelize(model, strategy="ddp") if getattr(parallelize, "places_ddp", False) else model
         name = "auto" if self.strategy is None else self.strategy.value
         if parallelize is None:
             raise InspectionError(

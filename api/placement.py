@@ -183,7 +183,7 @@ def parallelize(
     """
     if plan is not None:  # a "tp" axis that splits no parameter runs as data parallel: see Plan.as_run
         if activation_checkpointing is None:  # the planner's choice, where it made one
-            activation_checkpointing = getattr(plan, "activations", None)
+            activation_checkpointing = plan.activations
         plan = plan.as_run()
         strategy, tp_plan = plan.strategy, plan.tp_dims()
     options = dict(sync_every=sync_every, outer_optimizer=outer_optimizer, param_dtype=param_dtype, reduce_dtype=reduce_dtype,

@@ -192,3 +192,18 @@ def test_under_tensor_parallel_the_ilp_and_the_priced_plan_count_the_same_bytes(
     with pytest.raises(dpar.OptionsError, match="no plan fits"):
         plan(model, inputs, mesh_shape=(D,), mesh_dim_names=("tp",), device=hardware(FAST),
              memory_budget_gb=min(b for b, _ in least.values()) * (1 - 1e-3) / 1e9)
+
+
+def test_parallelize_applies_the_plans_mixed_policy_by_the_block_names_it_gives():
+    """The plan names blocks as parallelize does (an unknown block would be an ActivationPolicyError), and
+    ``parallelize(plan=...)`` records the plan's policy for the backend's recompute pass."""
+    from fake_world import fake_world
+
+    budget = _fsdp_footprint(Recompute.SELECTIVE) - 3 * U / 2  # three full blocks, the last selective
+    p = _plan(budget)
+    assert p.activations == _mixed(3)
+    with fake_world(D):
+        with torch.device("meta"):
+            model = Residual(H, N)
+        dpar.parallelize(model, plan=p)
+        assert dpar.core.plan.plan_of_model(model).activations == p.activations

@@ -117,19 +117,20 @@ def live_bytes(prof: Any, window: str) -> tuple[int, int]:
     return at_start, peak
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+def median_seconds(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
-def calibrate(matmul: int = 512) -> dict[str, float]:
+def calibrate(matmul: int = 512, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """This machine as one rank sees it: α, β of a gloo all-reduce (t = 2α + Bβ at N = 2, fitted from
-    two sizes; needs an initialised 2-rank process group), a ``matmul``² fp32 matmul's FLOP/s and the
-    bandwidth of a 16 MiB copy (bytes read + written per second)."""
+    two sizes, in wall time; needs an initialised 2-rank process group), a ``matmul``² fp32 matmul's
+    FLOP/s and the bandwidth of a 16 MiB copy (bytes read + written per second), timed by ``clock``
+    (``time.thread_time``: the CPU time of this thread, which a neighbour's load does not inflate)."""
     import torch.distributed as dist
 
     small, large = torch.ones(256), torch.ones(1 << 20)
@@ -138,7 +139,7 @@ def calibrate(matmul: int = 512) -> dict[str, float]:
     beta = max((t_large - t_small) / (large.nbytes - small.nbytes), 1e-15)
     alpha = max((t_small - small.nbytes * beta) / 2, 0.0)
     a, b = torch.randn(matmul, matmul), torch.randn(matmul, matmul)
-    flops = 2 * matmul**3 / median_seconds(lambda: a @ b, 10)
+    flops = 2 * matmul**3 / median_seconds(lambda: a @ b, 20, clock)
     big = torch.randn(1 << 22)
-    bandwidth = 2 * big.nbytes / median_seconds(big.clone, 10)
+    bandwidth = 2 * big.nbytes / median_seconds(big.clone, 20, clock)
     return {"alpha": alpha, "link_bandwidth": 1 / beta, "flops": flops, "memory_bandwidth": bandwidth}

@@ -143,3 +143,16 @@ def calibrate(matmul: int = 512, clock: Callable[[], float] = time.perf_counter)
     big = torch.randn(1 << 22)
     bandwidth = 2 * big.nbytes / median_seconds(big.clone, 20, clock)
     return {"alpha": alpha, "link_bandwidth": 1 / beta, "flops": flops, "memory_bandwidth": bandwidth}
+
+
+def report_pairs(report: Any) -> list[tuple[Any, Any]]:
+    """The report's (forward, backward) graphs per captured graph, as ``step_peak`` reads them (ddp: the
+    backward variant that synchronises)."""
+    graphs: dict[str, dict[str, Any]] = {}
+    for view in report.graphs:
+        prefix, _, label = view.label.rpartition(": ")
+        graphs.setdefault(prefix, {})[label] = view.graph
+    return [
+        (g["forward graph"], g.get("backward graph (sync)", g.get("backward graph")))
+        for g in graphs.values() if "forward graph" in g
+    ]

@@ -59,7 +59,7 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent / "tests")]
 from distributed import run_ranks  # noqa: E402
-from harness import RESULTS, calibrate, live_bytes, revision  # noqa: E402
+from harness import RESULTS, calibrate, live_bytes, report_pairs, revision  # noqa: E402
 
 WORLD_SIZE = 2
 STRATEGIES = ("ddp", "zero2", "fsdp")
@@ -201,26 +201,13 @@ def modelled(model_name: str, strategy: str, spec: Any) -> dict[str, Any]:
     report = dpar.explain(_build(model_name), MODELS[model_name][1](0, WARMUP), world_size=WORLD_SIZE,
                           strategy=strategy, device=spec)
     m, t = report.memory, report.timeline
-    staged = step_peak(_pairs(report), staged_gathers=True)
+    staged = step_peak(report_pairs(report), staged_gathers=True)
     return {
         "state_bytes": m.parameters + m.optimizer, "gradient_bytes": m.gradients,
         "activation_bytes": m.activations, "gathered_bytes": m.gathered,
         "peak_activation_bytes": m.step_peak, "compute_s": t.compute_time,
         "peak_activation_staged_bytes": staged.step,
     }
-
-
-def _pairs(report: Any) -> list[tuple[Any, Any]]:
-    """The report's (forward, backward) graphs per captured graph, as ``step_peak`` reads them (ddp: the
-    backward variant that synchronises)."""
-    graphs: dict[str, dict[str, Any]] = {}
-    for view in report.graphs:
-        prefix, _, label = view.label.rpartition(": ")
-        graphs.setdefault(prefix, {})[label] = view.graph
-    return [
-        (g["forward graph"], g.get("backward graph (sync)", g.get("backward graph")))
-        for g in graphs.values() if "forward graph" in g
-    ]
 
 
 def _verdict(ratio: float, goal: float) -> str:

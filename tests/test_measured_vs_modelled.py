@@ -6,7 +6,8 @@ compute time; this is its smallest case. Peak activation: the most bytes live du
 backward above what was live when the step began (parameters or shards, optimizer state), read from
 ``torch.profiler``'s allocator events (``benchmarks/harness.live_bytes``). Modelled: the report's
 ``Memory.step_peak`` (gathered parameters, activations and the gradients produced by the
-peak) for the same model, batch, strategy and N = 2.
+peak) for the same model, batch, strategy and N = 2, with gloo's all-gather buffers counted
+(``compiler.memory.step_peak(staged_gathers=True)``: at this size fsdp's are a fifth of its peak).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import torch
 from distributed import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from harness import live_bytes  # noqa: E402
+from harness import live_bytes, report_pairs  # noqa: E402
 
 STRATEGIES = ("ddp", "fsdp")
-ROWS, SEQ, VOCAB = 2, 64, 1024
+ROWS, SEQ, VOCAB = 4, 128, 2048
 
 
 def _llama() -> torch.nn.Module:
@@ -32,7 +33,7 @@ def _llama() -> torch.nn.Module:
     class LlamaLM(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ)
             self.inner = tf.LlamaForCausalLM(config)
 
@@ -79,8 +80,12 @@ def measured() -> dict[str, int]:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_peak_activation_within_15_percent(measured: dict[str, int], strategy: str) -> None:
+    from dpar.compiler.memory import step_peak
+
     report = dpar_explain(strategy)
-    modelled = report.memory.step_peak
+    # gloo's all-gather buffers counted ([Note: gloo stages every all-gather]); ddp gathers nothing
+    modelled = step_peak(report_pairs(report), staged_gathers=True).step
+    assert modelled >= report.memory.step_peak and (strategy != "ddp" or modelled == report.memory.step_peak)
     ratio = modelled / measured[strategy]
     print(f"{strategy}: modelled {modelled:,} B, measured {measured[strategy]:,} B, ratio {ratio:.3f}")
     assert abs(ratio - 1) <= 0.15, (

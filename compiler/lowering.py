@@ -96,7 +96,7 @@ def _python(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., 
     taking = fx.GraphModule(gm, graph)
 
     def run(args: list[Any]) -> Any:
-        return taking(args)
+        return taking(args if isinstance(args, list) else list(args))  # a caller's tuple is not emptied
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run

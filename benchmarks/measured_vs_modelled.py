@@ -33,8 +33,9 @@ Measured, per rank, after two warm-up steps (the first compiles), on the third s
   copy are timed the same way (``harness.calibrate(clock=time.thread_time)``), right before the
   timed steps of each strategy; wall times are recorded beside (``forward_backward_wall_s``).
 
-Modelled: ``dpar.explain(model, one rank's batch, world_size=2, strategy=..., device=spec)`` with
-``spec`` the cpu preset's shape and this run's calibration (``harness.calibrate``: matmul FLOP/s,
+Modelled: ``dpar.explain(model, one rank's batch, world_size=2, strategy=..., device="cpu")`` (the
+preset the ranks planned their buckets and prefetch with, so the graphs are the ones that ran), its
+compute priced on ``spec``, the cpu preset's shape with this run's calibration (``harness.calibrate``: matmul FLOP/s,
 copy bandwidth, gloo α and β), peak activation = ``Memory.step_peak`` (the step's live graph bytes at
 their peak, gradients produced by then included: [Note: gradients live to the optimizer] in
 compiler/memory.py), beside it the same with gloo's all-gather buffers ("+gloo", [Note: gloo stages
@@ -193,20 +194,29 @@ def device_from(calibration: dict[str, float]):
 
 
 def modelled(model_name: str, strategy: str, spec: Any) -> dict[str, Any]:
-    """``dpar.explain``'s figures, and its graphs' peak with gloo's all-gather buffers counted
-    ([Note: gloo stages every all-gather] in compiler/memory.py; the report does not count them yet)."""
+    """``dpar.explain``'s figures for the plan the ranks ran, compute priced on the calibrated ``spec``.
+
+    The report is made for the cpu preset, the device the ranks' own bucket and prefetch plans were
+    made for (``spec_of_device``), so that its graphs are the ones that ran; their compute is then
+    priced on ``spec`` (``build_timeline``). Beside it, the graphs' peak with gloo's all-gather
+    buffers counted ([Note: gloo stages every all-gather] in compiler/memory.py; the report does not
+    count them yet)."""
     import dpar
     from dpar.compiler.memory import step_peak
+    from dpar.inspect.timeline import build_timeline
 
     report = dpar.explain(_build(model_name), MODELS[model_name][1](0, WARMUP), world_size=WORLD_SIZE,
-                          strategy=strategy, device=spec)
-    m, t = report.memory, report.timeline
-    staged = step_peak(report_pairs(report), staged_gathers=True)
+                          strategy=strategy, device="cpu")
+    m = report.memory
+    pairs = report_pairs(report)
+    graphs = [("forward", f) for f, _ in pairs] + [("backward", b) for _, b in reversed(pairs) if b is not None]
+    staged = step_peak(pairs, staged_gathers=True)
     return {
         "state_bytes": m.parameters + m.optimizer, "gradient_bytes": m.gradients,
         "activation_bytes": m.activations, "gathered_bytes": m.gathered,
-        "peak_activation_bytes": m.step_peak, "compute_s": t.compute_time,
-        "peak_activation_staged_bytes": staged.step,
+        "peak_activation_bytes": m.step_peak, "peak_activation_staged_bytes": staged.step,
+        "compute_s": build_timeline(graphs, WORLD_SIZE, spec).compute_time,
+        "compute_cpu_preset_s": report.timeline.compute_time,
     }
 
 

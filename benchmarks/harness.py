@@ -1,9 +1,11 @@
-"""What the step-time benchmarks share: their command line, the revision measured, the results file."""
+"""What the benchmarks share: their command line, the revision measured, the results file, the live-bytes
+reading of a memory profile and the calibration of this machine (α, β, matmul FLOP/s, copy bandwidth)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -88,3 +90,69 @@ def turns(modes: Sequence[str], rounds: int, steps: int, warmup: int) -> Iterato
         shift = turn % len(modes)
         for mode in [*modes[shift:], *modes[:shift]]:
             yield turn, mode, slice(first, first + per_turn)
+
+
+def live_bytes(prof: Any, window: str) -> tuple[int, int]:
+    """(live bytes as ``window`` starts, their peak inside it), from a ``profile_memory=True`` profile.
+
+    c10's CPU allocator reports every allocation and free as a ``[memory]`` event with its size
+    (frees negative, also of tensors allocated before the profile began); their running sum is the
+    bytes of live tensor storage. With the profile started before the model exists, the first
+    figure is what the process holds at the window's start; with it started just before the
+    window, it is 0 and the second is the peak above what was live at the start.
+    """
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    (span,) = [e for e in events if e.name() == window]
+    live = at_start = peak = 0
+    for e in events:
+        if e.name() != "[memory]":
+            continue
+        if e.start_ns() > span.end_ns():
+            break
+        live += e.nbytes()
+        if e.start_ns() < span.start_ns():
+            at_start = peak = live
+        else:
+            peak = max(peak, live)
+    return at_start, peak
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times)
+
+
+def calibrate(matmul: int = 512, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """This machine as one rank sees it: α, β of a gloo all-reduce (t = 2α + Bβ at N = 2, fitted from
+    two sizes, in wall time; needs an initialised 2-rank process group), a ``matmul``² fp32 matmul's
+    FLOP/s and the bandwidth of a 16 MiB copy (bytes read + written per second), timed by ``clock``
+    (``time.thread_time``: the CPU time of this thread, which a neighbour's load does not inflate)."""
+    import torch.distributed as dist
+
+    small, large = torch.ones(256), torch.ones(1 << 20)
+    t_small = median_seconds(lambda: dist.all_reduce(small), 30)
+    t_large = median_seconds(lambda: dist.all_reduce(large), 10)
+    beta = max((t_large - t_small) / (large.nbytes - small.nbytes), 1e-15)
+    alpha = max((t_small - small.nbytes * beta) / 2, 0.0)
+    a, b = torch.randn(matmul, matmul), torch.randn(matmul, matmul)
+    flops = 2 * matmul**3 / median_seconds(lambda: a @ b, 20, clock)
+    big = torch.randn(1 << 22)
+    bandwidth = 2 * big.nbytes / median_seconds(big.clone, 20, clock)
+    return {"alpha": alpha, "link_bandwidth": 1 / beta, "flops": flops, "memory_bandwidth": bandwidth}
+
+
+def report_pairs(report: Any) -> list[tuple[Any, Any]]:
+    """The report's (forward, backward) graphs per captured graph, as ``step_peak`` reads them (ddp: the
+    backward variant that synchronises)."""
+    graphs: dict[str, dict[str, Any]] = {}
+    for view in report.graphs:
+        prefix, _, label = view.label.rpartition(": ")
+        graphs.setdefault(prefix, {})[label] = view.graph
+    return [
+        (g["forward graph"], g.get("backward graph (sync)", g.get("backward graph")))
+        for g in graphs.values() if "forward graph" in g
+    ]

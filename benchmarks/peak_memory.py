@@ -29,8 +29,9 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "examples"), str(HERE.parent / "tests")]
+sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent / "tests")]
 from distributed import run_ranks  # noqa: E402
+from harness import live_bytes  # noqa: E402
 from gpt import GPT, GPTConfig, get_batch, load_corpus  # noqa: E402
 
 WORLD_SIZE = 2  # the CPU machines have 2 cores: one rank per core
@@ -38,24 +39,6 @@ STRATEGIES = ("ddp", "zero2", "fsdp")
 STEPS = 2
 BATCH_SIZE = 8
 RESULTS = HERE / "results" / "peak_memory.json"
-
-
-def _live_bytes(prof: profile, window: str) -> tuple[int, int]:
-    """(live bytes as ``window`` starts, their peak inside it), from the allocator's events."""
-    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-    (span,) = [e for e in events if e.name() == window]
-    live = at_start = peak = 0
-    for e in events:
-        if e.name() != "[memory]":
-            continue
-        if e.start_ns() > span.end_ns():
-            break
-        live += e.nbytes()
-        if e.start_ns() < span.start_ns():
-            at_start = peak = live
-        else:
-            peak = max(peak, live)
-    return at_start, peak
 
 
 def train(rank: int, world_size: int, strategy: str) -> dict[str, int | float]:
@@ -75,7 +58,7 @@ def train(rank: int, world_size: int, strategy: str) -> dict[str, int | float]:
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-    at_start, peak = _live_bytes(prof, f"step {STEPS - 1}")
+    at_start, peak = live_bytes(prof, f"step {STEPS - 1}")
     dist.all_reduce(loss := loss.detach())
     return {"peak_bytes": peak, "at_step_start_bytes": at_start, "mean_loss": loss.item() / world_size}
 

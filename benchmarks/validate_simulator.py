@@ -20,7 +20,6 @@ import argparse
 import os
 import queue as queue_module
 import socket
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,33 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import calibrate  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {"all_reduce": "all_reduce", "broadcast": "broadcast",
          "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8}
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def calibrate() -> dict[str, float]:
-    """α, β of a gloo all-reduce (t = 2α + Bβ at N = 2), matmul FLOP/s, copy bandwidth."""
-    small, large = torch.ones(256), torch.ones(1 << 20)
-    t_small = _median_seconds(lambda: dist.all_reduce(small), 30)
-    t_large = _median_seconds(lambda: dist.all_reduce(large), 10)
-    beta = max((t_large - t_small) / (large.nbytes - small.nbytes), 1e-15)
-    alpha = max((t_small - small.nbytes * beta) / 2, 0.0)
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    flops = 2 * 512**3 / _median_seconds(lambda: a @ b, 10)
-    big = torch.randn(1 << 22)
-    bandwidth = 2 * big.nbytes / _median_seconds(big.clone, 10)
-    return {"alpha": alpha, "link_bandwidth": 1 / beta, "flops": flops, "memory_bandwidth": bandwidth}
 
 
 def _collective(name: str) -> str | None:

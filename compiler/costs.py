@@ -118,16 +118,19 @@ PRESETS: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("h100", memory_bandwidth=3.35e12, memory_bytes=80e9, **_H100),
     # H200 SXM datasheet: the H100 SXM's compute and links, 141 GB of HBM3e at 4.8 TB/s.
     "h200": DeviceSpec("h200", memory_bandwidth=4.8e12, memory_bytes=141e9, **_H100),
-    # The 2-core development/CI machine, rounded from benchmarks/validate_simulator.py's
-    # calibration (one thread per rank: 512^2 matmul ~95 GFLOP/s, 16 MiB copy ~2.6 GB/s,
-    # 2-rank gloo all-reduce over loopback alpha ~175 us, ~0.7 GB/s).
+    # One core of the 2-core development/CI machine (an AMD EPYC, 32 MiB L3), one thread per rank, rounded
+    # from benchmarks/measured_vs_modelled.py's calibration (timed in the thread's CPU time, which the
+    # neighbours' load does not inflate): fp32 512^2 matmul 101-111 GFLOP/s (any shape of the benchmark's
+    # Llamas 105-117), bf16 ~480 GFLOP/s; a 16 MiB copy 39-50 GB/s (L3: what activation-sized tensors
+    # of these models get; past L3 it falls to ~6 GB/s); 2-rank gloo all-reduce over loopback alpha
+    # 80-170 us, 1.5-2.7 GB/s (wall time, noisy on a shared machine).
     # overlap 0.3, measured through training steps (benchmarks/bucket_plan.py: 2 ranks, HF Llama 23M,
     # 8x128 tokens a rank): one bucket all-reduced after the backward (~130 ms of gloo) costs 28-45 ms
     # a step more than buckets issued as the backward goes, so about a third of the communication
     # hides. A loop of matmuls hides none of it (gloo's thread and MKL's share the two cores); what
     # hides in a real backward is the time its memory-bound kernels leave a core waiting.
     # One machine: every mesh dimension is the same loopback link.
-    "cpu": DeviceSpec("cpu", 90e9, 20e9, 2.5e9, alpha=150e-6, link_bandwidth=0.7e9, overlap=0.3),
+    "cpu": DeviceSpec("cpu", 100e9, 450e9, 40e9, alpha=150e-6, link_bandwidth=1.5e9, overlap=0.3),
 }
 
 

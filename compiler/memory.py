@@ -12,6 +12,23 @@ or all-reduce, bucket buffers). How long gathered parameters live is the strateg
 graphs show it: fsdp frees each after its last use in the forward and gathers again in the
 backward, so at most the in-flight gathers (``max_inflight_gathers``) and the bucket in use are
 live; zero2 saves what the backward reads from the forward to the backward.
+
+[Note: gradients live to the optimizer]
+A backward's outputs are the gradients (ddp: all-reduced; zero2/fsdp: the reduce-scattered shards),
+stored as ``.grad`` until the optimizer steps, and ``zero_grad(set_to_none=True)`` frees them before
+the next step. ``Live.gathered``/``activations`` are the intermediates at their own peak, gradients
+aside (a rank's ``gradients`` are counted in full beside them); ``Live.step`` is the step's peak with
+each gradient counted from the node that produces it: what a rank holds above what it held when the
+step began. Where the gradients outweigh the activations (a large model, a small batch) that peak is
+at the end of the backward, not its start (HF Llama 100M, 2x128 tokens a rank, ddp: 237 MiB of
+activations at their peak, 396 MiB at the step's, 396.1 MiB measured).
+
+[Note: gloo stages every all-gather]
+ProcessGroupGloo runs ``all_gather_into_tensor`` into a buffer of the output's size that it allocates
+on its worker thread and frees once it has copied out, so on CPU each all-gather in flight holds its
+gathered bytes twice (measured, benchmarks/measured_vs_modelled.py: a 2.5 MiB buffer on gloo's thread
+for each 2.5 MiB gather of an HF Llama's blocks under fsdp). ``staged_gathers=True`` counts that
+buffer from the all-gather's issue to its wait; NCCL gathers in place, and the GPU presets need none.
 """
 
 from __future__ import annotations
@@ -47,6 +64,9 @@ class Live:
 
     gathered: int = 0
     activations: int = 0
+    step: int = 0
+    """Set by ``step_peak`` only: the most bytes the step holds at once above its state, the gradients
+    the backward has produced by then included (see [Note: gradients live to the optimizer])."""
 
     @property
     def total(self) -> int:
@@ -106,6 +126,7 @@ def liveness(
     counted_inputs: set[str],
     gathered_inputs: set[str],
     exclude_outputs: bool,
+    staged_gathers: bool = False,
 ) -> Liveness:
     """Bytes of storages alive over ``gm``'s nodes, a storage dying after its last reader.
 
@@ -135,9 +156,14 @@ def liveness(
     kept = {key for n in gm.graph.output_node().all_input_nodes for key, _ in storages(n)}
     counted: dict[object, Live] = {}
     alive_until: dict[object, int] = {}
+    staging = _staging_buffers(nodes) if staged_gathers else {}
     live = peak = Live()
     for i, node in enumerate(nodes):
         skip = node.op == "placeholder" and node.name not in counted_inputs
+        for key, nbytes, end in staging.get(node, ()):  # see [Note: gloo stages every all-gather]
+            counted[key] = Live(nbytes, 0) if node in gathered else Live(0, nbytes)
+            live += counted[key]
+            alive_until[key] = end
         for key, nbytes in storages(node):
             if key not in counted:
                 nbytes = 0 if skip or (exclude_outputs and key in kept) else nbytes
@@ -151,6 +177,19 @@ def liveness(
             live -= counted[key]
             del alive_until[key]
     return Liveness(peak, live, counted)
+
+
+def _staging_buffers(nodes: list[fx.Node]) -> dict[fx.Node, list[tuple[object, int, int]]]:
+    """Per all-gather: (a key of its own, its output's bytes, the index of its wait) for gloo's buffer."""
+    index = {node: i for i, node in enumerate(nodes)}
+    found: dict[fx.Node, list[tuple[object, int, int]]] = {}
+    for node in nodes:
+        if node.target is not C10D_FUNCTIONAL.all_gather_into_tensor.default:
+            continue
+        waits = [index[u] for u in node.users if u.target is WAIT]
+        nbytes = sum(n for _, n in storages_of(node))
+        found[node] = [(("staging", node), nbytes, min(waits, default=index[node]))]
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,25 +221,32 @@ def _saved_inputs(forward: fx.GraphModule, fw: Liveness, backward: fx.GraphModul
     return saved
 
 
-def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]]) -> Live:
+def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]], staged_gathers: bool = False) -> Live:
     """Peak live bytes over the forward graphs in order, then the backward graphs in reverse.
 
     What a forward graph returns (saved activations, gathered parameters kept
     for the backward, outputs) stays live until its backward; parameters (or
-    their shards), user inputs and views of them are not counted.
+    their shards), user inputs and views of them are not counted. ``staged_gathers``:
+    see [Note: gloo stages every all-gather].
     """
     peak = saved = Live()
     forwards = []
     for forward, _ in pairs:
-        fw = liveness(forward, {}, set(), set(), exclude_outputs=False)
+        fw = liveness(forward, {}, set(), set(), exclude_outputs=False, staged_gathers=staged_gathers)
         peak = _higher(peak, saved + fw.peak)
         saved += fw.live_at_end
         forwards.append(fw)
+    step, produced = peak.total, 0  # see [Note: gradients live to the optimizer]
     for (forward, backward), fw in reversed(list(zip(pairs, forwards))):
         saved -= fw.live_at_end
         if backward is None:
             continue
         inputs = _saved_inputs(forward, fw, backward)
-        bw = liveness(backward, inputs.same_as, inputs.counted, inputs.gathered, exclude_outputs=True)
+        bw = liveness(backward, inputs.same_as, inputs.counted, inputs.gathered, exclude_outputs=True,
+                      staged_gathers=staged_gathers)
         peak = _higher(peak, saved + bw.peak)
-    return peak
+        held = liveness(backward, inputs.same_as, inputs.counted, inputs.gathered, exclude_outputs=False,
+                        staged_gathers=staged_gathers)
+        step = max(step, saved.total + produced + held.peak.total)
+        produced += held.live_at_end.total
+    return dataclasses.replace(peak, step=max(step, peak.total))

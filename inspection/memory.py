@@ -45,6 +45,10 @@ class Memory:
     activations: int  # the other live intermediate tensors at the peak (estimate)
     formula: sympy.Expr  # total bytes as a function of N, padding included (W, A as at this N)
     symbolic: sympy.Expr  # the same in P, G, S, W, A and N, padding aside
+    step_peak: int = 0
+    """The most bytes the step's graphs hold at once above the state a rank keeps between steps:
+    gathered parameters, activations and the gradients produced by then ([Note: gradients live to
+    the optimizer] in compiler/memory.py). What a rank measures above its bytes at the step's start."""
 
     @property
     def total(self) -> int:
@@ -102,4 +106,5 @@ def per_rank_memory(
         activations=peak.activations,
         formula=formula,
         symbolic=symbolic,
+        step_peak=max(peak.step, peak.total),
     )

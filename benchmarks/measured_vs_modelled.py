@@ -132,16 +132,16 @@ def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     return total
 
 
-def measure(rank: int, world_size: int, model_name: str, strategies: tuple[str, ...]) -> dict[str, Any]:
-    """On one rank: per strategy, peak activation bytes and compute seconds of a steady-state step."""
+def measure(rank: int, world_size: int, model_name: str, cases: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """On one rank: per (strategy, activation policy), peak activation bytes and compute seconds of a steady-state step."""
     import dpar
     from torch.profiler import ProfilerActivity, profile, record_function
 
     batch = MODELS[model_name][1]
     out: dict[str, Any] = {"strategies": {}}
-    for strategy in strategies:
+    for strategy, policy in cases:
         torch._dynamo.reset()
-        model = dpar.parallelize(_build(model_name), strategy=strategy)
+        model = dpar.parallelize(_build(model_name), strategy=strategy, activation_checkpointing=policy)
         compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -172,7 +172,7 @@ def measure(rank: int, world_size: int, model_name: str, strategies: tuple[str, 
             steps.append((time.thread_time() - cpu, time.perf_counter() - wall))
             finish()
         compute, wall = statistics.median(s[0] for s in steps), statistics.median(s[1] for s in steps)
-        out["strategies"][strategy] = {
+        out["strategies"][_key(strategy, policy)] = {
             "state_bytes": state, "peak_activation_bytes": peak, "calibration": calibration,
             "compute_s": compute, "forward_backward_wall_s": wall, "steps": steps,
         }
@@ -193,7 +193,11 @@ def device_from(calibration: dict[str, float]):
     )
 
 
-def modelled(model_name: str, strategy: str, spec: Any) -> dict[str, Any]:
+def _key(strategy: str, policy: str) -> str:
+    return strategy if policy == "keep" else f"{strategy}/{policy}"
+
+
+def modelled(model_name: str, strategy: str, policy: str, spec: Any) -> dict[str, Any]:
     """``dpar.explain``'s figures for the plan the ranks ran, compute priced on the calibrated ``spec``.
 
     The report is made for the cpu preset, the device the ranks' own bucket and prefetch plans were
@@ -206,7 +210,7 @@ def modelled(model_name: str, strategy: str, spec: Any) -> dict[str, Any]:
     from dpar.inspect.timeline import build_timeline
 
     report = dpar.explain(_build(model_name), MODELS[model_name][1](0, WARMUP), world_size=WORLD_SIZE,
-                          strategy=strategy, device="cpu")
+                          strategy=strategy, device="cpu", activation_checkpointing=policy)
     m = report.memory
     pairs = report_pairs(report)
     graphs = [("forward", f) for f, _ in pairs] + [("backward", b) for _, b in reversed(pairs) if b is not None]
@@ -229,11 +233,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="llama-4m under ddp and fsdp only")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--activation-checkpointing", default="keep",
+                        help="policies measured per strategy, e.g. keep,selective,full (the peak should drop as modelled)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per model: kill the ranks after this")
     parser.add_argument("--out", type=Path, default=RESULTS / "measured_vs_modelled.json")
     args = parser.parse_args()
     models = ["llama-4m"] if args.quick else args.models.split(",")
     strategies = ("ddp", "fsdp") if args.quick else tuple(args.strategies.split(","))
+    cases = tuple((s, p) for s in strategies for p in args.activation_checkpointing.split(","))
 
     rows, calibrations = [], []
     header = (f"{'model':11} {'strategy':8} {'state MiB':>9} {'act meas':>9} {'act model':>9} {'ratio':>6}      "
@@ -242,11 +249,12 @@ def main() -> None:
     print(header, flush=True)
     for name in models:
         began = time.perf_counter()
-        ranks = run_ranks(measure, WORLD_SIZE, name, strategies, timeout_s=args.timeout_s)
-        for strategy in strategies:
-            per_rank = [r["strategies"][strategy] for r in ranks]
+        ranks = run_ranks(measure, WORLD_SIZE, name, cases, timeout_s=args.timeout_s)
+        for strategy, policy in cases:
+            label = _key(strategy, policy)
+            per_rank = [r["strategies"][label] for r in ranks]
             calibration = {k: statistics.median(r["calibration"][k] for r in per_rank) for k in per_rank[0]["calibration"]}
-            calibrations.append({"model": name, "strategy": strategy, **calibration})
+            calibrations.append({"model": name, "strategy": label, **calibration})
             spec = device_from(calibration)
             measured = {
                 "per_rank": per_rank,
@@ -254,15 +262,15 @@ def main() -> None:
                 "state_bytes": max(r["state_bytes"] for r in per_rank),
                 "compute_s": statistics.mean(r["compute_s"] for r in per_rank),
             }
-            model = modelled(name, strategy, spec)
+            model = modelled(name, strategy, policy, spec)
             act = model["peak_activation_bytes"] / measured["peak_activation_bytes"]
             staged = model["peak_activation_staged_bytes"] / measured["peak_activation_bytes"]
             cmp = model["compute_s"] / measured["compute_s"]
-            rows.append({"model": name, "strategy": strategy, "measured": measured, "modelled": model,
+            rows.append({"model": name, "strategy": label, "measured": measured, "modelled": model,
                          "activation_ratio": act, "activation_staged_ratio": staged, "compute_ratio": cmp,
                          "activation": _verdict(act, MEMORY_GOAL), "activation_staged": _verdict(staged, MEMORY_GOAL),
                          "compute": _verdict(cmp, COMPUTE_GOAL)})
-            print(f"{name:11} {strategy:8} {measured['state_bytes'] / 2**20:9.1f} "
+            print(f"{name:11} {label:8} {measured['state_bytes'] / 2**20:9.1f} "
                   f"{measured['peak_activation_bytes'] / 2**20:9.1f} {model['peak_activation_bytes'] / 2**20:9.1f} "
                   f"{act:6.2f} {rows[-1]['activation']} {staged:6.2f} {rows[-1]['activation_staged']} "
                   f"{measured['compute_s'] * 1e3:11.1f} "

@@ -18,11 +18,12 @@ A graph goes through these stages, each a list of named passes run by
 (``data_parallel``, ``sharded_data_parallel``, ``tensor_parallel``) supply the
 passes and the state they plan from the graphs (buckets, groups), never the order.
 For fsdp+tp, for instance: dynamo [mark_own_rows]; joint [unroll_group_batch,
-tensor_parallel, tag_gathers, save_random_ops]; forward [broadcast_buffers,
+tensor_parallel, tag_gathers, save_random_ops, keep_collectives_in_forward]; forward [broadcast_buffers,
 bucket_all_gathers, sink_waits, prefetch_all_gathers]; backward
 [bucket_all_gathers, bucket_reduce_scatters, sink_waits, prefetch_all_gathers].
 With an activation policy that recomputes (``ParallelPlan.activations``), the joint stage
-ends with [tag_recompute] under every strategy, ddp included (passes/recompute.py).
+ends with [tag_recompute] under every strategy, ddp included (passes/recompute.py), which keeps
+the forward's collectives in the forward as keep_collectives_in_forward does for a tensor axis.
 ``PassListing(...).listing()`` prints that for any plan.
 
 ``dpar.pipeline`` runs each stage's graphs as traced (``pipeline_parallel/stage_graphs.py``: F, and B
@@ -54,7 +55,7 @@ from dpar.compiler.options import Options
 from dpar.compiler.passes.all_gather_ranges import UpdatedRange, all_gather_updated_ranges
 from dpar.compiler.passes.broadcast_buffers import average_inputs_pass, buffer_broadcast_groups
 from dpar.compiler.passes.random_ops import save_random_ops
-from dpar.compiler.passes.recompute import tag_recompute
+from dpar.compiler.passes.recompute import keep_collectives_in_forward, tag_recompute
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.pipeline_parallel.data_parallel import StageGradientBuckets
 from dpar.compiler.pipeline_parallel.sharded import ShardLayout, gather_parameters, reduce_scatter_gradients, scattered_variant
@@ -164,6 +165,8 @@ class PassListing:
             passes += [("tag_gathers", self.sharded.tag_gathers), ("save_random_ops", save_random_ops)]
         if self.plan.activations.recomputes:  # last: it keeps the tags the strategy's passes chose
             passes.append(("tag_recompute", lambda g: tag_recompute(g, self.plan.activations)))
+        elif self.tensor is not None:  # after tag_gathers: fsdp's re-gathers stay the backward's
+            passes.append(("keep_collectives_in_forward", keep_collectives_in_forward))
         return passes
 
     def _tensor_parallel_passes(self) -> list[Pass]:

@@ -119,7 +119,8 @@ def test_every_pass_is_recorded_the_joint_graphs_included() -> None:
     forward's and backward's, so a report shows each of them and what it added."""
     r = report("fsdp+tp", 8)
     stages = {g.label: [s.pass_name for s in g.stages] for g in r.graphs}
-    assert stages["joint graph"] == ["captured", "unroll_group_batch", "tensor_parallel", "tag_gathers", "save_random_ops"]
+    assert stages["joint graph"] == ["captured", "unroll_group_batch", "tensor_parallel", "tag_gathers", "save_random_ops",
+                                     "keep_collectives_in_forward"]
     assert stages["forward graph"] == ["captured", "broadcast_buffers", "bucket_all_gathers", "sink_waits", "prefetch_all_gathers"]
     (joint,) = [g for g in r.graphs if g.label == "joint graph"]
     assert any(d.startswith("unroll_group_batch: all_gather") for d in joint.op_count_diffs())

@@ -34,6 +34,7 @@ GATHERS = ["bucket_all_gathers"]
 SHARDED_FORWARD = ["broadcast_buffers", *GATHERS, *WAITS, "prefetch_all_gathers"]
 SHARDED_BACKWARD = [*GATHERS, "bucket_reduce_scatters", *WAITS, "prefetch_all_gathers"]
 TP_JOINT = ["unroll_group_batch", "tensor_parallel"]
+KEEP_IN_FORWARD = ["keep_collectives_in_forward"]  # last in a training joint graph with a tensor axis
 
 # What a newcomer should be able to read off pass_listing.py: stage -> passes, per strategy.
 EXPECTED = {
@@ -41,15 +42,15 @@ EXPECTED = {
             "backward (sync)": ["all_reduce_gradients", *WAITS], "backward (no_sync)": []},
     "fsdp": {"dynamo": [], "joint": ["tag_gathers", "save_random_ops"], "forward": SHARDED_FORWARD,
              "backward (sync)": SHARDED_BACKWARD},
-    "tp": {"dynamo": ["mark_own_rows"], "joint": TP_JOINT, "forward": ["broadcast_buffers", *WAITS],
+    "tp": {"dynamo": ["mark_own_rows"], "joint": [*TP_JOINT, *KEEP_IN_FORWARD], "forward": ["broadcast_buffers", *WAITS],
            "backward (sync)": WAITS, "inference": [*TP_JOINT, "broadcast_buffers", *WAITS]},
-    "ddp+tp": {"dynamo": ["mark_own_rows"], "joint": TP_JOINT, "forward": ["broadcast_buffers", *WAITS],
+    "ddp+tp": {"dynamo": ["mark_own_rows"], "joint": [*TP_JOINT, *KEEP_IN_FORWARD], "forward": ["broadcast_buffers", *WAITS],
                "backward (sync)": ["all_reduce_gradients", *WAITS]},
     "local_sgd": {"dynamo": [], "joint": [], "forward": ["broadcast_buffers", *WAITS],
                   "forward (average)": ["average_parameters", "broadcast_buffers", *WAITS], "backward (sync)": WAITS},
     "zero1": {"dynamo": [], "joint": [], "forward": ["broadcast_buffers", *WAITS],
               "backward (sync)": ["all_reduce_gradients", *WAITS], "backward (no_sync)": []},
-    "fsdp+tp": {"dynamo": ["mark_own_rows"], "joint": [*TP_JOINT, "tag_gathers", "save_random_ops"],
+    "fsdp+tp": {"dynamo": ["mark_own_rows"], "joint": [*TP_JOINT, "tag_gathers", "save_random_ops", *KEEP_IN_FORWARD],
                 "forward": SHARDED_FORWARD, "backward (sync)": SHARDED_BACKWARD,
                 "inference": [*TP_JOINT, *SHARDED_FORWARD]},
 }

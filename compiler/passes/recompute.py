@@ -214,7 +214,7 @@ def _tagged(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
     """Tags already set by the strategy's passes (gathers, sequence parallel) are kept; a node of a
     ``keep`` block is left untagged."""
     forward = forward_nodes(joint)
-    _collectives_stay_in_forward(joint, forward)
+    keep_collectives_in_forward(joint, forward)
     instance: dict[str, int] = {}
     for node in joint.graph.nodes:
         if node.op != "call_function" or node not in forward:
@@ -242,14 +242,16 @@ def _tagged(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
     return joint
 
 
-def _collectives_stay_in_forward(joint: fx.GraphModule, forward: set[fx.Node]) -> None:
+def keep_collectives_in_forward(joint: fx.GraphModule, forward: set[fx.Node] | None = None) -> fx.GraphModule:
     """Every forward collective the plan does not gather again (all but fsdp's must-recompute gathers)
     is must-save and tagged to stay in the forward graph.
 
     Must-save keeps the min-cut from recomputing it. The tag is for the backward's extraction, which
     copies every node whose inputs it has and drops only dead pure ones: a collective is not pure, so
     one whose input the backward can compute (tensor parallel's all-reduce after a recomputed matmul)
-    would run again there, dead, with the matmul feeding it."""
+    would run again there, dead, with the matmul feeding it. Tensor parallel's joint graphs run it without a
+    policy too (``PassListing.joint_passes``): the min-cut partitioner recomputes cheap ops on its own."""
+    forward = forward_nodes(joint) if forward is None else forward
     for node in joint.graph.nodes:
         if node.op != "call_function" or node not in forward or not is_collective(node):
             continue
@@ -257,6 +259,7 @@ def _collectives_stay_in_forward(joint: fx.GraphModule, forward: set[fx.Node]) -
             continue
         node.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_SAVE
         node.meta["partitioner_tag"] = "must_be_in_forward"
+    return joint
 
 
 def recomputed_per_block(forward: fx.GraphModule, backward: fx.GraphModule) -> dict[str, int]:

@@ -30,12 +30,22 @@ from torch.utils.checkpoint import CheckpointPolicy
 from dpar.core.torch_internals import must_recompute
 
 
+def is_random(node: fx.Node) -> bool:
+    """A node that draws from the RNG (dropout, ``rand*``, ``bernoulli``; torch tags CPU attention so too)."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def with_outputs(node: fx.Node) -> list[fx.Node]:
+    """``node`` and, for a tuple-valued op, the getitems that carry its outputs (what a save tag must cover)."""
+    return [node, *(u for u in node.users if u.target is operator.getitem)]
+
+
 def save_random_ops(joint: fx.GraphModule) -> fx.GraphModule:
     """Re-tag every random op the partitioner would recompute, and the getitems of its outputs,
     prefer-save: untagged, a random op is never recomputed, so what the backward needs of it is
     saved (a tuple-valued op cannot be must-save itself). See the Note above."""
     for node in joint.graph.nodes:
-        if must_recompute(node) and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-            for saved in [node, *(u for u in node.users if u.target is operator.getitem)]:
+        if must_recompute(node) and is_random(node):
+            for saved in with_outputs(node):
                 saved.meta["recompute"] = CheckpointPolicy.PREFER_SAVE
     return joint

@@ -53,7 +53,6 @@ from __future__ import annotations
 import logging
 import operator
 import re
-from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
@@ -62,6 +61,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from dpar.compiler.graph_utils import copy_graph_module
 from dpar.compiler.lowering import JOINT_INPUTS_KEY, PARTITION_KWARGS_KEY
+from dpar.compiler.passes.random_ops import is_random, with_outputs
 from dpar.core.errors import ActivationPolicyError
 from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.surgery.sharding import block_of
@@ -130,15 +130,6 @@ def forward_nodes(joint: fx.GraphModule) -> set[fx.Node]:
 
 def is_collective(node: fx.Node) -> bool:
     return getattr(node.target, "namespace", None) in ("_c10d_functional", "c10d_functional")
-
-
-def is_random(node: fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-
-
-def _must_save(node: fx.Node) -> Iterable[fx.Node]:
-    """``node`` and, for a tuple-valued op, the getitems that carry its outputs."""
-    return [node, *(u for u in node.users if u.target is operator.getitem)]
 
 
 CHOSEN_KEY = "dpar_activation_policy"
@@ -230,10 +221,10 @@ def _tagged(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
         if RECOMPUTE_KEY in node.meta:  # the strategy's decision (fsdp's re-gather, a saved gather)
             continue
         if is_collective(node) or is_random(node):
-            for saved in _must_save(node):
+            for saved in with_outputs(node):
                 saved.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_SAVE
         elif recompute is Recompute.SELECTIVE and node.target in SAVED_BY_SELECTIVE:
-            for saved in _must_save(node):
+            for saved in with_outputs(node):
                 saved.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_SAVE
         elif node.target is operator.getitem and RECOMPUTE_KEY in node.args[0].meta:
             node.meta[RECOMPUTE_KEY] = node.args[0].meta[RECOMPUTE_KEY]

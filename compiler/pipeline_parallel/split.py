@@ -32,6 +32,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from dpar.compiler.costs import node_flops
+from dpar.compiler.passes.random_ops import is_random
 from dpar.core.errors import OptionsError
 from dpar.core.pipeline_program import Stage, StageSplit, ValueSpec
 
@@ -130,11 +131,6 @@ def _parameter_targets(gm: fx.GraphModule) -> set[str]:
     return {name for name, _ in gm.named_parameters(remove_duplicate=False)}
 
 
-def _is_random(node: fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
-
-
 def _classify(gm: fx.GraphModule) -> tuple[set[fx.Node], set[fx.Node]]:
     """(free nodes, parameter nodes), as in [Note: what a stage graph holds]."""
     parameter_targets = _parameter_targets(gm)
@@ -145,7 +141,7 @@ def _classify(gm: fx.GraphModule) -> tuple[set[fx.Node], set[fx.Node]]:
             free.add(node)
         elif node.op == "get_attr":
             (params if node.target in parameter_targets else free).add(node)
-        elif node.op == "call_function" and not _is_random(node):
+        elif node.op == "call_function" and not is_random(node):
             if all(arg in free for arg in node.all_input_nodes):
                 free.add(node)
     return free, params

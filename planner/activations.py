@@ -50,7 +50,7 @@ from dpar.planner.costs import CostModel, OpCost
 from dpar.planner.evaluate import Assignment, chosen
 from dpar.planner.opgraph import Edge, OpGraph
 from dpar.planner.plan import Plan
-from dpar.planner.repeats import _instance
+from dpar.planner.repeats import instance_of
 from dpar.planner.rules import FORWARD_CONVERT, Candidate
 
 POLICIES = (Recompute.KEEP, Recompute.SELECTIVE, Recompute.FULL)  # least recomputation first: the tie-break order
@@ -76,7 +76,7 @@ class Blocks:
 def blocks(graph: OpGraph) -> Blocks:
     of_op = []
     for op in graph.ops:
-        found = _instance(op.module) if op.kind != "output" else None
+        found = instance_of(op.module) if op.kind != "output" else None
         of_op.append(None if found is None else f"{found[0]}.{found[1]}" if found[0] else str(found[1]))
     leaves = [False] * len(graph.ops)
     for e in graph.edges:

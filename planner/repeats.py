@@ -24,7 +24,7 @@ from dpar.planner.opgraph import Edge, Op, OpGraph, ParamInfo
 PERIOD = 2
 
 
-def _instance(module: str) -> tuple[str, int] | None:
+def instance_of(module: str) -> tuple[str, int] | None:
     """``blocks.3.attn.q`` -> (``blocks``, 3): the outermost numbered module."""
     parts = module.split(".")
     for i, part in enumerate(parts):
@@ -53,7 +53,7 @@ def representatives(ops: list[Op]) -> list[int]:
     """For every op, the op that stands for it (itself unless it sits in a repeated block)."""
     instances: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     for i, op in enumerate(ops):
-        key = _instance(op.module)
+        key = instance_of(op.module)
         if key is not None:
             instances[key[0]][key[1]].append(i)
     rep = list(range(len(ops)))
@@ -99,7 +99,7 @@ def collapse_repeats(
         found = readers.get(name, [])
         if found:
             (first, slot), others = found[0], found[1:]
-            block = _instance(ops[first].module)
+            block = instance_of(ops[first].module)
             bucket = f"{block[0]}.{block[1]}" if block else "root"
             params.append(ParamInfo(name, tuple(param.shape), param.requires_grad, new[rep[first]], slot, bucket, param.element_size()))
             shared.update(

@@ -21,6 +21,12 @@ COLLECTIVE_KINDS: dict[object, str] = {
 }
 WAIT = c10d.wait_tensor.default
 
+
+def is_communication(node: fx.Node) -> bool:
+    """Any functional-collective op: the kinds above, their waits, and ones dpar never inserts (coalesced
+    variants a model's own code may call), by the op's namespace, so nothing a rank sends is missed."""
+    return getattr(node.target, "namespace", None) in ("_c10d_functional", "c10d_functional")
+
 # Ops that only reinterpret memory: they are not compute a collective can hide behind.
 _NON_COMPUTE = {
     operator.getitem,

@@ -164,7 +164,8 @@ def _graphs(strategy: str, policy: str) -> dict[str, fx.GraphModule]:
         return {g.label.split(" (")[0]: g.graph for g in recorded}
 
 
-from dpar.compiler.passes.recompute import BLOCK_KEY, is_collective  # noqa: E402
+from dpar.compiler.collectives import is_communication  # noqa: E402
+from dpar.compiler.passes.recompute import BLOCK_KEY  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 
@@ -197,7 +198,7 @@ def test_saved_activations_shrink_and_no_collective_is_added(strategy: str) -> N
         # (keep_collectives_in_forward in passes/recompute.py).
         assert backward == kept, (policy, backward, kept)
         # No collective of the forward runs again in the backward, but fsdp's planned re-gathers.
-        again = [n for n in got["backward graph"].graph.nodes if is_collective(n) and BLOCK_KEY in n.meta
+        again = [n for n in got["backward graph"].graph.nodes if is_communication(n) and BLOCK_KEY in n.meta
                  and n.meta.get("recompute") is not CheckpointPolicy.MUST_RECOMPUTE]
         assert not again, (policy, again)
         recomputed = recomputed_per_block(got["forward graph"], got["backward graph"])

@@ -59,6 +59,7 @@ import torch.fx as fx
 from functorch.compile import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy
 
+from dpar.compiler.collectives import is_communication
 from dpar.compiler.graph_utils import copy_graph_module
 from dpar.compiler.lowering import JOINT_INPUTS_KEY, PARTITION_KWARGS_KEY
 from dpar.compiler.passes.random_ops import is_random, with_outputs
@@ -126,10 +127,6 @@ def forward_nodes(joint: fx.GraphModule) -> set[fx.Node]:
             seen.add(node)
             stack.extend(node.all_input_nodes)
     return seen
-
-
-def is_collective(node: fx.Node) -> bool:
-    return getattr(node.target, "namespace", None) in ("_c10d_functional", "c10d_functional")
 
 
 CHOSEN_KEY = "dpar_activation_policy"
@@ -220,7 +217,7 @@ def _tagged(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
         node.meta[GRAPH_ID_KEY] = instance.setdefault(block, len(instance))
         if RECOMPUTE_KEY in node.meta:  # the strategy's decision (fsdp's re-gather, a saved gather)
             continue
-        if is_collective(node) or is_random(node):
+        if is_communication(node) or is_random(node):
             for saved in with_outputs(node):
                 saved.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_SAVE
         elif recompute is Recompute.SELECTIVE and node.target in SAVED_BY_SELECTIVE:
@@ -244,7 +241,7 @@ def keep_collectives_in_forward(joint: fx.GraphModule, forward: set[fx.Node] | N
     policy too (``PassListing.joint_passes``): the min-cut partitioner recomputes cheap ops on its own."""
     forward = forward_nodes(joint) if forward is None else forward
     for node in joint.graph.nodes:
-        if node.op != "call_function" or node not in forward or not is_collective(node):
+        if node.op != "call_function" or node not in forward or not is_communication(node):
             continue
         if node.meta.get(RECOMPUTE_KEY) in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
             continue

@@ -1,6 +1,6 @@
 """dpar's folders import each other downwards only (docs/architecture.md has the picture).
 
-    api -> planner | inspect -> compiler -> surgery -> runtime -> core
+    integrations -> api -> planner | inspect -> compiler -> surgery -> runtime -> core
 
 Every import of a ``dpar`` module is counted, lazy ones and ``TYPE_CHECKING`` ones included; the peers planner
 and inspect import neither each other nor anything above. Surgery sits above the runtime: what ``parallelize``
@@ -19,7 +19,7 @@ import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Height of each layer; an import must go to a strictly lower one.
-HEIGHT = {"api": 5, "planner": 4, "inspect": 4, "compiler": 3, "surgery": 2, "runtime": 1, "core": 0}
+HEIGHT = {"integrations": 6, "api": 5, "planner": 4, "inspect": 4, "compiler": 3, "surgery": 2, "runtime": 1, "core": 0}
 
 
 def _packages() -> dict[str, pathlib.Path]:

@@ -5,6 +5,7 @@ strategy, N = 2, device), with the device calibrated in the same run.
     python benchmarks/measured_vs_modelled.py            # all models x ddp, zero2, fsdp (~10 min)
     python benchmarks/measured_vs_modelled.py --quick    # llama-4m under ddp and fsdp
     python benchmarks/measured_vs_modelled.py --models llama-25m --strategies fsdp
+    python benchmarks/measured_vs_modelled.py --device cuda --world-size 8 --models llama-500m   # one GPU
 
 Goal (issue 25): peak activation within 15 %, compute time within 25 %; each row says PASS or MISS.
 
@@ -41,6 +42,17 @@ their peak, gradients produced by then included: [Note: gradients live to the op
 compiler/memory.py), beside it the same with gloo's all-gather buffers ("+gloo", [Note: gloo stages
 every all-gather]; the report does not count them yet), and compute =
 ``Timeline.compute_time`` (the roofline of every node of the forward and backward graphs).
+
+On a GPU (``--device cuda``) one process stands in for rank 0 of ``--world-size`` ranks on torch's fake
+process group: its collectives return at once, so what is timed is the rank's own compute (CUDA events
+over the forward + backward, the median of 3 steps) and what is measured its memory
+(``torch.cuda.max_memory_allocated`` over the forward + backward, above what was allocated as it began:
+the state, as on the CPU). The gathers and reductions still allocate their outputs, so gathered
+parameters and gradient buckets are in the peak as on real ranks. fp32 matmuls run as TF32
+(``set_float32_matmul_precision("high")``), as the GPU presets price them. Modelled: ``dpar.explain`` on
+the meta device for the preset of the GPU's name (``spec_of_device``: the one the rank planned its buckets
+and prefetch with), its compute priced on that preset and on the preset with this GPU's calibrated
+matmul FLOP/s and copy bandwidth (``calibrate_gpu``).
 """
 
 from __future__ import annotations
@@ -107,6 +119,8 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int, int], tupl
     "llama-4m": (lambda: _llama(256, 4, 512, 2048, 4), _tokens(2048, 4, 128, shift=False)),
     "llama-25m": (lambda: _llama(512, 6, 1376, 4096, 8), _tokens(4096, 4, 128, shift=False)),
     "llama-100m": (lambda: _llama(768, 12, 2048, 8192, 12), _tokens(8192, 2, 128, shift=False)),
+    # GPU-sized (--device cuda): 0.5B parameters, 4 x 1024 tokens a rank
+    "llama-500m": (lambda: _llama(2048, 8, 5632, 32000, 16), _tokens(32000, 4, 1024, shift=False)),
     "gpt-3m": (_gpt, _tokens(256, 8, 128, shift=True)),
     "convbn": (_convbn, _image_batch(16)),
 }
@@ -180,6 +194,150 @@ def measure(rank: int, world_size: int, model_name: str, cases: tuple[tuple[str,
     return out
 
 
+def calibrate_gpu(matmul: int = 8192) -> dict[str, float]:
+    """This GPU's fp32 matmul FLOP/s (as TF32, as the model's matmuls run) and the bandwidth of a 1 GiB
+    copy (bytes read + written per second), timed by CUDA events, the median of 10 after 3 warm-ups."""
+    def seconds(fn: Callable[[], Any]) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    a, b = torch.randn(matmul, matmul, device="cuda"), torch.randn(matmul, matmul, device="cuda")
+    big = torch.empty(1 << 28, device="cuda")
+    return {"flops": 2 * matmul**3 / seconds(lambda: a @ b), "memory_bandwidth": 2 * big.nbytes / seconds(big.clone)}
+
+
+def measure_gpu(model_name: str, cases: tuple[tuple[str, str], ...], world_size: int) -> dict[str, Any]:
+    """Rank 0 of ``world_size`` ranks on this GPU, over torch's fake process group (see the module's note):
+    per (strategy, activation policy), peak bytes above the state and compute seconds of a steady step."""
+    import dpar
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_float32_matmul_precision("high")
+    batch = MODELS[model_name][1]
+    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "calibration": calibrate_gpu(), "strategies": {}}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        for strategy, policy in cases:
+            torch._dynamo.reset()
+            with torch.device("cuda"):
+                model = dpar.parallelize(_build(model_name), strategy=strategy, activation_checkpointing=policy)
+            compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+            def forward_backward(step: int) -> None:
+                compiled(*(t.cuda() for t in batch(0, step))).backward()
+
+            def finish() -> None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            for step in range(WARMUP):
+                forward_backward(step)
+                finish()
+            torch.cuda.synchronize()
+            state = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            forward_backward(WARMUP)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - state
+            finish()
+            steps = []
+            for step in range(WARMUP + 1, WARMUP + 1 + TIMED):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                wall = time.perf_counter()
+                start.record()
+                forward_backward(step)
+                end.record()
+                torch.cuda.synchronize()
+                steps.append((start.elapsed_time(end) / 1e3, time.perf_counter() - wall))
+                finish()
+            out["strategies"][_key(strategy, policy)] = {
+                "state_bytes": state, "peak_activation_bytes": peak,
+                "compute_s": statistics.median(s[0] for s in steps), "steps": steps,
+            }
+            print(f"  measured {model_name} {_key(strategy, policy)}: peak {peak / 2**20:.1f} MiB, "
+                  f"{out['strategies'][_key(strategy, policy)]['compute_s'] * 1e3:.2f} ms", flush=True)
+            del model, compiled, optimizer
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+    return out
+
+
+def gpu_device_from(preset: str, calibration: dict[str, float]):
+    """The GPU preset with this GPU's calibrated matmul FLOP/s and copy bandwidth in place of the datasheet's."""
+    import dataclasses
+
+    from dpar.compiler.costs import PRESETS
+
+    return dataclasses.replace(PRESETS[preset], name=f"{preset} (calibrated)", flops_tf32=calibration["flops"],
+                               memory_bandwidth=calibration["memory_bandwidth"])
+
+
+def main_gpu(args: argparse.Namespace, models: list[str], cases: tuple[tuple[str, str], ...]) -> None:
+    """``--device cuda``: per model, measure on this GPU (written at once to ``<out>.measured.json``), then
+    model on meta for its preset, calibrated and not. The modelling needs no GPU: ``--measure-only`` on the
+    GPU and ``--measured <that file>`` anywhere else split the two."""
+    measured_path = args.out.with_suffix(".measured.json")
+    if args.measured is not None:
+        measurements = json.loads(args.measured.read_text())
+    else:
+        from dpar.compiler.costs import spec_of_device
+
+        preset = spec_of_device(torch.device("cuda")).name
+        measurements = {"revision": revision(), "torch": torch.__version__, "world_size": args.world_size,
+                        "preset": preset, "models": {}}
+        for name in models:
+            measurements["models"][name] = measure_gpu(name, cases, args.world_size)
+            measured_path.parent.mkdir(parents=True, exist_ok=True)
+            measured_path.write_text(json.dumps(measurements, indent=2) + "\n")  # a cut-off run keeps what it measured
+        print(f"wrote {measured_path}", flush=True)
+        if args.measure_only:
+            return
+    preset, world_size = measurements["preset"], measurements["world_size"]
+    rows = []
+    print(f"{'model':11} {'strategy':14} {'state MiB':>9} {'act meas':>9} {'act model':>9} {'ratio':>6}      "
+          f"{'cmp meas ms':>11} {'preset ms':>9} {'ratio':>6}      {'calib. ms':>9} {'ratio':>6}", flush=True)
+    for name, measured in measurements["models"].items():
+        calibrated = gpu_device_from(preset, measured["calibration"])
+        print(f"  {measured['gpu']}, rank 0 of {world_size}: matmul {measured['calibration']['flops'] / 1e12:.0f} "
+              f"TFLOP/s (TF32), copy {measured['calibration']['memory_bandwidth'] / 1e12:.2f} TB/s; preset {preset}",
+              flush=True)
+        for label, meas in measured["strategies"].items():
+            strategy, _, policy = label.partition("/")
+            model = modelled(name, strategy, policy or "keep", calibrated, world_size=world_size, preset=preset,
+                             on_meta=True)
+            act = model["peak_activation_bytes"] / meas["peak_activation_bytes"]
+            on_preset = model["compute_preset_s"] / meas["compute_s"]
+            on_calibrated = model["compute_s"] / meas["compute_s"]
+            rows.append({"model": name, "strategy": label, "gpu": measured["gpu"], "preset": preset,
+                         "calibration": measured["calibration"], "measured": meas, "modelled": model,
+                         "activation_ratio": act, "compute_ratio_preset": on_preset,
+                         "compute_ratio_calibrated": on_calibrated, "activation": _verdict(act, MEMORY_GOAL),
+                         "compute": _verdict(on_calibrated, COMPUTE_GOAL)})
+            print(f"{name:11} {label:14} {meas['state_bytes'] / 2**20:9.1f} {meas['peak_activation_bytes'] / 2**20:9.1f} "
+                  f"{model['peak_activation_bytes'] / 2**20:9.1f} {act:6.2f} {rows[-1]['activation']} "
+                  f"{meas['compute_s'] * 1e3:11.2f} {model['compute_preset_s'] * 1e3:9.2f} {on_preset:6.2f}      "
+                  f"{model['compute_s'] * 1e3:9.2f} {on_calibrated:6.2f} {rows[-1]['compute']}", flush=True)
+    record = {"revision": revision(), "measured_revision": measurements["revision"], "torch_measured": measurements["torch"],
+              "world_size": world_size, "device": "cuda", "goal": {"peak_activation": MEMORY_GOAL, "compute": COMPUTE_GOAL},
+              "method": __doc__, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"wrote {args.out}")
+
+
 def device_from(calibration: dict[str, float]):
     """The cpu preset with this run's calibrated figures in place of its typical ones."""
     import dataclasses
@@ -197,7 +355,8 @@ def _key(strategy: str, policy: str) -> str:
     return strategy if policy == "keep" else f"{strategy}/{policy}"
 
 
-def modelled(model_name: str, strategy: str, policy: str, spec: Any) -> dict[str, Any]:
+def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size: int = WORLD_SIZE,
+             preset: str = "cpu", on_meta: bool = False) -> dict[str, Any]:
     """``dpar.explain``'s figures for the plan the ranks ran, compute priced on the calibrated ``spec``.
 
     The report is made for the cpu preset, the device the ranks' own bucket and prefetch plans were
@@ -209,8 +368,15 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any) -> dict[str
     from dpar.compiler.memory import step_peak
     from dpar.inspect.timeline import build_timeline
 
-    report = dpar.explain(_build(model_name), MODELS[model_name][1](0, WARMUP), world_size=WORLD_SIZE,
-                          strategy=strategy, device="cpu", activation_checkpointing=policy)
+    inputs = MODELS[model_name][1](0, WARMUP)
+    if on_meta:  # a GPU-sized model: traced on meta, nothing allocated
+        with torch.device("meta"):
+            model = _build(model_name)
+        inputs = tuple(t.to("meta") for t in inputs)
+    else:
+        model = _build(model_name)
+    report = dpar.explain(model, inputs, world_size=world_size, strategy=strategy, device=preset,
+                          activation_checkpointing=policy)
     m = report.memory
     pairs = report_pairs(report)
     graphs = [("forward", f) for f, _ in pairs] + [("backward", b) for _, b in reversed(pairs) if b is not None]
@@ -219,8 +385,8 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any) -> dict[str
         "state_bytes": m.parameters + m.optimizer, "gradient_bytes": m.gradients,
         "activation_bytes": m.activations, "gathered_bytes": m.gathered,
         "peak_activation_bytes": m.step_peak, "peak_activation_staged_bytes": staged.step,
-        "compute_s": build_timeline(graphs, WORLD_SIZE, spec).compute_time,
-        "compute_cpu_preset_s": report.timeline.compute_time,
+        "compute_s": build_timeline(graphs, world_size, spec).compute_time,
+        "compute_preset_s": report.timeline.compute_time,
     }
 
 
@@ -236,11 +402,19 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", default="keep",
                         help="policies measured per strategy, e.g. keep,selective,full (the peak should drop as modelled)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per model: kill the ranks after this")
-    parser.add_argument("--out", type=Path, default=RESULTS / "measured_vs_modelled.json")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: 2 gloo ranks; cuda: this GPU as rank 0 of --world-size on the fake process group")
+    parser.add_argument("--world-size", type=int, default=8, help="--device cuda: the ranks the one GPU stands in for")
+    parser.add_argument("--measure-only", action="store_true", help="--device cuda: measure, write, and stop")
+    parser.add_argument("--measured", type=Path, help="--device cuda: model the measurements of this file (no GPU needed)")
+    parser.add_argument("--out", type=Path, help="JSON file (default benchmarks/results/measured_vs_modelled[_gpu].json)")
     args = parser.parse_args()
+    args.out = args.out or RESULTS / ("measured_vs_modelled_gpu.json" if args.device == "cuda" else "measured_vs_modelled.json")
     models = ["llama-4m"] if args.quick else args.models.split(",")
     strategies = ("ddp", "fsdp") if args.quick else tuple(args.strategies.split(","))
     cases = tuple((s, p) for s in strategies for p in args.activation_checkpointing.split(","))
+    if args.device == "cuda":
+        return main_gpu(args, models, cases)
 
     rows, calibrations = [], []
     header = (f"{'model':11} {'strategy':8} {'state MiB':>9} {'act meas':>9} {'act model':>9} {'ratio':>6}      "

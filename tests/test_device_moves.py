@@ -4,8 +4,8 @@ equals torch DDP's on the same moved model."""
 
 from __future__ import annotations
 
-import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,3 +64,44 @@ def test_a_dtype_move_after_parallelize_trains_as_torch_ddp() -> None:
     worst = run_ranks(_moved_after_parallelize, 2, timeout_s=400)[0]  # rank 0 holds the full state
     assert len(worst) == len(STRATEGIES) * len(MOVES)
     assert all(diff < 1e-10 for diff in worst.values()), worst
+
+
+def _train_on_fake_world(model: nn.Module, device: str) -> tuple[list[float], nn.Module, torch.optim.Optimizer]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    losses = []
+    for step in range(2):
+        tokens, target = (t.to(device) for t in _batch(step, 0))
+        optimizer.zero_grad()
+        loss = F.cross_entropy(compiled(tokens).flatten(0, 1), target.flatten())
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model, optimizer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_cuda_move_after_parallelize_trains_on_the_gpu(strategy: str) -> None:
+    """``model.cuda()`` after ``parallelize`` (what Trainer and Lightning do): every parameter, shard and
+    optimizer state is on the GPU and the step runs there. One GPU stands in for rank 0 of 2 on the fake
+    process group (its collectives return at once), so where no collective writes a tensor the rank reads
+    (ddp: gradients are averaged in place; tp's partial sums) the losses equal those of a model moved
+    before ``parallelize``; sharded strategies read gathered parameters the fake group leaves unwritten."""
+    import dpar
+    from fake_world import fake_world
+
+    example = (torch.zeros(4, 6, dtype=torch.long),) if strategy == "tp" else None
+    with fake_world(2):
+        moved_after = dpar.parallelize(_model(), strategy=strategy, example_inputs=example).cuda()
+        after, model, optimizer = _train_on_fake_world(moved_after, "cuda")
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        assert all(p.is_cuda for p in local), strategy
+        assert all(v.is_cuda for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()), strategy
+    if strategy in ("ddp", "tp"):
+        with fake_world(2):
+            cuda_example = None if example is None else tuple(t.cuda() for t in example)
+            before, _, _ = _train_on_fake_world(
+                dpar.parallelize(_model().cuda(), strategy=strategy, example_inputs=cuda_example), "cuda")
+        assert after == pytest.approx(before, rel=1e-6), (strategy, after, before)

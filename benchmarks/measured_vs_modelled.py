@@ -215,7 +215,8 @@ def calibrate_gpu(matmul: int = 8192) -> dict[str, float]:
     return {"flops": 2 * matmul**3 / seconds(lambda: a @ b), "memory_bandwidth": 2 * big.nbytes / seconds(big.clone)}
 
 
-def measure_gpu(model_name: str, cases: tuple[tuple[str, str], ...], world_size: int) -> dict[str, Any]:
+def measure_gpu(model_name: str, cases: tuple[tuple[str, str], ...], world_size: int,
+                profile: bool = False) -> dict[str, Any]:
     """Rank 0 of ``world_size`` ranks on this GPU, over torch's fake process group (see the module's note):
     per (strategy, activation policy), peak bytes above the state and compute seconds of a steady step."""
     import dpar
@@ -261,6 +262,13 @@ def measure_gpu(model_name: str, cases: tuple[tuple[str, str], ...], world_size:
                 torch.cuda.synchronize()
                 steps.append((start.elapsed_time(end) / 1e3, time.perf_counter() - wall))
                 finish()
+            if profile:  # where the measured time goes, kernel by kernel, beside the modelled roofline
+                from torch.profiler import ProfilerActivity
+                with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    forward_backward(WARMUP + 1 + TIMED)
+                    torch.cuda.synchronize()
+                finish()
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
             out["strategies"][_key(strategy, policy)] = {
                 "state_bytes": state, "peak_activation_bytes": peak,
                 "compute_s": statistics.median(s[0] for s in steps), "steps": steps,
@@ -299,7 +307,7 @@ def main_gpu(args: argparse.Namespace, models: list[str], cases: tuple[tuple[str
         measurements = {"revision": revision(), "torch": torch.__version__, "world_size": args.world_size,
                         "preset": preset, "models": {}}
         for name in models:
-            measurements["models"][name] = measure_gpu(name, cases, args.world_size)
+            measurements["models"][name] = measure_gpu(name, cases, args.world_size, args.profile)
             measured_path.parent.mkdir(parents=True, exist_ok=True)
             measured_path.write_text(json.dumps(measurements, indent=2) + "\n")  # a cut-off run keeps what it measured
         print(f"wrote {measured_path}", flush=True)
@@ -406,6 +414,7 @@ def main() -> None:
                         help="cpu: 2 gloo ranks; cuda: this GPU as rank 0 of --world-size on the fake process group")
     parser.add_argument("--world-size", type=int, default=8, help="--device cuda: the ranks the one GPU stands in for")
     parser.add_argument("--measure-only", action="store_true", help="--device cuda: measure, write, and stop")
+    parser.add_argument("--profile", action="store_true", help="--device cuda: print each case's kernels by CUDA time")
     parser.add_argument("--measured", type=Path, help="--device cuda: model the measurements of this file (no GPU needed)")
     parser.add_argument("--out", type=Path, help="JSON file (default benchmarks/results/measured_vs_modelled[_gpu].json)")
     args = parser.parse_args()

@@ -27,7 +27,10 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch 2.11 (the GPU machines) names it hint_int, with the same (value, fallback)
+    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from dpar.compiler.collectives import is_compute

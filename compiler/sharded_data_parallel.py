@@ -36,7 +36,10 @@ def flat_layout(inputs: Sequence[GraphInput], example_inputs: Sequence[Any]) -> 
     """
     starts = [i for i, value in enumerate(example_inputs) if not isinstance(value, FakeScriptObject)]
     if len(starts) != len(inputs):
-        raise RuntimeError(f"dpar internal error: {len(inputs)} Dynamo inputs but {len(starts)} flat tensors")
+        raise RuntimeError(
+            f"dpar internal error: {len(inputs)} Dynamo inputs but {len(starts)} flat tensors "
+            f"(Dynamo: {[inp.kind.name for inp in inputs]}; flat: {[type(v).__name__ for v in example_inputs]})"
+        )
     layout, gradient = [], 0
     for inp, start, end in zip(inputs, starts, [*starts[1:], len(example_inputs)]):
         layout.append((start, gradient))

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from dpar.core.torch_internals import functional_collectives, pad_tensor, per_chunk_shard_reducer, set_shard_reducer
+from dpar.core.torch_internals import pad_tensor, per_chunk_shard_reducer, reduce_scatter_single, set_shard_reducer
 
 
 # [Note: uneven shards, one pad]
@@ -43,7 +43,7 @@ def uneven_shards_padded_once() -> Iterator[None]:
             return per_chunk(self, tensor, mesh, reduce_op, mesh_dim)
         chunk = -(-size // ranks)
         padded = pad_tensor(tensor, self.dim, chunk * ranks - size).contiguous()
-        shard = functional_collectives.reduce_scatter_single(padded, reduce_op, scatter_dim=self.dim, group=(mesh, mesh_dim))
+        shard = reduce_scatter_single(padded, reduce_op, scatter_dim=self.dim, group=(mesh, mesh_dim))
         rows = max(0, min(chunk, size - coordinate[mesh_dim] * chunk))
         return shard if rows == chunk else shard.narrow(self.dim, 0, rows)
 

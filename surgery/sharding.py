@@ -4,8 +4,12 @@
 Each parameter is replaced by an ``nn.Parameter`` holding a ``Shard(0)`` DTensor,
 so ``model.parameters()``, optimizers (whose state is then sharded too),
 ``state_dict`` and ``torch.distributed.checkpoint`` all see shards. The module's
-class is swapped for a subclass whose attribute of the same name returns
-``shard.full_tensor(grad_placements=[Partial()])``: Dynamo and AOTAutograd trace
+class is swapped for a subclass whose attribute of the same name returns the shard
+redistributed to ``Replicate()`` and read by ``to_local(grad_placements=[Partial()])``
+(what ``shard.full_tensor(grad_placements=...)`` does, spelled so that torch 2.11's
+Dynamo traces it: it graph-breaks on ``full_tensor``'s own autograd.Function and
+its list of placements, splitting every sharded module into frames dpar cannot
+pair with the parameters; 2.13 traces both spellings into the same graph): Dynamo and AOTAutograd trace
 that into an ``all_gather_into_tensor`` in the forward and, for its gradient, a
 ``reduce_scatter_tensor`` in the backward. dpar's passes then own what happens
 to those collectives: buckets, averaging, prefetch order and whether the
@@ -51,7 +55,9 @@ def _gathering_class(
             shard = self._parameters[name]
             if param_dtype is not None:
                 shard = shard.to(param_dtype)
-            return shard.full_tensor(grad_placements=[Partial()] * shard.device_mesh.ndim)
+            ndim = shard.device_mesh.ndim
+            return shard.redistribute(placements=[Replicate()] * ndim, async_op=False).to_local(
+                grad_placements=[Partial()] * ndim)
 
         return property(read)
 

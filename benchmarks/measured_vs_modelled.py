@@ -146,30 +146,39 @@ def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     return total
 
 
+def _warmed_up(model_name: str, strategy: str, policy: str, batch: Callable[[int], tuple[torch.Tensor, ...]],
+               device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[int], None], Callable[[], None]]:
+    """The model built on ``device``, parallelized and compiled, its AdamW, and a step as forward + backward
+    (of ``batch(step)``) and the optimizer's part, after ``WARMUP`` steps (the first compiles)."""
+    import dpar
+
+    torch._dynamo.reset()
+    with torch.device(device):
+        model = dpar.parallelize(_build(model_name), strategy=strategy, activation_checkpointing=policy)
+    compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def forward_backward(step: int) -> None:
+        compiled(*batch(step)).backward()
+
+    def finish() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for step in range(WARMUP):
+        forward_backward(step)
+        finish()
+    return model, optimizer, forward_backward, finish
+
+
 def measure(rank: int, world_size: int, model_name: str, cases: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     """On one rank: per (strategy, activation policy), peak activation bytes and compute seconds of a steady-state step."""
-    import dpar
     from torch.profiler import ProfilerActivity, profile, record_function
 
     batch = MODELS[model_name][1]
     out: dict[str, Any] = {"strategies": {}}
     for strategy, policy in cases:
-        torch._dynamo.reset()
-        model = dpar.parallelize(_build(model_name), strategy=strategy, activation_checkpointing=policy)
-        compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def forward_backward(step: int) -> None:
-            loss = compiled(*batch(rank, step))
-            loss.backward()
-
-        def finish() -> None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        for step in range(WARMUP):
-            forward_backward(step)
-            finish()
+        model, optimizer, forward_backward, finish = _warmed_up(model_name, strategy, policy, lambda step: batch(rank, step))
         state = _state_bytes(model, optimizer)
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -190,7 +199,7 @@ def measure(rank: int, world_size: int, model_name: str, cases: tuple[tuple[str,
             "state_bytes": state, "peak_activation_bytes": peak, "calibration": calibration,
             "compute_s": compute, "forward_backward_wall_s": wall, "steps": steps,
         }
-        del model, compiled, optimizer
+        del model, optimizer, forward_backward, finish
     return out
 
 
@@ -219,7 +228,6 @@ def measure_gpu(model_name: str, cases: tuple[tuple[str, str], ...], world_size:
                 profile: bool = False) -> dict[str, Any]:
     """Rank 0 of ``world_size`` ranks on this GPU, over torch's fake process group (see the module's note):
     per (strategy, activation policy), peak bytes above the state and compute seconds of a steady step."""
-    import dpar
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.set_float32_matmul_precision("high")
@@ -228,22 +236,8 @@ def measure_gpu(model_name: str, cases: tuple[tuple[str, str], ...], world_size:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         for strategy, policy in cases:
-            torch._dynamo.reset()
-            with torch.device("cuda"):
-                model = dpar.parallelize(_build(model_name), strategy=strategy, activation_checkpointing=policy)
-            compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-            def forward_backward(step: int) -> None:
-                compiled(*(t.cuda() for t in batch(0, step))).backward()
-
-            def finish() -> None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            for step in range(WARMUP):
-                forward_backward(step)
-                finish()
+            model, optimizer, forward_backward, finish = _warmed_up(
+                model_name, strategy, policy, lambda step: tuple(t.cuda() for t in batch(0, step)), device="cuda")
             torch.cuda.synchronize()
             state = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -275,7 +269,7 @@ def measure_gpu(model_name: str, cases: tuple[tuple[str, str], ...], world_size:
             }
             print(f"  measured {model_name} {_key(strategy, policy)}: peak {peak / 2**20:.1f} MiB, "
                   f"{out['strategies'][_key(strategy, policy)]['compute_s'] * 1e3:.2f} ms", flush=True)
-            del model, compiled, optimizer
+            del model, optimizer, forward_backward, finish
             torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()

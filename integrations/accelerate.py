@@ -89,3 +89,19 @@ class DparAccelerator(accelerate.Accelerator):
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         with dpar.no_sync(model):
             yield
+
+    def save_state(self, *args: Any, **kwargs: Any) -> None:
+        raise _refused_state("save_state", "save")
+
+    def load_state(self, *args: Any, **kwargs: Any) -> None:
+        raise _refused_state("load_state", "load")
+
+
+def _refused_state(method: str, verb: str) -> dpar.OptionsError:
+    """Accelerate saves every optimizer's state from rank 0 alone: under zero1, zero2, fsdp and tp that is one
+    rank's part, which a resume would load on every rank."""
+    return dpar.OptionsError(
+        f"DparAccelerator.{method} would keep only rank 0's part of sharded optimizer state: call "
+        f"dpar.checkpoint.{verb}(model, optimizer, path) on every rank (it {verb}s every rank's shards), and "
+        "keep the scheduler's state_dict() beside it"
+    )

@@ -1,0 +1,158 @@
+"""Hugging Face's Trainer trains a dpar model under every strategy to the plain DDP Trainer's numbers.
+
+Two gloo ranks (as torchrun would start them), a tiny HF Llama built from a config, Trainer with
+``use_cpu=True, ddp_backend="gloo"``. The anchor is the library's own DDP path: ``transformers.Trainer`` on the
+same model and data, which wraps the model in torch DDP. ``DparTrainer`` runs the same arguments with gradient
+accumulation, evaluation and ``save_strategy="steps"``; a second DparTrainer resumes from the step-2 checkpoint
+(dpar's sharded one) and must end where the uninterrupted runs ended. See [Note: how DparTrainer keeps
+Trainer's DDP out] in integrations/transformers.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distributed import run_ranks
+
+TOLERANCE = 1e-5
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp")
+STEPS = 3
+SAVED_AT = 2
+SEQ = 8
+VOCAB = 64
+
+
+def llama() -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )
+    return tf.LlamaForCausalLM(config)
+
+
+def rows(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Causal-LM examples; the last token of every third row is left out of the loss (a varying token count)."""
+    ids = torch.randint(1, VOCAB, (count, SEQ), generator=torch.Generator().manual_seed(seed))
+    examples = []
+    for row, example in enumerate(ids):
+        labels = example.clone()
+        if row % 3 == 0:
+            labels[-1] = -100
+        examples.append({"input_ids": example, "labels": labels})
+    return examples
+
+
+def training_arguments(output_dir: str, **changes: object):
+    import transformers as tf
+
+    arguments = dict(
+        output_dir=output_dir, use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True, seed=0,
+        per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=STEPS, learning_rate=1e-3, lr_scheduler_type="constant", max_grad_norm=1.0,
+        logging_steps=100, save_strategy="no",
+    )
+    return tf.TrainingArguments(**{**arguments, **changes})
+
+
+def _parallelized(strategy: str) -> nn.Module:
+    import dpar
+
+    model = llama()
+    if strategy != "ddp":  # ddp is the default of torch.compile(backend="dpar")
+        dpar.parallelize(model, strategy=strategy, example_inputs=(rows(2, 0)[0]["input_ids"][None],))
+    return model
+
+
+def _dpar_trainer(strategy: str, output_dir: str):
+    from dpar.integrations.transformers import DparTrainer
+    from dpar.runtime.gradient_sync import inside_no_sync
+
+    class SyncRecordingTrainer(DparTrainer):
+        """Records, per micro-batch, whether its backward reduces (outside ``dpar.no_sync``)."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.reduced: list[bool] = []
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            if model.training:
+                self.reduced.append(not inside_no_sync(self.model.parameters()))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    torch._dynamo.reset()
+    model = _parallelized(strategy)
+    trainer = SyncRecordingTrainer(
+        model, args=training_arguments(output_dir, save_strategy="steps", save_steps=SAVED_AT), train_dataset=rows(32, 1), eval_dataset=rows(8, 2),
+        compile_options={"compiler": "aot_eager"},
+    )
+    return model, trainer
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _trainer_against_ddp(rank: int, world_size: int, strategy: str, root: str) -> dict[str, object]:
+    import dpar
+    import transformers as tf
+
+    started = time.monotonic()
+    anchor = tf.Trainer(
+        model=llama(), args=training_arguments(os.path.join(root, "ddp")), train_dataset=rows(32, 1),
+        eval_dataset=rows(8, 2),
+    )
+    anchor_loss = anchor.train().training_loss
+    anchor_eval = anchor.evaluate()["eval_loss"]
+    want = {k: v.detach().clone() for k, v in anchor.model.state_dict().items()}
+
+    out = os.path.join(root, "dpar")
+    model, trainer = _dpar_trainer(strategy, out)
+    loss = trainer.train().training_loss
+    evaluated = trainer.evaluate()["eval_loss"]
+    got = dpar.checkpoint.full_state_dict(model)
+    checkpoint = os.path.join(out, f"checkpoint-{SAVED_AT}")
+    shard_files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(checkpoint, "dpar", "*.distcp")))
+
+    exported = os.path.join(root, "exported")
+    trainer.save_model(exported)
+
+    resumed_model, resumed = _dpar_trainer(strategy, os.path.join(root, "resumed"))
+    resumed.train(resume_from_checkpoint=checkpoint)
+    got_resumed = dpar.checkpoint.full_state_dict(resumed_model)
+    if rank != 0:
+        return {}
+    from_pretrained = tf.LlamaForCausalLM.from_pretrained(exported).state_dict()
+    return {
+        "params": _max_diff(want, got),
+        "resumed": _max_diff(want, got_resumed),
+        "resumed_vs_uninterrupted": _max_diff(got, got_resumed),
+        "exported": _max_diff(got, {k: from_pretrained[k] for k in got}),
+        "train_loss": abs(loss - anchor_loss),
+        "eval_loss": abs(evaluated - anchor_eval),
+        "shard_files": shard_files,
+        "reduced": trainer.reduced,
+        "seconds": time.monotonic() - started,
+    }
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_trainer_with_accumulation_evaluation_and_resume_equals_the_ddp_trainer(strategy: str) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        found = run_ranks(_trainer_against_ddp, 2, strategy, root, timeout_s=300)[0]
+    print(f"{strategy}: {found}")
+    assert found["shard_files"] == ["__0_0.distcp", "__1_0.distcp"], found  # every rank wrote its own shards
+    for figure in ("params", "resumed", "resumed_vs_uninterrupted", "train_loss", "eval_loss"):
+        assert found[figure] <= TOLERANCE, (figure, found)
+    assert found["exported"] == 0.0, found
+    assert found["reduced"] == [False, True] * STEPS, found  # accumulation: one reduction per optimizer step

@@ -59,7 +59,7 @@ def training_arguments(output_dir: str, **changes: object):
         output_dir=output_dir, use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True, seed=0,
         per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=2,
         max_steps=STEPS, learning_rate=1e-3, lr_scheduler_type="constant", max_grad_norm=1.0,
-        logging_steps=100, save_strategy="no",
+        logging_steps=1, save_strategy="no",
     )
     return tf.TrainingArguments(**{**arguments, **changes})
 
@@ -98,6 +98,11 @@ def _dpar_trainer(strategy: str, output_dir: str):
     return model, trainer
 
 
+def _grad_norms(trainer) -> list[float]:
+    """Each step's gradient norm before clipping, as Trainer logs it."""
+    return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+
+
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
@@ -114,6 +119,7 @@ def _trainer_against_ddp(rank: int, world_size: int, strategy: str, root: str) -
     )
     anchor_loss = anchor.train().training_loss
     anchor_eval = anchor.evaluate()["eval_loss"]
+    anchor_norms = _grad_norms(anchor)
     want = {k: v.detach().clone() for k, v in anchor.model.state_dict().items()}
 
     out = os.path.join(root, "dpar")
@@ -139,6 +145,8 @@ def _trainer_against_ddp(rank: int, world_size: int, strategy: str, root: str) -
         "resumed_vs_uninterrupted": _max_diff(got, got_resumed),
         "exported": _max_diff(got, {k: from_pretrained[k] for k in got}),
         "train_loss": abs(loss - anchor_loss),
+        "grad_norm": max(abs(a - b) for a, b in zip(_grad_norms(trainer), anchor_norms, strict=True)),
+        "anchor_grad_norms": anchor_norms,
         "eval_loss": abs(evaluated - anchor_eval),
         "shard_files": shard_files,
         "reduced": trainer.reduced,
@@ -152,7 +160,59 @@ def test_trainer_with_accumulation_evaluation_and_resume_equals_the_ddp_trainer(
         found = run_ranks(_trainer_against_ddp, 2, strategy, root, timeout_s=300)[0]
     print(f"{strategy}: {found}")
     assert found["shard_files"] == ["__0_0.distcp", "__1_0.distcp"], found  # every rank wrote its own shards
-    for figure in ("params", "resumed", "resumed_vs_uninterrupted", "train_loss", "eval_loss"):
+    assert len(found["anchor_grad_norms"]) == STEPS and min(found["anchor_grad_norms"]) > 1.0, found  # clipping acts
+    for figure in ("params", "resumed", "resumed_vs_uninterrupted", "train_loss", "eval_loss", "grad_norm"):
         assert found[figure] <= TOLERANCE, (figure, found)
     assert found["exported"] == 0.0, found
     assert found["reduced"] == [False, True] * STEPS, found  # accumulation: one reduction per optimizer step
+
+
+def test_a_compiled_model_or_accelerates_torch_compile_is_refused_by_name() -> None:
+    import dpar
+    from dpar.integrations.transformers import DparTrainer
+
+    with tempfile.TemporaryDirectory() as root:
+        with pytest.raises(dpar.OptionsError, match="already wrapped by torch.compile: pass the model itself"):
+            DparTrainer(torch.compile(llama(), backend="dpar"), args=training_arguments(root, ddp_backend=None))
+        with pytest.raises(dpar.OptionsError, match="knows no 'dpar' backend: leave torch_compile off"):
+            DparTrainer(llama(), args=training_arguments(root, ddp_backend=None, torch_compile=True))
+
+
+def _best_model_against_ddp(rank: int, world_size: int, strategy: str, root: str) -> dict[str, object]:
+    import dpar
+    import transformers as tf
+    from dpar.integrations.transformers import DparTrainer
+
+    # The highest evaluation loss counts as best: the first checkpoint, so loading it changes the model.
+    best = dict(
+        eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+        metric_for_best_model="loss", greater_is_better=True,
+    )
+    anchor = tf.Trainer(
+        model=llama(), args=training_arguments(os.path.join(root, "ddp"), **best), train_dataset=rows(32, 1),
+        eval_dataset=rows(8, 2),
+    )
+    anchor.train()
+    want = {k: v.detach().clone() for k, v in anchor.model.state_dict().items()}
+    torch._dynamo.reset()
+    model = _parallelized(strategy)
+    trainer = DparTrainer(
+        model, args=training_arguments(os.path.join(root, "dpar"), **best), train_dataset=rows(32, 1),
+        eval_dataset=rows(8, 2), compile_options={"compiler": "aot_eager"},
+    )
+    trainer.train()
+    got = dpar.checkpoint.full_state_dict(model)
+    if rank != 0:
+        return {}
+    return {
+        "best": [os.path.basename(t.state.best_model_checkpoint) for t in (anchor, trainer)],
+        "params": _max_diff(want, got),
+    }
+
+
+def test_load_best_model_at_end_loads_the_best_sharded_checkpoint_as_the_ddp_trainer_does() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        found = run_ranks(_best_model_against_ddp, 2, "fsdp", root, timeout_s=300)[0]
+    print(found)
+    assert found["best"] == ["checkpoint-1", "checkpoint-1"], found
+    assert found["params"] <= TOLERANCE, found

@@ -32,9 +32,10 @@ from dpar.runtime.tensor_parallel import as_dtensor
 def compile_with_dpar(model: nn.Module, options: dict[str, Any] | None) -> nn.Module:
     """``torch.compile(model, backend="dpar", options=options)``; a model torch.compile already wrapped is refused,
     since its backend cannot be read back and any other backend would train each rank on its own."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    wrapped = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+    if wrapped is not None:
         raise dpar.OptionsError(
-            f"{type(model._orig_mod).__name__} is already wrapped by torch.compile: pass the model itself "
+            f"{type(wrapped).__name__} is already wrapped by torch.compile: pass the model itself "
             "(after dpar.parallelize, if you use a strategy) and give the backend's options as compile_options={...}; "
             "it is compiled with backend='dpar' here"
         )

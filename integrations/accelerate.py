@@ -82,7 +82,9 @@ class DparAccelerator(accelerate.Accelerator):
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         return compile_with_dpar(prepared, self.compile_options)
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
         self.unscale_gradients()
         return clip_grad_norm_(parameters, max_norm, norm_type)
 

@@ -46,7 +46,9 @@ class DparTrainer(transformers.Trainer):
     See [Note: how DparTrainer keeps Trainer's DDP out].
     """
 
-    def __init__(self, model: nn.Module, *args: Any, compile_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: nn.Module, *args: Any, compile_options: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         compiled = compile_with_dpar(model, compile_options)
         super().__init__(model, *args, **kwargs)
         if self.args.torch_compile:
@@ -54,6 +56,11 @@ class DparTrainer(transformers.Trainer):
                 "TrainingArguments(torch_compile=True) compiles through Accelerate, which knows no 'dpar' backend: "
                 "leave torch_compile off; DparTrainer compiles the model with backend='dpar' "
                 "(its options: DparTrainer(..., compile_options={...}))"
+            )
+        if self.args.auto_find_batch_size:  # every try resets model_wrapped to the core model, which DDP wraps
+            raise dpar.OptionsError(
+                "TrainingArguments(auto_find_batch_size=True) resets the model Trainer runs to the uncompiled one, "
+                "in torch DDP, at every try: set per_device_train_batch_size instead"
             )
         self.model_wrapped = compiled
         self.compiled_model = compiled
@@ -92,12 +99,8 @@ class DparTrainer(transformers.Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        # Before the optimizer exists: the weights come with it in _load_optimizer_and_scheduler, read once.
-        if not os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)):
-            raise dpar.CheckpointError(
-                f"{resume_from_checkpoint} holds no dpar checkpoint ({CHECKPOINT_SUBDIR}/): DparTrainer resumes "
-                "only from the checkpoints it wrote"
-            )
+        """Nothing yet: Trainer calls this before the optimizer exists, and dpar's checkpoint holds the weights
+        with the optimizer state, read once in ``_load_optimizer_and_scheduler`` (which names what is missing)."""
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

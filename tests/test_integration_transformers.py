@@ -92,7 +92,8 @@ def _dpar_trainer(strategy: str, output_dir: str):
     torch._dynamo.reset()
     model = _parallelized(strategy)
     trainer = SyncRecordingTrainer(
-        model, args=training_arguments(output_dir, save_strategy="steps", save_steps=SAVED_AT), train_dataset=rows(32, 1), eval_dataset=rows(8, 2),
+        model, args=training_arguments(output_dir, save_strategy="steps", save_steps=SAVED_AT),
+        train_dataset=rows(32, 1), eval_dataset=rows(8, 2),
         compile_options={"compiler": "aot_eager"},
     )
     return model, trainer
@@ -167,7 +168,7 @@ def test_trainer_with_accumulation_evaluation_and_resume_equals_the_ddp_trainer(
     assert found["reduced"] == [False, True] * STEPS, found  # accumulation: one reduction per optimizer step
 
 
-def test_a_compiled_model_or_accelerates_torch_compile_is_refused_by_name() -> None:
+def test_a_compiled_model_accelerates_torch_compile_and_auto_batch_size_are_refused_by_name() -> None:
     import dpar
     from dpar.integrations.transformers import DparTrainer
 
@@ -176,6 +177,8 @@ def test_a_compiled_model_or_accelerates_torch_compile_is_refused_by_name() -> N
             DparTrainer(torch.compile(llama(), backend="dpar"), args=training_arguments(root, ddp_backend=None))
         with pytest.raises(dpar.OptionsError, match="knows no 'dpar' backend: leave torch_compile off"):
             DparTrainer(llama(), args=training_arguments(root, ddp_backend=None, torch_compile=True))
+        with pytest.raises(dpar.OptionsError, match="resets the model Trainer runs to the uncompiled one"):
+            DparTrainer(llama(), args=training_arguments(root, ddp_backend=None, auto_find_batch_size=True))
 
 
 def _best_model_against_ddp(rank: int, world_size: int, strategy: str, root: str) -> dict[str, object]:

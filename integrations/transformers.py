@@ -18,10 +18,11 @@ Checkpoints are dpar's, sharded: each ``checkpoint-N`` holds ``dpar/`` (``dpar.c
 and the optimizer, every rank writing its shards) beside Trainer's scheduler, per-rank RNG states and
 ``trainer_state.json``; ``resume_from_checkpoint`` reads them back at any world size the strategy allows.
 ``save_model`` (the user's, not a checkpoint's) exports a directory ``from_pretrained`` opens
-(``dpar.checkpoint.save_safetensors``). The checkpoint hooks Trainer has no public name for
-(``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
-``_load_best_model``) are overridden by those names; tests/test_integration_transformers.py resumes through
-each, so a rename in transformers fails there, never silently.
+(``dpar.checkpoint.save_safetensors``). The hooks Trainer has no public name for (``_save_optimizer_and_scheduler``,
+``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_best_model``, and ``_clip_grad_norm``, see
+``clip_grad_norm_`` in ``accelerate.py``) are overridden by those names; tests/test_integration_transformers.py
+resumes, loads the best model and compares the clipped norms through each, so a rename in transformers fails
+there, never silently.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from dpar.core.errors import (
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
+from dpar.runtime.gradient_norm import clip_grad_norm_
 from dpar.core.facts import OuterSGD
 
 register()
@@ -50,6 +51,7 @@ __all__ = [
     "UnmaterializedStateError",
     "WrappedTwiceError",
     "checkpoint",
+    "clip_grad_norm_",
     "dpar_backend",
     "explain",
     "init_weights",

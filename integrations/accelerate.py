@@ -23,10 +23,8 @@ from typing import Any
 import accelerate
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 import dpar
-from dpar.runtime.tensor_parallel import as_dtensor
 
 
 def compile_with_dpar(model: nn.Module, options: dict[str, Any] | None) -> nn.Module:
@@ -40,29 +38,6 @@ def compile_with_dpar(model: nn.Module, options: dict[str, Any] | None) -> nn.Mo
             "it is compiled with backend='dpar' here"
         )
     return torch.compile(model, backend="dpar", options=options)
-
-
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all the gradients together, over every rank, and the gradients scaled to at most ``max_norm``.
-
-    torch's ``clip_grad_norm_`` reads a gradient dpar shards (zero2, fsdp) as the ``Shard(0)`` DTensor it is, but
-    a tensor-parallel block's gradient as a whole tensor: the norm of this rank's blocks only, so each rank
-    clipped by another factor (HF Llama under tp in Trainer: 5.5e-5 from torch DDP, 2.0e-6 without clipping).
-    Here each block counts as the DTensor of its whole parameter (``as_dtensor``); one norm per device mesh,
-    combined, as Accelerate combines meshes.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for param in params:
-        grad = as_dtensor(param.grad, param)
-        by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
-    norms = [torch.nn.utils.get_total_norm(grads, norm_type) for grads in by_mesh.values()]
-    norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.tensor(0.0)
-    for param in params:  # scaled as stored: a Shard(0) DTensor by a DTensor norm, a block by the plain one
-        norm = DTensor.from_local(total, param.grad.device_mesh) if isinstance(param.grad, DTensor) else total
-        torch.nn.utils.clip_grads_with_norm_([param], max_norm, norm)
-    return total
 
 
 class DparAccelerator(accelerate.Accelerator):
@@ -86,7 +61,7 @@ class DparAccelerator(accelerate.Accelerator):
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
         self.unscale_gradients()
-        return clip_grad_norm_(parameters, max_norm, norm_type)
+        return dpar.clip_grad_norm_(parameters, max_norm, norm_type)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

@@ -20,7 +20,7 @@ and the optimizer, every rank writing its shards) beside Trainer's scheduler, pe
 ``save_model`` (the user's, not a checkpoint's) exports a directory ``from_pretrained`` opens
 (``dpar.checkpoint.save_safetensors``). The hooks Trainer has no public name for (``_save_optimizer_and_scheduler``,
 ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_best_model``, and ``_clip_grad_norm``, see
-``clip_grad_norm_`` in ``accelerate.py``) are overridden by those names; tests/test_integration_transformers.py
+``dpar.clip_grad_norm_``) are overridden by those names; tests/test_integration_transformers.py
 resumes, loads the best model and compares the clipped norms through each, so a rename in transformers fails
 there, never silently.
 """
@@ -35,7 +35,7 @@ import torch.nn as nn
 import transformers
 
 import dpar
-from dpar.integrations.accelerate import clip_grad_norm_, compile_with_dpar
+from dpar.integrations.accelerate import compile_with_dpar
 
 CHECKPOINT_SUBDIR = "dpar"  # inside each checkpoint-N: dpar.checkpoint's sharded model and optimizer
 
@@ -78,9 +78,9 @@ class DparTrainer(transformers.Trainer):
         return super().prediction_step(self.compiled_model, inputs, prediction_loss_only, ignore_keys)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        # Trainer's clip reads a tensor-parallel block as a whole gradient: see clip_grad_norm_.
+        # Trainer's clip reads a tensor-parallel block as a whole gradient: see dpar.clip_grad_norm_.
         self.accelerator.unscale_gradients()
-        return clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+        return dpar.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A checkpoint's model goes to dpar's sharded checkpoint (with the optimizer); the user's call exports

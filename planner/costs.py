@@ -265,25 +265,39 @@ class CostModel:
             fwd, bwd = self.kernel_seconds(op, cand)
         stats = cand.stats * self.tp_collective("all_reduce", self.stats_bytes(op)) if cand.stats else 0.0
         saved = self.saved_bytes(index, cand)
-        nbytes: dict[tuple[bool, bool], float] = defaultdict(float)  # owned parameter bytes per rank by (trained, root)
-        state = gathered = copies = 0.0
+        state = gathered = 0.0
         for info in self.owned.get(index, []):
             local = local_numel(info.shape, cand.params[info.slot], self.tp)
-            nbytes[info.requires_grad, info.bucket == "root"] += local * info.itemsize
-            copies += self.bucket_copy_bytes(info, local * info.itemsize)
             state += self.param_state_bytes(local, info.requires_grad, info.itemsize)
             gathered += self.gathered_bytes(local, info.itemsize, info.bucket == "root")
+        nbytes = self.owned_bytes(index, cand)
         dp = {"forward": 0.0, "backward": 0.0}
         for kind, phase, trained_only, not_root, _ in self.dp_collectives():
             payload = sum(b for (trained, root), b in nbytes.items() if (trained or not trained_only) and not (root and not_root))
             dp[phase] += self.collective(kind, payload, self.layout.dp_axes, alpha=False)
-        kernels = {phase: b / self.device.memory_bandwidth for phase, b in self.dp_kernel_bytes(nbytes).items()}
-        kernels["backward"] += copies / self.device.memory_bandwidth + self.accumulation_seconds(index, cand)
+        kernels = self.dp_kernel_seconds(index, cand)
+        kernels["backward"] += self.accumulation_seconds(index, cand)
         n = op.count
         return OpCost(
             n * fwd + kernels["forward"], n * bwd + kernels["backward"], n * stats,
             dp["forward"], dp["backward"], n * saved + state + gathered,
         )
+
+    def owned_bytes(self, index: int, cand: Candidate) -> dict[tuple[bool, bool], float]:
+        """Bytes per rank of the parameters op ``index`` owns, by (trained, the root's)."""
+        nbytes: dict[tuple[bool, bool], float] = defaultdict(float)
+        for info in self.owned.get(index, []):
+            nbytes[info.requires_grad, info.bucket == "root"] += local_numel(info.shape, cand.params[info.slot], self.tp) * info.itemsize
+        return nbytes
+
+    def dp_kernel_seconds(self, index: int, cand: Candidate) -> dict[str, float]:
+        """Seconds per phase of the data-parallel kernels on op ``index``'s parameters (see the Note), ddp's copies into
+        shared buckets included: what a graph of one rank does not run."""
+        found = {phase: b / self.device.memory_bandwidth for phase, b in self.dp_kernel_bytes(self.owned_bytes(index, cand)).items()}
+        for info in self.owned.get(index, []):
+            local = local_numel(info.shape, cand.params[info.slot], self.tp) * info.itemsize
+            found["backward"] += self.bucket_copy_bytes(info, local) / self.device.memory_bandwidth
+        return found
 
     def kernel_seconds(self, op: Op, cand: Candidate) -> tuple[float, float]:
         """(forward, backward) seconds of one instance of ``op`` on one rank: each of its kernels at the

@@ -38,7 +38,7 @@ def plan(
     memory_budget_gb: float | None = None,
     mesh_dim_names: Sequence[str] | None = None,
     device: str | DeviceSpec = "h100",
-    on_graphs: bool = True,
+    on_graphs: bool = False,
 ) -> Plan:
     """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank (by default
     the device's memory: 80 GB on ``"h100"``, 141 on ``"h200"``; none on ``"cpu"``).
@@ -60,9 +60,10 @@ def plan(
     the solver choose. ``device`` is a preset (``"h100"``, ``"h200"``, ``"cpu"``) or a ``DeviceSpec``:
     the one device description ``dpar inspect`` prices with too (``dpar.compiler.costs``); a preset's
     last mesh dimension is node-local (NVLink) when it fits in a node, the others cross nodes.
-    ``on_graphs``: the chosen plan's compute and saved activations are counted on the graphs dpar compiles
-    for it, as ``dpar inspect`` counts them (a compile of one rank's step; see [Note: the planner searches on
-    its op graph and reports on the graphs] in ``planner/graphs.py``); False: the search's op-graph figures.
+    ``on_graphs``: the chosen plan's compute and saved activations counted on the graphs dpar compiles for
+    it, as ``dpar inspect`` counts them, at the price of compiling one rank's step (Llama-3-8B: about 30 s
+    of CPU; ``dpar plan`` does it unless ``--op-graph``); see [Note: the planner searches on its op graph and
+    reports on the graphs] in ``planner/graphs.py``. By default the search's own (op-graph) figures.
     """
     from dpar.planner.solver import solve_activations  # scipy.optimize: loaded when planning, not on import dpar
 

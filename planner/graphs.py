@@ -79,20 +79,21 @@ def priced_on_graphs(plan: Plan, graph: OpGraph, model: nn.Module, example_input
     picked = chosen(graph, assignment)
     kernels = {"forward": 0.0, "backward": 0.0}
     dp = model_costs.dp_latency()
+    held = 0.0  # parameter state and gathered parameters, without the op graph's activations
     for o, cand in enumerate(picked):
         for phase, seconds in model_costs.dp_kernel_seconds(o, cand).items():
             kernels[phase] += seconds
         cost = model_costs.op_cost(o, cand)
         dp["forward"] += cost.dp_fwd
         dp["backward"] += cost.dp_bwd
+        held += cost.memory - graph.ops[o].count * model_costs.saved_bytes(o, cand) if graph.ops[o].kind != "output" else 0.0
     forward = costs.forward_s + kernels["forward"]
     backward = costs.backward_s - costs.recompute_s + kernels["backward"]
     c = plan.cost
     exposed = c.tp_comm_s + max(0.0, dp["forward"] - forward) + max(0.0, dp["backward"] - backward - costs.recompute_s)
-    state = c.memory_bytes_per_rank - c.activation_bytes_per_rank
     cost = dataclasses.replace(
         c, compute_s=forward + backward, recompute_s=costs.recompute_s, exposed_comm_s=exposed,
-        step_s=forward + backward + costs.recompute_s + exposed, memory_bytes_per_rank=state + costs.saved_bytes,
+        step_s=forward + backward + costs.recompute_s + exposed, memory_bytes_per_rank=round(held) + costs.saved_bytes,
         activation_bytes_per_rank=costs.saved_bytes,
     )
     return dataclasses.replace(plan, cost=cost, priced_on=ON_GRAPHS)

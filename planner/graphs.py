@@ -2,7 +2,8 @@
 
 [Note: the planner searches on its op graph and reports on the graphs]
 The search prices every layout and candidate per op (``costs.py``): fast, and good enough to rank
-plans. The plan it chooses is then priced again on the graphs dpar compiles for it: one rank's
+plans. With ``dpar.plan(..., on_graphs=True)`` (what ``dpar plan`` prints unless ``--op-graph``) the plan it
+chooses is then priced again on the graphs dpar compiles for it: one rank's
 forward and backward as ``torch.compile`` captures them, split by the joint passes and partitioner the
 plan's strategy uses (``compiler/step_costs.py``), plus the data-parallel kernels of the plan's mesh,
 which a graph of one rank does not run (``CostModel.dp_kernel_seconds``). Compute, recompute, saved
@@ -10,7 +11,9 @@ activations, memory and the step then follow from those graphs, so ``dpar plan``
 report one figure (Llama-3-8B, fsdp on 64 H100s: 21.00 GB saved, where the op graph counts 25.32 GB:
 the min-cut partitioner recomputes the pointwise ops the op graph counts as saved). Plans with a
 tensor-parallel axis keep the op graph's figures (``Plan.priced_on``): their graphs at one rank are
-not the graphs a tensor-parallel rank runs.
+not the graphs a tensor-parallel rank runs. The compile costs what ``dpar inspect``'s does less dpar's
+passes (Llama-3-8B: about 30 s of CPU), which is why the search itself does not run it, and why
+``on_graphs`` is off in ``dpar.plan`` (``strategy="auto"`` plans without it).
 """
 
 from __future__ import annotations

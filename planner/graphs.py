@@ -29,7 +29,7 @@ import torch.nn as nn
 from dpar.compiler.costs import DeviceSpec
 from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.recompute import tag_recompute
-from dpar.compiler.step_costs import graph_costs, is_meta, one_rank_graphs
+from dpar.compiler.step_costs import graph_costs, one_rank_graphs
 from dpar.core.plan import ActivationPolicy
 from dpar.core.torch_internals import pytree
 from dpar.planner.costs import CostModel
@@ -69,14 +69,27 @@ def rank_slice(example_inputs: Sequence[object], batch_size: int, rows: int) -> 
     return tuple(pytree.tree_map(first_rows, tuple(example_inputs)))
 
 
+def on_meta(model: nn.Module, example_inputs: tuple[object, ...]) -> tuple[nn.Module, tuple[object, ...]]:
+    """A copy of ``model`` whose parameters and buffers are meta tensors shaped as its own (no data copied, ties
+    kept), and the inputs on meta: compiling runs the forward, which on shapes alone (the planner's contract: the
+    global batch may be uninitialised) must compute nothing, and must not touch the user's model."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    moved = pytree.tree_map(lambda x: x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x,
+                            example_inputs)
+    return copy.deepcopy(model, memo), tuple(moved)
+
+
 def priced_on_graphs(plan: Plan, graph: OpGraph, model: nn.Module, example_inputs: Sequence[object], device: DeviceSpec) -> Plan:
     """``plan`` with its compute, recompute, saved activations, memory and step counted on its graphs (see the Note)."""
     layout = Layout(plan.mesh_shape, plan.mesh_dim_names, plan.data_parallel)
     if layout.tp_degree > 1:
         return plan
-    inputs = rank_slice(example_inputs, graph.batch_size, graph.batch_size // layout.dp_degree)
-    work = copy.deepcopy(model)  # compiling runs its forward: the user's model (BatchNorm's statistics) is left as it is
-    costs = graph_costs(one_rank_graphs(work, inputs, joint_pass(plan.data_parallel, plan.activations), is_meta(work, inputs)), device)
+    work, inputs = on_meta(model, rank_slice(example_inputs, graph.batch_size, graph.batch_size // layout.dp_degree))
+    costs = graph_costs(one_rank_graphs(work, inputs, joint_pass(plan.data_parallel, plan.activations), on_meta=True), device)
     model_costs = CostModel(graph, layout, device)
     assignment = Assignment(layout, (0,) * len(graph.ops))  # no tp axis: one candidate per op
     picked = chosen(graph, assignment)

@@ -267,6 +267,9 @@ def render(plan: Plan, console: Any) -> None:
     ):
         cost.add_row(term, value)
     console.print(cost)
+    if plan.memory_budget_bytes is not None and c.memory_bytes_per_rank > plan.memory_budget_bytes:
+        console.print(f"warning: counted on the {plan.priced_on}, this plan holds {_bytes(c.memory_bytes_per_rank)} per rank, "
+                      f"over the budget of {_bytes(plan.memory_budget_bytes)} that the search's op-graph count met")
 
 
 def policy_label(policy: ActivationPolicy) -> str:

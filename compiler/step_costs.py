@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpar.compiler.capture import GraphInput, classify_inputs
 from dpar.compiler.costs import DeviceSpec, attention_fused, node_cost
 from dpar.compiler.lowering import GraphRole, Lower, compile_graphs
 from dpar.compiler.memory import saved_activations
@@ -30,6 +31,15 @@ from dpar.compiler.passes.recompute import BLOCK_KEY
 from dpar.core.torch_internals import functorch_config, python_meta_kernels_lifted
 
 GraphPair = tuple[fx.GraphModule, fx.GraphModule | None]  # a forward graph and its backward (None: no gradient)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankGraphs:
+    """What one Dynamo graph became at one rank: its forward, its backward and the forward's flat inputs."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule | None
+    inputs: tuple[GraphInput, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +76,11 @@ def is_meta(model: torch.nn.Module, example_inputs: Any = ()) -> bool:
 def one_rank_graphs(
     model: torch.nn.Module, example_inputs: Sequence[Any], joint_pass: Callable[[fx.GraphModule], fx.GraphModule] | None,
     on_meta: bool,
-) -> list[GraphPair]:
+) -> list[RankGraphs]:
     """``model``'s forward and backward graphs as ``torch.compile`` captures them at one rank, split by
     ``joint_pass`` and the min-cut partitioner (None: AOTAutograd's default partitioner), as dpar's
     backend splits them; ``on_meta``: attention as its fused kernel (see [Note: attention on meta])."""
-    pairs: list[GraphPair] = []
+    found_graphs: list[RankGraphs] = []
 
     def backend(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
         found: dict[GraphRole, fx.GraphModule] = {}
@@ -83,7 +93,7 @@ def one_rank_graphs(
                                   joint_pass=joint_pass)
         forward = found.get(GraphRole.FORWARD, found.get(GraphRole.INFERENCE))
         if forward is not None:
-            pairs.append((forward, found.get(GraphRole.BACKWARD)))
+            found_graphs.append(RankGraphs(forward, found.get(GraphRole.BACKWARD), tuple(classify_inputs(gm, inputs))))
         return compiled
 
     lifted = python_meta_kernels_lifted() if on_meta else contextlib.nullcontext()
@@ -93,4 +103,4 @@ def one_rank_graphs(
             torch.compile(model, backend=backend)(*example_inputs)
     finally:
         torch.compiler.reset()
-    return pairs
+    return found_graphs

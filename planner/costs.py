@@ -265,9 +265,10 @@ class CostModel:
             fwd, bwd = self.kernel_seconds(op, cand)
         stats = cand.stats * self.tp_collective("all_reduce", self.stats_bytes(op)) if cand.stats else 0.0
         saved = self.saved_bytes(index, cand)
-        state = gathered = 0.0
+        state = gathered = copies = 0.0
         for info in self.owned.get(index, []):
             local = local_numel(info.shape, cand.params[info.slot], self.tp)
+            copies += self.bucket_copy_bytes(info, local * info.itemsize)
             state += self.param_state_bytes(local, info.requires_grad, info.itemsize)
             gathered += self.gathered_bytes(local, info.itemsize, info.bucket == "root")
         nbytes = self.owned_bytes(index, cand)
@@ -275,8 +276,8 @@ class CostModel:
         for kind, phase, trained_only, not_root, _ in self.dp_collectives():
             payload = sum(b for (trained, root), b in nbytes.items() if (trained or not trained_only) and not (root and not_root))
             dp[phase] += self.collective(kind, payload, self.layout.dp_axes, alpha=False)
-        kernels = self.dp_kernel_seconds(index, cand)
-        kernels["backward"] += self.accumulation_seconds(index, cand)
+        kernels = {phase: b / self.device.memory_bandwidth for phase, b in self.dp_kernel_bytes(nbytes).items()}
+        kernels["backward"] += copies / self.device.memory_bandwidth + self.accumulation_seconds(index, cand)
         n = op.count
         return OpCost(
             n * fwd + kernels["forward"], n * bwd + kernels["backward"], n * stats,
@@ -289,15 +290,6 @@ class CostModel:
         for info in self.owned.get(index, []):
             nbytes[info.requires_grad, info.bucket == "root"] += local_numel(info.shape, cand.params[info.slot], self.tp) * info.itemsize
         return nbytes
-
-    def dp_kernel_seconds(self, index: int, cand: Candidate) -> dict[str, float]:
-        """Seconds per phase of the data-parallel kernels on op ``index``'s parameters (see the Note), ddp's copies into
-        shared buckets included: what a graph of one rank does not run."""
-        found = {phase: b / self.device.memory_bandwidth for phase, b in self.dp_kernel_bytes(self.owned_bytes(index, cand)).items()}
-        for info in self.owned.get(index, []):
-            local = local_numel(info.shape, cand.params[info.slot], self.tp) * info.itemsize
-            found["backward"] += self.bucket_copy_bytes(info, local) / self.device.memory_bandwidth
-        return found
 
     def kernel_seconds(self, op: Op, cand: Candidate) -> tuple[float, float]:
         """(forward, backward) seconds of one instance of ``op`` on one rank: each of its kernels at the

@@ -6,7 +6,8 @@ plans. With ``dpar.plan(..., on_graphs=True)`` (what ``dpar plan`` prints unless
 chooses is then priced again on the graphs dpar compiles for it: one rank's
 forward and backward as ``torch.compile`` captures them, split by the joint passes and partitioner the
 plan's strategy uses (``compiler/step_costs.py``), plus the data-parallel kernels of the plan's mesh,
-which a graph of one rank does not run (``CostModel.dp_kernel_seconds``). Compute, recompute, saved
+which a graph of one rank does not run (``CostModel.dp_kernel_bytes``; ddp's copies into its buckets as
+its bucket schedule lays them out on that backward, ``compiler.data_parallel.bucket_copy_bytes``). Compute, recompute, saved
 activations, memory and the step then follow from those graphs, so ``dpar plan`` and ``dpar inspect``
 report one figure (Llama-3-8B, fsdp on 64 H100s: 21.00 GB saved, where the op graph counts 25.32 GB:
 the min-cut partitioner recomputes the pointwise ops the op graph counts as saved). Plans with a
@@ -27,6 +28,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from dpar.compiler.costs import DeviceSpec
+from dpar.compiler.data_parallel import bucket_copy_bytes
 from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.recompute import tag_recompute
 from dpar.compiler.step_costs import graph_costs, one_rank_graphs
@@ -89,7 +91,8 @@ def priced_on_graphs(plan: Plan, graph: OpGraph, model: nn.Module, example_input
     if layout.tp_degree > 1:
         return plan
     work, inputs = on_meta(model, rank_slice(example_inputs, graph.batch_size, graph.batch_size // layout.dp_degree))
-    costs = graph_costs(one_rank_graphs(work, inputs, joint_pass(plan.data_parallel, plan.activations), on_meta=True), device)
+    found = one_rank_graphs(work, inputs, joint_pass(plan.data_parallel, plan.activations), on_meta=True)
+    costs = graph_costs([(g.forward, g.backward) for g in found], device)
     model_costs = CostModel(graph, layout, device)
     assignment = Assignment(layout, (0,) * len(graph.ops))  # no tp axis: one candidate per op
     picked = chosen(graph, assignment)
@@ -97,12 +100,15 @@ def priced_on_graphs(plan: Plan, graph: OpGraph, model: nn.Module, example_input
     dp = model_costs.dp_latency()
     held = 0.0  # parameter state and gathered parameters, without the op graph's activations
     for o, cand in enumerate(picked):
-        for phase, seconds in model_costs.dp_kernel_seconds(o, cand).items():
-            kernels[phase] += seconds
+        for phase, nbytes in model_costs.dp_kernel_bytes(model_costs.owned_bytes(o, cand)).items():
+            kernels[phase] += nbytes / device.memory_bandwidth
         cost = model_costs.op_cost(o, cand)
         dp["forward"] += cost.dp_fwd
         dp["backward"] += cost.dp_bwd
         held += cost.memory - graph.ops[o].count * model_costs.saved_bytes(o, cand) if graph.ops[o].kind != "output" else 0.0
+    if layout.data_parallel == "replicate" and layout.dp_degree > 1:  # ddp's copies into its buckets, as it plans them
+        copied = sum(bucket_copy_bytes(g.backward, g.inputs, layout.dp_degree, device) for g in found if g.backward is not None)
+        kernels["backward"] += copied / device.memory_bandwidth
     forward = costs.forward_s + kernels["forward"]
     backward = costs.backward_s - costs.recompute_s + kernels["backward"]
     c = plan.cost

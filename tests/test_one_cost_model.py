@@ -95,7 +95,7 @@ def small_llama():
 
 @pytest.mark.parametrize(("strategy", "recompute"), [("ddp", Recompute.KEEP), ("zero2", Recompute.KEEP),
                                                      ("fsdp", Recompute.KEEP), ("fsdp", Recompute.SELECTIVE),
-                                                     ("zero2", Recompute.FULL)])
+                                                     ("zero2", Recompute.FULL), ("ddp", Recompute.FULL)])
 def test_plan_and_inspect_agree_on_state_activations_and_compute(small_llama, strategy, recompute):
     model, rank_inputs, graph = small_llama
     assignment = strategy_assignment(graph, strategy, (WORLD,))

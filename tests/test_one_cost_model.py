@@ -1,6 +1,8 @@
-"""One device and one FLOP count: ``dpar plan`` and ``dpar inspect`` price the same model's compute alike.
+"""One device and one FLOP count: ``dpar plan`` and ``dpar inspect`` price the same model's compute alike, and
+report the same compute and saved activations for the same plan (``planner/graphs.py``).
 
-Meta-device models only (nothing is allocated, no process group): a few seconds.
+Meta-device models only (nothing is allocated, no process group): about two minutes on 2 cores, most of it
+compiling a 3-layer Llama at 1 and 8 simulated ranks per case.
 """
 
 from __future__ import annotations

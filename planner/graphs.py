@@ -2,19 +2,20 @@
 
 [Note: the planner searches on its op graph and reports on the graphs]
 The search prices every layout and candidate per op (``costs.py``): fast, and good enough to rank
-plans. With ``dpar.plan(..., on_graphs=True)`` (what ``dpar plan`` prints unless ``--op-graph``) the plan it
-chooses is then priced again on the graphs dpar compiles for it: one rank's
-forward and backward as ``torch.compile`` captures them, split by the joint passes and partitioner the
-plan's strategy uses (``compiler/step_costs.py``), plus the data-parallel kernels of the plan's mesh,
-which a graph of one rank does not run (``CostModel.dp_kernel_bytes``; ddp's copies into its buckets as
-its bucket schedule lays them out on that backward, ``compiler.data_parallel.bucket_copy_bytes``). Compute, recompute, saved
-activations, memory and the step then follow from those graphs, so ``dpar plan`` and ``dpar inspect``
-report one figure (Llama-3-8B, fsdp on 64 H100s: 21.00 GB saved, where the op graph counts 25.32 GB:
-the min-cut partitioner recomputes the pointwise ops the op graph counts as saved). Plans with a
-tensor-parallel axis keep the op graph's figures (``Plan.priced_on``): their graphs at one rank are
-not the graphs a tensor-parallel rank runs. The compile costs what ``dpar inspect``'s does less dpar's
-passes (Llama-3-8B: about 30 s of CPU), which is why the search itself does not run it, and why
-``on_graphs`` is off in ``dpar.plan`` (``strategy="auto"`` plans without it).
+plans. With ``dpar.plan(..., on_graphs=True)`` (what ``dpar plan`` prints unless ``--op-graph``), the
+plan it chooses is then priced again on the graphs dpar compiles for it: one rank's forward and
+backward as ``torch.compile`` captures them, split by the joint passes and partitioner the plan's
+strategy uses (``compiler/step_costs.py``), plus the data-parallel kernels of the plan's mesh, which a
+graph of one rank does not run (``CostModel.dp_kernel_bytes``, and ddp's copies into its buckets as its
+bucket schedule lays them out on that backward: ``compiler.data_parallel.bucket_copy_bytes``). Compute,
+recompute and saved activations are then the figures ``dpar inspect`` reports (Llama-3-8B, fsdp on 64
+H100s: 21.00 GB saved, where the op graph counts 25.32 GB: the min-cut partitioner recomputes pointwise
+ops the op graph counts as saved); memory is the search's state and gathered parameters plus those
+activations, and the step the search's communication over that compute. Plans with a tensor-parallel
+axis keep the op graph's figures (``Plan.priced_on``): one rank's graphs are not what a tensor-parallel
+rank runs. The compile costs what ``dpar inspect``'s does less dpar's passes (Llama-3-8B: about 30 s of
+CPU), which is why the search does not run it and ``on_graphs`` is off in ``dpar.plan`` (``strategy="auto"``
+plans without it).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         result = plan(
             model, example_inputs, mesh_shape=args.mesh_shape, memory_budget_gb=args.memory_budget_gb,
-            mesh_dim_names=args.mesh_dim_names, device=args.device,
+            mesh_dim_names=args.mesh_dim_names, device=args.device, on_graphs=not args.op_graph,
         )
     except OptionsError as error:
         console.print(f"dpar plan: {error}")
@@ -208,6 +208,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh-dim-names", type=lambda t: tuple(t.split(",")), default=None,
                    help="fix each dimension's role instead of letting the solver choose: dp,tp")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON (Plan.from_json reads it)")
+    p.add_argument("--op-graph", action="store_true", help="report the search's op-graph figures; default: the chosen "
+                   "plan's compute and activations counted on its compiled graphs, as dpar inspect counts them")
     g = p.add_argument_group("--pipeline: choose pp (and dp = world / pp) instead of placements")
     g.add_argument("--pipeline", action="store_true", help="price every pipeline degree dividing the mesh's ranks")
     g.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zb_h1"))

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from dpar.planner.capture import build_op_graph
 from dpar.planner.evaluate import Assignment, evaluate
+from dpar.planner.graphs import priced_on_graphs
 from dpar.compiler.costs import DeviceSpec, device_spec
 from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
@@ -37,6 +38,7 @@ def plan(
     memory_budget_gb: float | None = None,
     mesh_dim_names: Sequence[str] | None = None,
     device: str | DeviceSpec = "h100",
+    on_graphs: bool = False,
 ) -> Plan:
     """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank (by default
     the device's memory: 80 GB on ``"h100"``, 141 on ``"h200"``; none on ``"cpu"``).
@@ -58,6 +60,10 @@ def plan(
     the solver choose. ``device`` is a preset (``"h100"``, ``"h200"``, ``"cpu"``) or a ``DeviceSpec``:
     the one device description ``dpar inspect`` prices with too (``dpar.compiler.costs``); a preset's
     last mesh dimension is node-local (NVLink) when it fits in a node, the others cross nodes.
+    ``on_graphs``: the chosen plan's compute and saved activations counted on the graphs dpar compiles for
+    it, as ``dpar inspect`` counts them, at the price of compiling one rank's step (Llama-3-8B: about 30 s
+    of CPU; ``dpar plan`` does it unless ``--op-graph``); see [Note: the planner searches on its op graph and
+    reports on the graphs] in ``planner/graphs.py``. By default the search's own (op-graph) figures.
     """
     from dpar.planner.solver import solve_activations  # scipy.optimize: loaded when planning, not on import dpar
 
@@ -69,7 +75,8 @@ def plan(
     graph = build_op_graph(model, inputs)
     found = _usable_layouts(graph, shape, names)
     budget = device.memory_bytes if memory_budget_gb is None else memory_budget_gb * 1e9
-    return _fastest(graph, found, device, budget)
+    chosen = _fastest(graph, found, device, budget)
+    return priced_on_graphs(chosen, graph, model, inputs, device) if on_graphs else chosen
 
 
 def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None) -> Plan:

@@ -12,7 +12,8 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.capture import GraphInput, InputKind
-from dpar.compiler.costs import comm_time, compute_done, spec_of_tensors
+from dpar.compiler.costs import DeviceSpec, comm_time, compute_done, spec_of_tensors
+from dpar.compiler.options import DDP_BUCKET_CAP_MB
 from dpar.compiler.passes.all_reduce import accumulated_gradient_order, all_reduce_gradients_pass
 from dpar.compiler.passes.broadcast_buffers import broadcast_buffers_pass
 from dpar.compiler.passes.bucket_schedule import schedule_buckets
@@ -44,6 +45,34 @@ def gradients_of(
     ]
 
 
+def scheduled_buckets(
+    backward: fx.GraphModule, inputs: Sequence[GraphInput], world_size: int, spec: DeviceSpec, cap_bytes: int
+) -> list[Bucket]:
+    """ddp's gradient buckets planned from cost on ``spec`` (see [Note: the bucket schedule])."""
+    done = compute_done(backward, spec)
+    return schedule_buckets(
+        gradients_of(backward, inputs, done),
+        backward_s=max(done.values(), default=0.0),
+        all_reduce_s=lambda nbytes: comm_time("all_reduce", nbytes, world_size, spec),
+        overlap=spec.overlap,
+        cap_bytes=cap_bytes,
+    )
+
+
+def bucket_copy_bytes(backward: fx.GraphModule, inputs: Sequence[GraphInput], world_size: int, spec: DeviceSpec) -> int:
+    """Bytes ddp's all-reduce pass reads and writes copying ``backward``'s gradients into its buckets at the default
+    cap (``GradientBuckets.plan`` from cost, on ``spec``): a bucket of several gradients is flattened into one
+    tensor, a non-contiguous gradient copied first; a bucket of one contiguous gradient is reduced in place."""
+    buckets = scheduled_buckets(backward, inputs, world_size, spec, int(DDP_BUCKET_CAP_MB * 2**20))
+    outputs = backward.graph.output_node().args[0]
+    copied = 0
+    for bucket in buckets:
+        for grad in bucket.gradients:
+            value = outputs[grad.output_index].meta.get("val")
+            copied += 2 * grad.nbytes * ((len(bucket.gradients) > 1) + (value is not None and not value.is_contiguous()))
+    return copied
+
+
 def broadcast_buffers(gm: fx.GraphModule, groups: dict[str, list[int]]) -> fx.GraphModule:
     """DDP's broadcast_buffers: each group of ``buffer_broadcast_groups`` from its rank 0, in turn."""
     for group, positions in groups.items():
@@ -63,14 +92,7 @@ class GradientBuckets:
     def plan(self, backward: fx.GraphModule) -> None:
         if self.from_cost:
             spec = spec_of_tensors(i.tensor() for i in self.inputs if i.kind is InputKind.PARAMETER)
-            done = compute_done(backward, spec)
-            self.buckets = schedule_buckets(
-                gradients_of(backward, self.inputs, done),
-                backward_s=max(done.values(), default=0.0),
-                all_reduce_s=lambda nbytes: comm_time("all_reduce", nbytes, self.axis.size, spec),
-                overlap=spec.overlap,
-                cap_bytes=self.cap_bytes,
-            )
+            self.buckets = scheduled_buckets(backward, self.inputs, self.axis.size, spec, self.cap_bytes)
         else:
             self.buckets = plan_buckets(gradients_of(backward, self.inputs), self.cap_bytes)
         log.info(

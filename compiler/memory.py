@@ -221,6 +221,12 @@ def _saved_inputs(forward: fx.GraphModule, fw: Liveness, backward: fx.GraphModul
     return saved
 
 
+def saved_activations(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]]) -> int:
+    """Bytes the forward graphs hand their backwards, gathered parameters aside: the tensors held from the forward
+    to the backward (and each forward's loss), as ``dpar inspect`` and ``dpar plan`` report them."""
+    return sum(liveness(fw, {}, set(), set(), exclude_outputs=False).live_at_end.activations for fw, bw in pairs if bw is not None)
+
+
 def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]], staged_gathers: bool = False) -> Live:
     """Peak live bytes over the forward graphs in order, then the backward graphs in reverse.
 

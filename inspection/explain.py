@@ -15,12 +15,15 @@ from dpar.compiler.backend import dpar_backend
 from dpar.compiler.capture import GraphInput, classify_inputs
 from dpar.compiler.passes.buckets import BUCKET_REASON
 from dpar.inspect.buckets import bucket_of, graph_buckets
-from dpar.compiler.costs import DeviceSpec, assumed_device, comm_time, device_spec, moved_bytes, payload_bytes
+from dpar.compiler.costs import (
+    DeviceSpec, assumed_device, attention_fused, comm_time, device_spec, moved_bytes, payload_bytes,
+)
 from dpar.inspect.fake_world import fake_world
 from dpar.compiler.logs import artifact
-from dpar.compiler.memory import liveness, step_peak
+from dpar.compiler.memory import saved_activations, step_peak
 from dpar.inspect.memory import per_rank_memory
-from dpar.inspect.meta import attention_fused, differentiable_on_meta, is_meta
+from dpar.compiler.step_costs import is_meta
+from dpar.inspect.meta import differentiable_on_meta
 from dpar.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
 from dpar.inspect.strategies import Parallelize, strategy as strategy_named
 from dpar.inspect.timeline import build_timeline
@@ -80,7 +83,7 @@ def _capture(
     }
 
     def backend(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-        if on_meta:  # see [Note: attention on meta] in meta.py
+        if on_meta:  # see [Note: attention on meta] in compiler/costs.py
             gm = attention_fused(gm)
         graph_inputs = tuple(classify_inputs(gm, inputs))
         names = tuple(state_names.get(id(v), i.name) for i, v in zip(graph_inputs, inputs))
@@ -244,7 +247,7 @@ def _report(
         _check_gradients_reduced(name, strategy, params, rows)
     memory = per_rank_memory(params, strategy_named(strategy), optimizer, step_peak(pairs), world_size)
     # What the forwards hand their backwards (and the loss): the planner's activations (``Plan.cost``).
-    saved = sum(liveness(fw, {}, set(), set(), exclude_outputs=False).live_at_end.activations for fw, bw in pairs if bw is not None)
+    saved = saved_activations(pairs)
     timeline = build_timeline(
         step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, group_sizes=group_sizes
     )

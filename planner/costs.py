@@ -265,14 +265,13 @@ class CostModel:
             fwd, bwd = self.kernel_seconds(op, cand)
         stats = cand.stats * self.tp_collective("all_reduce", self.stats_bytes(op)) if cand.stats else 0.0
         saved = self.saved_bytes(index, cand)
-        nbytes: dict[tuple[bool, bool], float] = defaultdict(float)  # owned parameter bytes per rank by (trained, root)
         state = gathered = copies = 0.0
         for info in self.owned.get(index, []):
             local = local_numel(info.shape, cand.params[info.slot], self.tp)
-            nbytes[info.requires_grad, info.bucket == "root"] += local * info.itemsize
             copies += self.bucket_copy_bytes(info, local * info.itemsize)
             state += self.param_state_bytes(local, info.requires_grad, info.itemsize)
             gathered += self.gathered_bytes(local, info.itemsize, info.bucket == "root")
+        nbytes = self.owned_bytes(index, cand)
         dp = {"forward": 0.0, "backward": 0.0}
         for kind, phase, trained_only, not_root, _ in self.dp_collectives():
             payload = sum(b for (trained, root), b in nbytes.items() if (trained or not trained_only) and not (root and not_root))
@@ -284,6 +283,13 @@ class CostModel:
             n * fwd + kernels["forward"], n * bwd + kernels["backward"], n * stats,
             dp["forward"], dp["backward"], n * saved + state + gathered,
         )
+
+    def owned_bytes(self, index: int, cand: Candidate) -> dict[tuple[bool, bool], float]:
+        """Bytes per rank of the parameters op ``index`` owns, by (trained, the root's)."""
+        nbytes: dict[tuple[bool, bool], float] = defaultdict(float)
+        for info in self.owned.get(index, []):
+            nbytes[info.requires_grad, info.bucket == "root"] += local_numel(info.shape, cand.params[info.slot], self.tp) * info.itemsize
+        return nbytes
 
     def kernel_seconds(self, op: Op, cand: Candidate) -> tuple[float, float]:
         """(forward, backward) seconds of one instance of ``op`` on one rank: each of its kernels at the

@@ -101,6 +101,7 @@ class Plan:
     activations: ActivationPolicy = KEEP_ACTIVATIONS  # what each block saves; parallelize applies it with the plan
     policies: tuple[PolicyOption, ...] = ()  # each policy's best, as the solver compared them
     memory_budget_bytes: float | None = None  # the budget it was planned under
+    priced_on: str = "op graph"  # or "compiled graphs": where compute and activations were counted (planner/graphs.py)
 
     @property
     def data_axes(self) -> tuple[int, ...]:
@@ -162,6 +163,7 @@ class Plan:
             activations=_policy_of(raw.get("activations")),
             policies=tuple(PolicyOption(**o) for o in raw.get("policies", ())),
             memory_budget_bytes=raw.get("memory_budget_bytes"),
+            priced_on=raw.get("priced_on", "op graph"),
         )
 
     def __str__(self) -> str:
@@ -250,7 +252,7 @@ def render(plan: Plan, console: Any) -> None:
         console.print(comm)
     c = plan.cost
     _render_activations(plan, console)
-    cost = Table(title="modelled cost per step, per rank")
+    cost = Table(title=f"modelled cost per step, per rank (compute and activations counted on the {plan.priced_on})")
     cost.add_column("term")
     cost.add_column("value", justify="right")
     for term, value in (
@@ -265,6 +267,9 @@ def render(plan: Plan, console: Any) -> None:
     ):
         cost.add_row(term, value)
     console.print(cost)
+    if plan.memory_budget_bytes is not None and c.memory_bytes_per_rank > plan.memory_budget_bytes:
+        console.print(f"warning: counted on the {plan.priced_on}, this plan holds {_bytes(c.memory_bytes_per_rank)} per rank, "
+                      f"over the budget of {_bytes(plan.memory_budget_bytes)} that the search's op-graph count met")
 
 
 def policy_label(policy: ActivationPolicy) -> str:

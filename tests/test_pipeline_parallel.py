@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import dpar
 from distributed import run_ranks
-from pipeline_training import ROWS_PER_RANK, batch, build, one_process, pipelined, token_loss
+from pipeline_training import ROWS_PER_RANK, batch, build, one_process, pipelined, token_loss, torch_ddp
 from training import max_abs_diff
 
 TOLERANCE = {"sgd": 1e-5, "adamw": 1e-4}
@@ -56,6 +56,39 @@ def test_every_schedule_matches_one_process(name, layers, optim, world_size, mic
         assert result["gpipe"][2] == {rank: micro_batches}
         assert result["1f1b"][2] == {rank: world_size - rank}
         assert result["zb_h1"][2] == {rank: world_size}
+
+
+def _zbv_and_torch_ddp(rank: int, world_size: int, name: str, layers: int, optim: str, micro_batches: int
+                       ) -> tuple:
+    warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
+    state, losses, _, peak = pipelined(rank, world_size, name, layers, optim, "zbv", 2 * world_size, micro_batches)
+    return state, losses, peak, torch_ddp(rank, world_size, name, layers, optim)
+
+
+@pytest.mark.parametrize(
+    "name, layers, optim, world_size, micro_batches",
+    [
+        ("llama", 4, "adamw", 2, 4),
+        ("gpt2", 4, "sgd", 2, 4),  # the tied embedding and head both on rank 0 (stages 0 and 3)
+        ("llama", 8, "adamw", 4, 8),
+    ],
+    ids=["llama-2-ranks", "gpt2-tied-2-ranks", "llama-4-ranks"],
+)
+def test_zbv_matches_one_process_and_torch_ddp(name, layers, optim, world_size, micro_batches):
+    """Two stages on each rank in a V (stages r and 2p - 1 - r), split backwards: the same parameters as one process
+    on the global batch and as torch DDP on the same slices; each stage holds what the simulator says it holds."""
+    from dpar.compiler.pipeline_parallel.schedules import build_schedule
+    from dpar.compiler.pipeline_parallel.simulate import simulate
+
+    reference, reference_losses = one_process(name, layers, optim, world_size)
+    results = run_ranks(_zbv_and_torch_ddp, world_size, name, layers, optim, micro_batches, timeout_s=300)
+    state, _, _, ddp = results[0]
+    assert max_abs_diff(reference, state) < TOLERANCE[optim]
+    assert max_abs_diff(ddp, state) < TOLERANCE[optim]
+    simulated = simulate(build_schedule("zbv", num_ranks=world_size, micro_batches=micro_batches)).peak_in_flight
+    for rank, (_, losses, peak, _) in enumerate(results):
+        assert losses == pytest.approx(reference_losses, rel=1e-5)
+        assert peak == {s: simulated[s] for s in (rank, 2 * world_size - 1 - rank)}
 
 
 DP_CASES = (("ddp", "1f1b"), ("ddp", "zb_h1"), ("fsdp", "1f1b"), ("fsdp", "zb_h1"))  # sync in the last B, or W

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from dpar.compiler.costs import node_flops
 from dpar.compiler.passes.random_ops import is_random
-from dpar.core.errors import OptionsError
+from dpar.core.errors import OptionsError, TooFewBlocksError
 from dpar.core.pipeline_program import Stage, StageSplit, ValueSpec
 
 
@@ -208,7 +208,7 @@ def split_stages(
     """Cut ``gm`` (from ``capture``) into ``stages`` stage graphs at block boundaries."""
     prefix, blocks = find_blocks(gm)
     if stages > len(blocks):
-        raise OptionsError(
+        raise TooFewBlocksError(
             f"pipeline: stages={stages} but the model has only {len(blocks)} blocks in {prefix!r} to cut between; "
             f"use at most {len(blocks)} stages (or a deeper model)."
         )

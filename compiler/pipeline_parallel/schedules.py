@@ -54,8 +54,9 @@ The phases' counts assume ``M = max(m, 2p - 1)`` micro-batches (phase 1 on rank 
 ``2p - 1``); with fewer, the order is built for ``M`` and the actions of micro-batches ``>= m``
 dropped on every rank: removing every action of a micro-batch removes no precedence between the
 others (program order is transitive), so the shorter order cannot deadlock either.
-Memory: counted from F until W, every rank holds at most ``2p`` chunks, i.e. ``p`` micro-batches'
-worth of its layers: 1F1B's peak (rank 0's) and ZB-H1's, on every rank. The bubble is in
+Memory: counted from F until W, rank ``r`` holds at most ``min(2p, 2m, m + 1 + r)`` chunks: with
+``m >= 2p - 1``, ``2p`` on every rank, i.e. ``p`` micro-batches' worth of its layers, 1F1B's peak
+(rank 0's) and ZB-H1's. The bubble is in
 [Note: the ZBV bubble] in simulate.py; ``replay`` checks every order for deadlocks, and the tests
 simulate every (p, m) up to 8 ranks and 24 micro-batches against the formula.
 """

@@ -333,7 +333,7 @@ def _check_blocks(captured: fx.GraphModule, schedule: str, stages: int, ranks: i
         fixes.append(f"{schedule!r} on at most {len(blocks) // per_rank} ranks")
     raise TooFewBlocksError(
         f"pipeline: stages={stages} but the model has only {len(blocks)} blocks in {prefix!r} to cut between: "
-        f"schedule={schedule!r} runs {per_rank} stages on each of the {ranks} ranks. Use at most {len(blocks)} stages: "
+        f"schedule={schedule!r} runs {per_rank} stages on each of the {ranks} ranks; use at most {len(blocks)} stages: "
         f"{', '.join([*fixes, 'or a deeper model'])}."
     )
 

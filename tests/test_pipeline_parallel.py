@@ -213,6 +213,28 @@ def test_bad_arguments_name_the_fix(world_of_four, kwargs, message):
         dpar.pipeline(build("llama", 2), token_loss, **arguments)
 
 
+@pytest.mark.parametrize(
+    "layers, kwargs, error, message",
+    [
+        (2, dict(stages=4), dpar.OptionsError,
+         r"zbv runs exactly 2 stages on each rank, in a V \(rank r holds stages r and 7 - r\): stages=8 on 4 ranks, "
+         r"not stages=4; or use schedule='zb_h1' with stages=4"),
+        (6, dict(), dpar.TooFewBlocksError,
+         r"stages=8 but the model has only 6 blocks in '.*layers' to cut between: schedule='zbv' runs 2 stages on each "
+         r"of the 4 ranks; use at most 6 stages: schedule='zb_h1' or '1f1b' with stages=4 \(one per rank\), 'zbv' on at "
+         r"most 3 ranks, or a deeper model"),
+        (2, dict(schedule="interleaved_1f1b", micro_batches=2), dpar.TooFewMicroBatchesError,
+         r"interleaved_1f1b needs at least 4 micro-batches on 4 ranks .* got 2; use micro_batches=4"),
+    ],
+    ids=["zbv-one-stage-a-rank", "zbv-fewer-blocks-than-2p", "interleaved-fewer-micro-batches-than-ranks"],
+)
+def test_zbv_and_micro_batch_counts_are_refused_before_a_step_with_the_fix(world_of_four, layers, kwargs, error,
+                                                                           message):
+    arguments = dict(example_inputs=_slice(), stages=8, micro_batches=8, schedule="zbv") | kwargs
+    with pytest.raises(error, match=message):
+        dpar.pipeline(build("llama", layers), token_loss, **arguments)
+
+
 def test_a_split_point_that_leaves_a_stage_empty(world_of_two):
     model = build("llama", 4)
     with pytest.raises(dpar.OptionsError, match=r"leave a stage without blocks"):

@@ -94,23 +94,33 @@ def test_zbv_matches_one_process_and_torch_ddp(name, layers, optim, world_size, 
 DP_CASES = (("ddp", "1f1b"), ("ddp", "zb_h1"), ("fsdp", "1f1b"), ("fsdp", "zb_h1"))  # sync in the last B, or W
 
 
-def _dp_pp(rank: int, world_size: int) -> dict[tuple[str, str], tuple]:
+def _dp_pp(rank: int, world_size: int, cases: tuple[tuple[str, str], ...]) -> dict[tuple[str, str], tuple]:
     results = {}
-    for dp_strategy, schedule in DP_CASES:
-        model_state, losses, _, _ = pipelined(rank, world_size, "llama", 4, "adamw", schedule, 2, 4,
+    for dp_strategy, schedule in cases:
+        stages = 4 if schedule == "zbv" else 2  # two stages on each of the pipeline's 2 ranks in a V
+        model_state, losses, _, _ = pipelined(rank, world_size, "llama", 4, "adamw", schedule, stages, 4,
                                               mesh_shape=(2, 2), dp_strategy=dp_strategy)
         results[dp_strategy, schedule] = (model_state, losses)
     return results
 
 
-def test_dp_by_pp_mesh_matches_one_process():
-    """(dp=2, pp=2): two pipelines, each on its members' slices, gradients averaged (or reduce-scattered) over dp."""
+def _assert_dp_pp_matches_one_process(cases: tuple[tuple[str, str], ...]) -> None:
     reference, reference_losses = one_process("llama", 4, "adamw", 4)
-    results = run_ranks(_dp_pp, 4, timeout_s=400)
-    for case in DP_CASES:
+    results = run_ranks(_dp_pp, 4, cases, timeout_s=400)
+    for case in cases:
         assert max_abs_diff(reference, results[0][case][0]) < TOLERANCE["adamw"], case
         for result in results:
             assert result[case][1] == pytest.approx(reference_losses, rel=1e-5), case
+
+
+def test_dp_by_pp_mesh_matches_one_process():
+    """(dp=2, pp=2): two pipelines, each on its members' slices, gradients averaged (or reduce-scattered) over dp."""
+    _assert_dp_pp_matches_one_process(DP_CASES)
+
+
+def test_zbv_over_a_dp_by_pp_mesh_matches_one_process():
+    """(dp=2, pp=2) with 4 stages in a V: each rank syncs both its stages over dp in their last W."""
+    _assert_dp_pp_matches_one_process((("ddp", "zbv"), ("fsdp", "zbv")))
 
 
 def test_dp_all_reduce_is_in_the_last_backward_graph(world_of_four):

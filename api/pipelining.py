@@ -15,11 +15,11 @@ from torch.distributed.tensor import DTensor, Shard
 from dpar.compiler.pass_listing import PipelinePassListing
 from dpar.compiler.pipeline_parallel.sharded import layout_of
 from dpar.compiler.pipeline_parallel.schedules import build_schedule, check_name, warn_if_bubble_large
-from dpar.compiler.pipeline_parallel.split import capture, find_blocks, split_stages
+from dpar.compiler.pipeline_parallel.split import capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import retarget_device_pass, trace_stage
 from dpar.core.pipeline_program import StageGraphs, StageSplit, SyncVariant
 from dpar.runtime.agreement import agree
-from dpar.core.errors import ActivationPolicyError, OptionsError, TooFewBlocksError, UnmaterializedStateError
+from dpar.core.errors import ActivationPolicyError, OptionsError, UnmaterializedStateError
 from dpar.core.plan import ActivationPolicy, DataParallel, Recompute
 from dpar.core.model_state import check_materialized, local_part, record_meta_buffers, state_of
 from dpar.core.torch_internals import compute_local_shape_and_global_offset
@@ -321,23 +321,6 @@ def _refuse_checkpointing(given: Any) -> None:
             "without a pipeline")
 
 
-def _check_blocks(captured: fx.GraphModule, schedule: str, stages: int, ranks: int) -> None:
-    """Several stages on each rank (zbv's V, interleaved) need as many blocks as stages; the fixes differ from
-    those of one stage a rank (``split_stages`` refuses that case)."""
-    prefix, blocks = find_blocks(captured)
-    per_rank = stages // ranks
-    if stages <= len(blocks) or per_rank == 1:
-        return
-    fixes = [f"schedule='zb_h1' or '1f1b' with stages={ranks} (one per rank)"] if ranks <= len(blocks) else []
-    if len(blocks) >= per_rank:
-        fixes.append(f"{schedule!r} on at most {len(blocks) // per_rank} ranks")
-    raise TooFewBlocksError(
-        f"pipeline: stages={stages} but the model has only {len(blocks)} blocks in {prefix!r} to cut between: "
-        f"schedule={schedule!r} runs {per_rank} stages on each of the {ranks} ranks; use at most {len(blocks)} stages: "
-        f"{', '.join([*fixes, 'or a deeper model'])}."
-    )
-
-
 def pipeline(
     model: nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -415,9 +398,7 @@ def pipeline(
     if on_meta:  # [Note: a pipeline born on meta]
         micro_batch = tuple(x.to("meta") for x in micro_batch)
         record_meta_buffers(model)
-    captured = capture(model, loss_fn, micro_batch)
-    _check_blocks(captured, schedule, stages, p)
-    split = split_stages(captured, model, stages, split_points)
+    split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points, ranks=p, schedule=schedule)
     world = current_world()
     if world is not None and world.backend != "fake":  # every rank must have cut the same stages and schedule
         agree(world, "dpar.pipeline", [*str(split).splitlines(), *str(plan).splitlines(),

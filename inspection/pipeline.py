@@ -189,7 +189,8 @@ def explain_pipeline(
             f"{[d for d in range(1, total + 1) if total % d == 0]}")
     rows = total // micro_batches
     spec = device_spec(device)
-    split, costs = price_stages(model, loss, micro_batch_of(inputs, rows), stages, spec, split_points)
+    split, costs = price_stages(model, loss, micro_batch_of(inputs, rows), stages, spec, split_points, ranks=ranks,
+                                schedule=schedule)
     timeline = simulate(plan, action_cost(costs), latency=hop_latency(costs))
     dp = world_size // ranks
     all_reduce = tuple(

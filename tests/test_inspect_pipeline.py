@@ -110,6 +110,10 @@ def test_zbv_puts_stages_r_and_2p_minus_1_minus_r_on_rank_r_and_simulates_its_fo
     assert "zbv on 2 ranks x 2 stages in a V, 4 micro-batches of 2 rows" in out
     assert "bubble formula 4.0%" in out
     assert json.loads(trace.read_text())["otherData"]["peak_in_flight"] == [4, 3, 2, 1]
+    with pytest.raises(dpar.TooFewBlocksError, match=r"stages=8 but the model has only 4 blocks in 'model.blocks' to cut "
+                       r"between: schedule='zbv' runs 2 stages on each of the 4 ranks; use at most 4 stages: "
+                       r"schedule='zb_h1' or '1f1b' with stages=4 \(one per rank\), 'zbv' on at most 2 ranks"):
+        explain_pipeline(model, inputs, stages=8, micro_batches=8, schedule="zbv", loss_fn=mse)
 
 
 def inspect_stack(capsys, trace: Path, schedule: str, micro_batches: int) -> str:

@@ -338,9 +338,11 @@ def pipeline(
     """Cut ``model`` into ``stages`` pipeline stages and return the step that trains it.
 
     ``example_inputs`` is one rank's slice, ``(*model_inputs, target)``; ``loss_fn(model(*model_inputs),
-    target)`` must be the micro-batch's mean loss. ``mesh``: None runs the pipeline over the whole
-    world; a ``("dp", "pp")`` mesh runs one pipeline per ``dp`` index and averages gradients over
-    ``dp``: ``dp_strategy="ddp"`` all-reduces them in buckets of ``bucket_cap_mb``, ``"fsdp"`` keeps
+    target)`` must be the micro-batch's mean loss. ``schedule``: ``gpipe``, ``1f1b``, ``zb_h1`` (``stages`` = the
+    pipeline's ranks), ``interleaved_1f1b`` (a multiple of them, looping) or ``zbv`` (twice them, in a V: rank ``r``
+    holds stages ``r`` and ``2p - 1 - r``); see ``compiler/pipeline_parallel/schedules.py``. ``mesh``: None runs
+    the pipeline over the whole world; a ``("dp", "pp")`` mesh runs one pipeline per ``dp`` index and averages
+    gradients over ``dp``: ``dp_strategy="ddp"`` all-reduces them in buckets of ``bucket_cap_mb``, ``"fsdp"`` keeps
     1/dp of each stage's parameters, gradients and optimizer state per rank, gathered once per step.
     See ``[Note: the pipeline's data contract]`` in ``runtime/pipeline_parallel.py``.
 

@@ -15,7 +15,8 @@ from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.core.errors import (
     ActivationPolicyError, BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
     InitializationError, InspectionError, NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
-    SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError, UnmaterializedStateError, WrappedTwiceError,
+    SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError, TooFewBlocksError, TooFewMicroBatchesError,
+    UnmaterializedStateError, WrappedTwiceError,
 )
 from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
 from dpar.runtime.gradient_sync import no_sync
@@ -48,6 +49,8 @@ __all__ = [
     "SafetensorsCheckpointError",
     "ScheduleError",
     "TensorParallelPlanError",
+    "TooFewBlocksError",
+    "TooFewMicroBatchesError",
     "UnmaterializedStateError",
     "WrappedTwiceError",
     "checkpoint",

@@ -338,9 +338,11 @@ def pipeline(
     """Cut ``model`` into ``stages`` pipeline stages and return the step that trains it.
 
     ``example_inputs`` is one rank's slice, ``(*model_inputs, target)``; ``loss_fn(model(*model_inputs),
-    target)`` must be the micro-batch's mean loss. ``mesh``: None runs the pipeline over the whole
-    world; a ``("dp", "pp")`` mesh runs one pipeline per ``dp`` index and averages gradients over
-    ``dp``: ``dp_strategy="ddp"`` all-reduces them in buckets of ``bucket_cap_mb``, ``"fsdp"`` keeps
+    target)`` must be the micro-batch's mean loss. ``schedule``: ``gpipe``, ``1f1b``, ``zb_h1`` (``stages`` = the
+    pipeline's ranks), ``interleaved_1f1b`` (a multiple of them, looping) or ``zbv`` (twice them, in a V: rank ``r``
+    holds stages ``r`` and ``2p - 1 - r``); see ``compiler/pipeline_parallel/schedules.py``. ``mesh``: None runs
+    the pipeline over the whole world; a ``("dp", "pp")`` mesh runs one pipeline per ``dp`` index and averages
+    gradients over ``dp``: ``dp_strategy="ddp"`` all-reduces them in buckets of ``bucket_cap_mb``, ``"fsdp"`` keeps
     1/dp of each stage's parameters, gradients and optimizer state per rank, gathered once per step.
     See ``[Note: the pipeline's data contract]`` in ``runtime/pipeline_parallel.py``.
 
@@ -360,18 +362,23 @@ def pipeline(
     if not isinstance(stages, int) or stages < 1 or stages % p:
         raise OptionsError(
             f"pipeline: stages={stages} cannot be spread over the {p} ranks of the pipeline group; use "
-            f"stages={p} (one per rank), or a multiple of {p} with schedule='interleaved_1f1b'."
+            f"stages={p} (one per rank), or a multiple of {p} with schedule='interleaved_1f1b' ({2 * p} with 'zbv')."
         )
     virtual = stages // p
+    if schedule == "zbv" and virtual != 2:
+        raise OptionsError(
+            f"pipeline: zbv runs exactly 2 stages on each rank, in a V (rank r holds stages r and {2 * p - 1} - r): "
+            f"stages={2 * p} on {p} ranks, not stages={stages}; or use schedule='zb_h1' with stages={p}."
+        )
     if schedule == "interleaved_1f1b" and virtual < 2:
         raise OptionsError(
             f"pipeline: interleaved_1f1b runs at least 2 stages on each rank: stages={2 * p} (or {3 * p}, {4 * p}, ...) "
             f"on {p} ranks, not stages={stages}; or use schedule='1f1b' for one stage per rank."
         )
-    if virtual > 1 and schedule != "interleaved_1f1b":
+    if virtual > 1 and schedule not in ("interleaved_1f1b", "zbv"):
         raise OptionsError(
             f"pipeline: stages={stages} on {p} ranks puts {virtual} stages on each rank, which only "
-            f"schedule='interleaved_1f1b' runs; use stages={p} or that schedule."
+            f"schedule='interleaved_1f1b' runs (or 'zbv', with 2); use stages={p} or that schedule."
         )
     plan = build_schedule(schedule, num_ranks=p, micro_batches=micro_batches, virtual_stages=virtual)
     rows = {x.shape[0] if x.dim() else None for x in example_inputs}
@@ -393,7 +400,7 @@ def pipeline(
     if on_meta:  # [Note: a pipeline born on meta]
         micro_batch = tuple(x.to("meta") for x in micro_batch)
         record_meta_buffers(model)
-    split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points)
+    split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points, ranks=p, schedule=schedule)
     world = current_world()
     if world is not None and world.backend != "fake":  # every rank must have cut the same stages and schedule
         agree(world, "dpar.pipeline", [*str(split).splitlines(), *str(plan).splitlines(),

@@ -30,7 +30,7 @@ the forward's collectives in the forward as keep_collectives_in_forward does for
 or its halves I and W); with ``dp > 1`` pipelines side by side on a ``("dp", "pp")`` mesh,
 ``PipelinePassListing`` lists the data-parallel passes over ``dp`` and builds the variants they run in
 (the strategy modules ``pipeline_parallel/data_parallel.py`` and ``pipeline_parallel/sharded.py``
-supply the passes). The graph that ends a stage's step is its last B, or its last W under zb_h1:
+supply the passes). The graph that ends a stage's step is its last B, or its last W under zb_h1 and zbv:
 
   ddp   B (sync), or W (sync): [all_reduce_gradients, sink_waits]
   fsdp  F (gather), the stage's first F of a step: [gather_parameters];
@@ -58,6 +58,7 @@ from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.recompute import keep_collectives_in_forward, tag_recompute
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.pipeline_parallel.data_parallel import StageGradientBuckets
+from dpar.compiler.pipeline_parallel.schedules import ZERO_BUBBLE
 from dpar.compiler.pipeline_parallel.sharded import ShardLayout, gather_parameters, reduce_scatter_gradients, scattered_variant
 from dpar.core.plan import AxisRole, DataParallel, ParallelPlan, Strategy
 from dpar.compiler.registry import STAGES_KEY, PassStage, record
@@ -327,7 +328,7 @@ class PipelinePassListing:
                  bucket_cap_mb: float = 25) -> None:
         self.mode = mode if dp_size > 1 else None
         self.dp_size, self.group_name, self.bucket_cap_mb = dp_size, group_name, bucket_cap_mb
-        self.last = "backward_weight" if schedule == "zb_h1" else "backward"  # the graph that ends a stage's step
+        self.last = "backward_weight" if schedule in ZERO_BUBBLE else "backward"  # the graph that ends a stage's step
 
     def gather_passes(self, graphs: StageGraphs | None = None, layout: ShardLayout | None = None) -> list[Pass]:
         """The stage's first forward of a step (fsdp only)."""

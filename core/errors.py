@@ -77,6 +77,15 @@ class PipelineMemoryError(OptionsError):
     """No pipeline degree fits the model's state and activations in the memory budget."""
 
 
+class TooFewMicroBatchesError(OptionsError):
+    """A pipeline schedule's order needs more micro-batches than it was given (interleaved 1F1B runs them in
+    rounds of the pipeline's ranks)."""
+
+
+class TooFewBlocksError(OptionsError):
+    """A pipeline needs more stages than the model has blocks to cut between (ZBV: two stages on every rank)."""
+
+
 class InitializationError(DparError):
     """``dpar.init_weights`` cannot replay an initializer as on one device: it writes where the full-size
     stand-ins cannot reach (a reference taken before ``parallelize``), or the ranks' random generators differ."""

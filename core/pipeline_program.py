@@ -42,19 +42,23 @@ class Action:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSchedule:
-    """Which rank runs what, in what order; ``actions[rank]`` is that rank's whole program."""
+    """Which rank runs what, in what order; ``actions[rank]`` is that rank's whole program.
+
+    ``placement[stage]`` is the rank holding the stage: ``stage % num_ranks`` (looping) for every
+    schedule but ``zbv``, whose V puts stages ``r`` and ``2p - 1 - r`` on rank ``r``."""
 
     name: str
     num_ranks: int
     num_stages: int
     micro_batches: int
     actions: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...]
 
     def stage_rank(self, stage: int) -> int:
-        return stage % self.num_ranks
+        return self.placement[stage]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(range(rank, self.num_stages, self.num_ranks))
+        return tuple(s for s, holder in enumerate(self.placement) if holder == rank)
 
     def __str__(self) -> str:
         head = (f"{self.name}: {self.num_ranks} ranks, {self.num_stages} stages, "

@@ -277,8 +277,8 @@ def parse_args() -> argparse.Namespace:
         "feeds each rank its own batches, as DDP does. All but ddp need torchrun",
     )
     parser.add_argument(
-        "--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"), default="1f1b",
-        help="pipeline: the schedule (interleaved_1f1b runs two stages on each rank)",
+        "--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"), default="1f1b",
+        help="pipeline: the schedule (interleaved_1f1b and zbv run two stages on each rank)",
     )
     parser.add_argument(
         "--micro-batches", type=int, default=None,
@@ -363,7 +363,7 @@ def main() -> None:
     if args.strategy == "ddp" and args.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = args.bucket_cap_mb  # ddp sizes its buckets when compiling
     if args.strategy == "pipeline":  # the backward runs inside the step: model(x, y) + backward below
-        stages = world_size * (2 if args.schedule == "interleaved_1f1b" else 1)
+        stages = world_size * (2 if args.schedule in ("interleaved_1f1b", "zbv") else 1)
         x, y = get_batch(data, args.batch_size, config.block_size, torch.Generator().manual_seed(args.seed))
         pipelined = dpar.pipeline(
             model, lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten()),

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule
+from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule, stages_per_rank
 from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
 from dpar.core.pipeline_program import PipelineSchedule, StageSplit
 from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
@@ -78,7 +78,8 @@ class PipelineReport:
     @property
     def title(self) -> str:
         v = self.schedule.num_stages // self.ranks
-        layout = f"{self.ranks} ranks" + (f" x {v} virtual stages" if v > 1 else "")
+        layout = f"{self.ranks} ranks" + (" x 2 stages in a V" if self.schedule.name == "zbv" else
+                                          f" x {v} virtual stages" if v > 1 else "")
         dp = f", {self.data_parallel} pipelines (dp)" if self.data_parallel > 1 else ""
         return (f"dpar pipeline report: {self.model}, {self.schedule.name} on {layout}{dp}, "
                 f"{self.schedule.micro_batches} micro-batches of {self.micro_batch_rows} rows ({self.device})")
@@ -132,7 +133,7 @@ class PipelineReport:
     def summary(self) -> str:
         hop = hop_latency(self.stages)
         return (f"step time {_time(self.step_time)} = span {_time(self.timeline.span)} + dp all-reduce "
-                f"{_time(max(self.dp_all_reduce_s))}; backward = 2 x forward (zb_h1: I = W = forward), "
+                f"{_time(max(self.dp_all_reduce_s))}; backward = 2 x forward (zb_h1, zbv: I = W = forward), "
                 f"each send {_time(hop)} (alpha-beta, largest boundary)")
 
     def save(self, path: str | Path) -> Path:
@@ -167,7 +168,7 @@ def explain_pipeline(
     puts that many stages on each rank. ``world_size`` (default: the pipeline's ranks) adds
     ``world_size / ranks`` data-parallel pipelines, whose gradient all-reduce the step includes.
     """
-    v = virtual_stages or (2 if schedule == "interleaved_1f1b" else 1)
+    v = stages_per_rank(schedule, virtual_stages)
     if not isinstance(stages, int) or stages < 1 or stages % v:
         raise OptionsError(f"pipeline inspection: stages={stages} is not a positive multiple of virtual_stages={v}; "
                            "use a multiple of it (each rank holds virtual_stages stages)")
@@ -188,7 +189,8 @@ def explain_pipeline(
             f"{[d for d in range(1, total + 1) if total % d == 0]}")
     rows = total // micro_batches
     spec = device_spec(device)
-    split, costs = price_stages(model, loss, micro_batch_of(inputs, rows), stages, spec, split_points)
+    split, costs = price_stages(model, loss, micro_batch_of(inputs, rows), stages, spec, split_points, ranks=ranks,
+                                schedule=schedule)
     timeline = simulate(plan, action_cost(costs), latency=hop_latency(costs))
     dp = world_size // ranks
     all_reduce = tuple(

@@ -107,3 +107,18 @@ def pipelined(rank: int, world_size: int, name: str, layers: int, optim: str, sc
         opt.step()
         opt.zero_grad()
     return dpar.checkpoint.full_state_dict(model), losses, bubbles, step.executor.peak_held
+
+
+def torch_ddp(rank: int, world_size: int, name: str, layers: int, optim: str) -> dict | None:
+    """The other anchor: torch DDP on the same per-rank slices (the whole state on rank 0, None elsewhere)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build(name, layers)
+    ddp = DistributedDataParallel(model)
+    opt = optimizer(optim, model.parameters())
+    for i in range(STEPS):
+        x, y = batch(i, ROWS_PER_RANK * world_size)
+        token_loss(ddp(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()} if rank == 0 else None

@@ -92,12 +92,41 @@ def test_interleaved_schedule_puts_two_stages_on_each_rank():
     assert r.timeline.bubble == pytest.approx((1 / 9,) * 2)
 
 
+def test_zbv_puts_stages_r_and_2p_minus_1_minus_r_on_rank_r_and_simulates_its_formula(tmp_path, capsys):
+    model, inputs = stack(rows=4)
+    r = explain_pipeline(model, inputs, stages=4, micro_batches=4, schedule="zbv", loss_fn=mse, device=FLOPS_ONLY)
+    assert r.ranks == 2 and [r.schedule.stages_of(k) for k in range(2)] == [(0, 3), (1, 2)]
+    assert r.micro_batch_rows == 2
+    # F = I = W = one stage's forward, sends free: span 6m + max(p - 1, 4p - 2 - 2m) = 24 + 1 forwards
+    assert r.timeline.span == pytest.approx(25 * F, rel=1e-12)
+    assert r.bubble_formula == pytest.approx(1 / 25)
+    assert r.timeline.bubble == pytest.approx((1 / 25,) * 2)
+    assert r.timeline.peak_in_flight == (4, 3, 2, 1)
+    # rank 0 holds stages 0 and 3 (the embedding's and the loss's), rank 1 stages 1 and 2: AdamW state of
+    # 4,096 bytes a stage plus each stage's peak activations (a sum over the rank's stages: an upper bound)
+    assert [r.rank_memory(k) for k in range(2)] == [2 * 4096 + 4 * 0 + 1 * 2048, 2 * 4096 + 3 * 1024 + 2 * 1024]
+    trace = tmp_path / "zbv.json"
+    out = inspect_stack(capsys, trace, "zbv", micro_batches=4)
+    assert "zbv on 2 ranks x 2 stages in a V, 4 micro-batches of 2 rows" in out
+    assert "bubble formula 4.0%" in out
+    assert json.loads(trace.read_text())["otherData"]["peak_in_flight"] == [4, 3, 2, 1]
+    with pytest.raises(dpar.TooFewBlocksError, match=r"stages=8 but the model has only 4 blocks in 'model.blocks' to cut "
+                       r"between: schedule='zbv' runs 2 stages on each of the 4 ranks; use at most 4 stages: "
+                       r"schedule='zb_h1' or '1f1b' with stages=4 \(one per rank\), 'zbv' on at most 2 ranks"):
+        explain_pipeline(model, inputs, stages=8, micro_batches=8, schedule="zbv", loss_fn=mse)
+
+
+def inspect_stack(capsys, trace: Path, schedule: str, micro_batches: int) -> str:
+    """``dpar inspect --strategy pipeline`` of the 4-stage stack, its trace written to ``trace``: what it printed."""
+    code = main(["inspect", f"{MODELS}:stack", "--strategy", "pipeline", "--stages", "4", "--micro-batches",
+                 str(micro_batches), "--schedule", schedule, "--loss", f"{MODELS}:mse", "--trace", str(trace)])
+    assert code == 0
+    return capsys.readouterr().out
+
+
 def test_cli_prints_split_schedule_and_bubble_and_writes_a_perfetto_trace(tmp_path, capsys):
     trace = tmp_path / "trace.json"
-    code = main(["inspect", f"{MODELS}:stack", "--strategy", "pipeline", "--stages", "4", "--micro-batches", "8",
-                 "--schedule", "zb_h1", "--loss", f"{MODELS}:mse", "--trace", str(trace)])
-    out = capsys.readouterr().out
-    assert code == 0
+    out = inspect_stack(capsys, trace, "zb_h1", micro_batches=8)
     assert "zb_h1 on 4 ranks, 8 micro-batches of 2 rows" in out
     assert "1,024 B in" in out  # a boundary's bytes per micro-batch
     assert "bubble formula 11.1%" in out

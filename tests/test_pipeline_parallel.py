@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import dpar
 from distributed import run_ranks
-from pipeline_training import ROWS_PER_RANK, batch, build, one_process, pipelined, token_loss
+from pipeline_training import ROWS_PER_RANK, batch, build, one_process, pipelined, token_loss, torch_ddp
 from training import max_abs_diff
 
 TOLERANCE = {"sgd": 1e-5, "adamw": 1e-4}
@@ -58,26 +58,69 @@ def test_every_schedule_matches_one_process(name, layers, optim, world_size, mic
         assert result["zb_h1"][2] == {rank: world_size}
 
 
+def _zbv_and_torch_ddp(rank: int, world_size: int, name: str, layers: int, optim: str, micro_batches: int
+                       ) -> tuple:
+    warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
+    state, losses, _, peak = pipelined(rank, world_size, name, layers, optim, "zbv", 2 * world_size, micro_batches)
+    return state, losses, peak, torch_ddp(rank, world_size, name, layers, optim)
+
+
+@pytest.mark.parametrize(
+    "name, layers, optim, world_size, micro_batches",
+    [
+        ("llama", 4, "adamw", 2, 4),
+        ("gpt2", 4, "sgd", 2, 4),  # the tied embedding and head both on rank 0 (stages 0 and 3)
+        ("llama", 8, "adamw", 4, 8),
+    ],
+    ids=["llama-2-ranks", "gpt2-tied-2-ranks", "llama-4-ranks"],
+)
+def test_zbv_matches_one_process_and_torch_ddp(name, layers, optim, world_size, micro_batches):
+    """Two stages on each rank in a V (stages r and 2p - 1 - r), split backwards: the same parameters as one process
+    on the global batch and as torch DDP on the same slices; each stage holds what the simulator says it holds."""
+    from dpar.compiler.pipeline_parallel.schedules import build_schedule
+    from dpar.compiler.pipeline_parallel.simulate import simulate
+
+    reference, reference_losses = one_process(name, layers, optim, world_size)
+    results = run_ranks(_zbv_and_torch_ddp, world_size, name, layers, optim, micro_batches, timeout_s=300)
+    state, _, _, ddp = results[0]
+    assert max_abs_diff(reference, state) < TOLERANCE[optim]
+    assert max_abs_diff(ddp, state) < TOLERANCE[optim]
+    simulated = simulate(build_schedule("zbv", num_ranks=world_size, micro_batches=micro_batches)).peak_in_flight
+    for rank, (_, losses, peak, _) in enumerate(results):
+        assert losses == pytest.approx(reference_losses, rel=1e-5)
+        assert peak == {s: simulated[s] for s in (rank, 2 * world_size - 1 - rank)}
+
+
 DP_CASES = (("ddp", "1f1b"), ("ddp", "zb_h1"), ("fsdp", "1f1b"), ("fsdp", "zb_h1"))  # sync in the last B, or W
 
 
-def _dp_pp(rank: int, world_size: int) -> dict[tuple[str, str], tuple]:
+def _dp_pp(rank: int, world_size: int, cases: tuple[tuple[str, str], ...]) -> dict[tuple[str, str], tuple]:
     results = {}
-    for dp_strategy, schedule in DP_CASES:
-        model_state, losses, _, _ = pipelined(rank, world_size, "llama", 4, "adamw", schedule, 2, 4,
+    for dp_strategy, schedule in cases:
+        stages = 4 if schedule == "zbv" else 2  # two stages on each of the pipeline's 2 ranks in a V
+        model_state, losses, _, _ = pipelined(rank, world_size, "llama", 4, "adamw", schedule, stages, 4,
                                               mesh_shape=(2, 2), dp_strategy=dp_strategy)
         results[dp_strategy, schedule] = (model_state, losses)
     return results
 
 
-def test_dp_by_pp_mesh_matches_one_process():
-    """(dp=2, pp=2): two pipelines, each on its members' slices, gradients averaged (or reduce-scattered) over dp."""
+def _assert_dp_pp_matches_one_process(cases: tuple[tuple[str, str], ...]) -> None:
     reference, reference_losses = one_process("llama", 4, "adamw", 4)
-    results = run_ranks(_dp_pp, 4, timeout_s=400)
-    for case in DP_CASES:
+    results = run_ranks(_dp_pp, 4, cases, timeout_s=400)
+    for case in cases:
         assert max_abs_diff(reference, results[0][case][0]) < TOLERANCE["adamw"], case
         for result in results:
             assert result[case][1] == pytest.approx(reference_losses, rel=1e-5), case
+
+
+def test_dp_by_pp_mesh_matches_one_process():
+    """(dp=2, pp=2): two pipelines, each on its members' slices, gradients averaged (or reduce-scattered) over dp."""
+    _assert_dp_pp_matches_one_process(DP_CASES)
+
+
+def test_zbv_over_a_dp_by_pp_mesh_matches_one_process():
+    """(dp=2, pp=2) with 4 stages in a V: each rank syncs both its stages over dp in their last W."""
+    _assert_dp_pp_matches_one_process((("ddp", "zbv"), ("fsdp", "zbv")))
 
 
 def test_dp_all_reduce_is_in_the_last_backward_graph(world_of_four):
@@ -178,6 +221,28 @@ def test_bad_arguments_name_the_fix(world_of_four, kwargs, message):
     arguments = dict(example_inputs=_slice(), stages=8, micro_batches=4, schedule="interleaved_1f1b") | kwargs
     with pytest.raises(dpar.OptionsError, match=message):
         dpar.pipeline(build("llama", 2), token_loss, **arguments)
+
+
+@pytest.mark.parametrize(
+    "layers, kwargs, error, message",
+    [
+        (2, dict(stages=4), dpar.OptionsError,
+         r"zbv runs exactly 2 stages on each rank, in a V \(rank r holds stages r and 7 - r\): stages=8 on 4 ranks, "
+         r"not stages=4; or use schedule='zb_h1' with stages=4"),
+        (6, dict(), dpar.TooFewBlocksError,
+         r"stages=8 but the model has only 6 blocks in '.*layers' to cut between: schedule='zbv' runs 2 stages on each "
+         r"of the 4 ranks; use at most 6 stages: schedule='zb_h1' or '1f1b' with stages=4 \(one per rank\), 'zbv' on at "
+         r"most 3 ranks, or a deeper model"),
+        (2, dict(schedule="interleaved_1f1b", micro_batches=2), dpar.TooFewMicroBatchesError,
+         r"interleaved_1f1b needs at least 4 micro-batches on 4 ranks .* got 2; use micro_batches=4"),
+    ],
+    ids=["zbv-one-stage-a-rank", "zbv-fewer-blocks-than-2p", "interleaved-fewer-micro-batches-than-ranks"],
+)
+def test_zbv_and_micro_batch_counts_are_refused_before_a_step_with_the_fix(world_of_four, layers, kwargs, error,
+                                                                           message):
+    arguments = dict(example_inputs=_slice(), stages=8, micro_batches=8, schedule="zbv") | kwargs
+    with pytest.raises(error, match=message):
+        dpar.pipeline(build("llama", layers), token_loss, **arguments)
 
 
 def test_a_split_point_that_leaves_a_stage_empty(world_of_two):

@@ -11,7 +11,8 @@ import pytest
 
 import dpar
 from dpar.compiler.pipeline_parallel.schedules import (
-    PipelineBubbleWarning, bubble_formula, build_schedule, check_deadlock_free, warn_if_bubble_large,
+    SCHEDULES, PipelineBubbleWarning, bubble_formula, build_schedule, check_deadlock_free, min_micro_batches,
+    warn_if_bubble_large,
 )
 from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 from dpar.compiler.pipeline_parallel.simulate import Costs, simulate
@@ -36,31 +37,71 @@ def build(name: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
     return build_schedule(name, num_ranks=p, micro_batches=m, virtual_stages=v)
 
 
+def assert_well_formed(schedule: PipelineSchedule, name: str, p: int, m: int, v: int) -> None:
+    """Deadlock-free; one F and one B (or I and W) per stage and micro-batch; every send received once."""
+    check_deadlock_free(schedule)
+    assert schedule.num_stages == p * v
+    compute = Counter((a.op, a.stage, a.micro_batch) for program in schedule.actions for a in program
+                      if a.op.is_compute)
+    backward = (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if name in ("zb_h1", "zbv") else (Op.BACKWARD,)
+    expected = Counter((op, s, i) for s in range(p * v) for i in range(m) for op in (Op.FORWARD, *backward))
+    assert compute == expected, (name, p, m, v)
+    sends = Counter((a.op, a.stage, a.micro_batch, r) for r, program in enumerate(schedule.actions)
+                    for a in program if a.op in (Op.SEND_ACTIVATION, Op.SEND_GRADIENT))
+    recvs = Counter()
+    for r, program in enumerate(schedule.actions):
+        for a in program:
+            if a.op is Op.RECV_ACTIVATION:
+                recvs[Op.SEND_ACTIVATION, a.stage - 1, a.micro_batch, schedule.stage_rank(a.stage - 1)] += 1
+            elif a.op is Op.RECV_GRADIENT:
+                recvs[Op.SEND_GRADIENT, a.stage + 1, a.micro_batch, schedule.stage_rank(a.stage + 1)] += 1
+    assert sends == recvs and set(sends.values()) <= {1}, (name, p, m, v)
+    crossings = sum(schedule.stage_rank(s) != schedule.stage_rank(s + 1) for s in range(p * v - 1))
+    assert sum(sends.values()) == 2 * crossings * m  # two messages per boundary between ranks and micro-batch
+
+
 def test_every_schedule_has_one_forward_and_backward_per_stage_and_micro_batch_and_matched_sends():
     built = 0
     for name, p, m, v in every_schedule():
-        schedule = build(name, p, m, v)
-        check_deadlock_free(schedule)
-        assert schedule.num_stages == p * v
-        compute = Counter((a.op, a.stage, a.micro_batch) for program in schedule.actions for a in program
-                          if a.op.is_compute)
-        backward = (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if name == "zb_h1" else (Op.BACKWARD,)
-        expected = Counter((op, s, i) for s in range(p * v) for i in range(m) for op in (Op.FORWARD, *backward))
-        assert compute == expected, (name, p, m, v)
-        sends = Counter((a.op, a.stage, a.micro_batch, r) for r, program in enumerate(schedule.actions)
-                        for a in program if a.op in (Op.SEND_ACTIVATION, Op.SEND_GRADIENT))
-        recvs = Counter()
-        for r, program in enumerate(schedule.actions):
-            for a in program:
-                if a.op is Op.RECV_ACTIVATION:
-                    recvs[Op.SEND_ACTIVATION, a.stage - 1, a.micro_batch, schedule.stage_rank(a.stage - 1)] += 1
-                elif a.op is Op.RECV_GRADIENT:
-                    recvs[Op.SEND_GRADIENT, a.stage + 1, a.micro_batch, schedule.stage_rank(a.stage + 1)] += 1
-        assert sends == recvs and set(sends.values()) <= {1}, (name, p, m, v)
-        # two messages per stage boundary and micro-batch; with one rank there are none
-        assert sum(sends.values()) == (2 * (p * v - 1) * m if p > 1 else 0)
+        assert_well_formed(build(name, p, m, v), name, p, m, v)
         built += 1
     assert built == 5 * 16 * 3 + 2 * (16 + 8 + 5 + 4 + 2)
+
+
+ZBV_RANKS, ZBV_MICRO_BATCHES = range(1, 9), range(1, 25)
+
+
+def test_zbv_places_stages_in_a_v_and_is_well_formed_for_every_p_and_m():
+    for p in ZBV_RANKS:
+        for m in ZBV_MICRO_BATCHES:
+            schedule = build_schedule("zbv", num_ranks=p, micro_batches=m)
+            assert schedule.placement == (*range(p), *reversed(range(p)))
+            assert all(schedule.stages_of(r) == (r, 2 * p - 1 - r) for r in range(p))
+            assert_well_formed(schedule, "zbv", p, m, 2)
+            # the turn of the V (stages p - 1 and p, both on rank p - 1) is the one boundary with no message
+            assert not any(a.op in (Op.SEND_ACTIVATION, Op.SEND_GRADIENT) and a.stage in (p - 1, p)
+                           and schedule.stage_rank(a.stage + (1 if a.op is Op.SEND_ACTIVATION else -1)) == p - 1
+                           for a in schedule.actions[p - 1])
+
+
+def test_zbv_printout_for_2_ranks_and_4_micro_batches_is_pinned():
+    assert str(build_schedule("zbv", num_ranks=2, micro_batches=4)) == (
+        "zbv: 2 ranks, 4 stages, 4 micro-batches\n"
+        "rank 0: F0.0 SA0.0 F0.1 SA0.1 F0.2 SA0.2 RA3.0 F3.0 I3.0 SG3.0 W3.0 RA3.1 F3.1 I3.1 SG3.1 W3.1 F0.3 SA0.3 "
+        "RG0.0 I0.0 W0.0 RA3.2 F3.2 I3.2 SG3.2 W3.2 RG0.1 I0.1 W0.1 RA3.3 F3.3 I3.3 SG3.3 W3.3 RG0.2 I0.2 W0.2 "
+        "RG0.3 I0.3 W0.3\n"
+        "rank 1: RA1.0 F1.0 F2.0 SA2.0 RA1.1 F1.1 F2.1 SA2.1 RG2.0 I2.0 W2.0 RA1.2 F1.2 I1.0 SG1.0 W1.0 F2.2 SA2.2 "
+        "RG2.1 I2.1 W2.1 RA1.3 F1.3 I1.1 SG1.1 W1.1 F2.3 SA2.3 RG2.2 I2.2 W2.2 I1.2 SG1.2 RG2.3 I2.3 I1.3 SG1.3 W1.2 "
+        "W2.3 W1.3"
+    )
+
+
+def test_checker_names_a_zbv_order_that_runs_the_turn_of_the_v_too_early():
+    good = build_schedule("zbv", num_ranks=2, micro_batches=4)
+    rank1 = list(good.actions[1])
+    rank1.insert(0, rank1.pop(rank1.index(Action(Op.FORWARD, 2, 0))))  # stage 2 before stage 1, on the same rank
+    with pytest.raises(dpar.ScheduleError, match=r"rank 1, action 0 \(F2.0\) needs F1.0 earlier on the same rank"):
+        check_deadlock_free(edited(good, 1, rank1))
 
 
 def test_1f1b_printout_for_2_ranks_and_4_micro_batches_is_pinned():
@@ -143,6 +184,45 @@ def test_zb_h1_bubble_matches_its_derivation_and_is_a_third_of_1f1bs():
                 assert (timeline.span - 3 * m) * 3 == one_f_one_b.span - 3 * m == 3 * (p - 1)
 
 
+def test_zbv_bubble_matches_its_formula_and_is_half_of_zb_h1s():
+    for p in ZBV_RANKS:
+        for m in ZBV_MICRO_BATCHES:
+            timeline = simulate(build_schedule("zbv", num_ranks=p, micro_batches=m), EQUAL)  # one unit per chunk
+            idle = max(p - 1, 4 * p - 2 - 2 * m)  # [Note: the ZBV bubble]
+            assert timeline.span == 6 * m + idle, (p, m)
+            assert timeline.bubble == pytest.approx([idle / (6 * m + idle)] * p, abs=1e-12)
+            assert bubble_formula("zbv", p, m) == pytest.approx(idle / (6 * m + idle))
+            if 2 * m >= 3 * p - 1:  # each rank idle p - 1 chunk units: half of ZB-H1's p - 1 stage units
+                zb_h1 = simulate(build("zb_h1", p, m), Costs(forward=2, backward_input=2, backward_weight=2))
+                assert (timeline.span - 6 * m) * 2 == zb_h1.span - 6 * m == 2 * (p - 1)
+
+
+def test_zbv_holds_1f1bs_peak_on_every_rank():
+    for p in ZBV_RANKS:
+        for m in ZBV_MICRO_BATCHES:
+            timeline = simulate(build_schedule("zbv", num_ranks=p, micro_batches=m))
+            # chunks held from F to W: at most 2p (p micro-batches of the rank's layers: 1F1B's rank 0), reached on
+            # every rank from m = 2p - 1 on, the phases' own count (below it rank r holds m + 1 + r at most)
+            peaks = [timeline.peak_in_flight_of_rank(r) for r in range(p)]
+            assert peaks == [min(2 * p, 2 * m, m + 1 + r) for r in range(p)], (p, m)
+    # per stage, 2p - s, as 1F1B's p - r over twice the stages: rank r's two stages hold 2p - r and r + 1 at their peaks
+    assert simulate(build_schedule("zbv", num_ranks=4, micro_batches=8)).peak_in_flight == (8, 7, 6, 5, 4, 3, 2, 1)
+
+
+def test_every_schedule_names_the_fewest_micro_batches_it_runs():
+    for name in SCHEDULES:
+        for p in RANKS:
+            v = 2 if name == "interleaved_1f1b" else None
+            fewest = min_micro_batches(name, p)
+            assert fewest == (p if name == "interleaved_1f1b" else 1)
+            build_schedule(name, num_ranks=p, micro_batches=fewest, virtual_stages=v)  # builds and replays
+            if fewest > 1:
+                with pytest.raises(dpar.TooFewMicroBatchesError,
+                                   match=rf"{name} needs at least {p} micro-batches on {p} ranks .* got {fewest - 1}; "
+                                         rf"use micro_batches={p}"):
+                    build_schedule(name, num_ranks=p, micro_batches=fewest - 1, virtual_stages=v)
+
+
 def test_send_latency_delays_each_hop_of_the_first_micro_batch():
     timeline = simulate(build("1f1b", 2, 1), Costs(forward=1, backward=1, latency=0.25))
     assert timeline.span == 4.5  # F, L, F, B, L, B
@@ -167,6 +247,9 @@ def test_bubble_warning_names_the_percentage_and_the_fix_below_4_micro_batches_p
         warn_if_bubble_large("1f1b", 4, 8)
     with pytest.warns(PipelineBubbleWarning, match=r"idle 11\.1% .* 5\.9%"):
         warn_if_bubble_large("zb_h1", 4, 8)
+    with pytest.warns(PipelineBubbleWarning, match=r"'zbv' with 4 ranks x 2 stages in a V and 8 micro-batches .* "
+                                                   r"idle 5\.9% .* 3\.0%"):
+        warn_if_bubble_large("zbv", 4, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_if_bubble_large("1f1b", 4, 16)
@@ -186,6 +269,10 @@ def test_bad_schedule_arguments_name_the_fix():
         build("1f1b", 4, 8, 2)
     with pytest.raises(dpar.OptionsError, match=r"micro_batches must be an integer >= 1, got 0"):
         build("gpipe", 2, 0)
+    with pytest.raises(dpar.OptionsError, match=r"zbv places exactly 2 stages on each rank \(a V\), got virtual_stages=3"):
+        build("zbv", 2, 4, 3)
+    with pytest.raises(dpar.OptionsError, match=r"did you mean 'zbv'"):
+        build("ZB-V", 2, 4)
 
 
 def test_timeline_saves_as_a_perfetto_trace_with_a_process_per_rank(tmp_path):

@@ -129,10 +129,11 @@ def _stage_cost(stage: Stage, last: bool, model: nn.Module, micro_batch: Sequenc
 
 def price_stages(
     model: nn.Module, loss_fn: LossFn, micro_batch: Sequence[torch.Tensor], stages: int, spec: DeviceSpec,
-    split_points: Sequence[str] | None = None,
+    split_points: Sequence[str] | None = None, *, ranks: int | None = None, schedule: str = "",
 ) -> tuple[StageSplit, tuple[StageCost, ...]]:
-    """Capture model + loss at ``micro_batch``, cut ``stages`` stages, price each."""
-    split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points)
+    """Capture model + loss at ``micro_batch``, cut ``stages`` stages (``split_stages``), price each."""
+    split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points, ranks=ranks,
+                         schedule=schedule)
     return split, cut_and_price(split, model, micro_batch, spec)
 
 

@@ -33,6 +33,32 @@ replaying.
   (the last rank runs its I(m-1) ``p - 1`` W-durations earlier), and they then fill what would
   otherwise be the cool-down bubble. Every rank then holds ``p`` micro-batches until their W (1F1B's peak,
   that of rank 0, on every rank). W waits only on its own rank's I, so no new cross-rank wait.
+- ZBV (V placement: rank ``r`` holds stage ``r`` on the way down and stage ``2p - 1 - r`` on the
+  way up, so rank ``p - 1`` hands stage ``p - 1``'s output to stage ``p`` without a send and rank
+  0 holds both the embedding and the head): see [Note: the ZBV order].
+
+[Note: the ZBV order]
+Each rank's program is a table of phases, ``(repeats, pattern)``, in ``_ZBV_PHASES``; a pattern
+names (op, leg), leg 0 the down stage and leg 1 the up stage, and each (op, leg) takes the next
+micro-batch in turn. With F = I = W = 1 (each a chunk: half a rank's layers), rank ``r``:
+1. ``2(p - r) - 1`` down forwards: micro-batch 0 reaches rank ``r`` at ``r`` and comes back up to
+   it at ``2p - 1 - r``; the down forwards fill exactly that gap.
+2. ``r`` pairs (up F, down F): the up forwards now arrive every other unit (the rank below
+   alternates the same way), a down forward fills each gap.
+3. ``p - r`` triples (up F, I, W): the first gradient starts at rank 0 (the loss is on its up
+   stage) and comes down one rank per I; the W's after each I fill the wait for the next.
+4. The steady state, (down F, I, W, up F, I, W) per micro-batch, then the same without the down F
+   once the down forwards are done (rank ``r`` is ``p - 1 - r`` forwards ahead on the down leg).
+5. The cool-down: ``r`` pairs of I (down, up), ``p - r`` pairs (down I, W), the remaining W's.
+The phases' counts assume ``M = max(m, 2p - 1)`` micro-batches (phase 1 on rank 0 needs
+``2p - 1``); with fewer, the order is built for ``M`` and the actions of micro-batches ``>= m``
+dropped on every rank: removing every action of a micro-batch removes no precedence between the
+others (program order is transitive), so the shorter order cannot deadlock either.
+Memory: counted from F until W, rank ``r`` holds at most ``min(2p, 2m, m + 1 + r)`` chunks: with
+``m >= 2p - 1``, ``2p`` on every rank, i.e. ``p`` micro-batches' worth of its layers, 1F1B's peak
+(rank 0's) and ZB-H1's. The bubble is in
+[Note: the ZBV bubble] in simulate.py; ``replay`` checks every order for deadlocks, and the tests
+simulate every (p, m) up to 8 ranks and 24 micro-batches against the formula.
 """
 
 from __future__ import annotations
@@ -41,15 +67,65 @@ import difflib
 import warnings
 from collections.abc import Callable, Iterator
 
-from dpar.core.errors import OptionsError, ScheduleError
+from dpar.core.errors import OptionsError, ScheduleError, TooFewMicroBatchesError
 from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+ZERO_BUBBLE = ("zb_h1", "zbv")
+"""The schedules that split each backward into I and W: a stage's step ends with its last W."""
+
+_F, _I, _W = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+_ZBV_PHASES: tuple[tuple[Callable[[int, int, int], int], tuple[tuple[Op, int], ...]], ...] = (
+    # (repeats as a function of (p, M, r), pattern of (op, leg)); see [Note: the ZBV order]
+    (lambda p, M, r: 2 * (p - r) - 1, ((_F, 0),)),
+    (lambda p, M, r: r, ((_F, 1), (_F, 0))),
+    (lambda p, M, r: p - r, ((_F, 1), (_I, 1), (_W, 1))),
+    (lambda p, M, r: M - 2 * p + 1 + r, ((_F, 0), (_I, 0), (_W, 0), (_F, 1), (_I, 1), (_W, 1))),
+    (lambda p, M, r: p - 1 - r, ((_I, 0), (_W, 0), (_F, 1), (_I, 1), (_W, 1))),
+    (lambda p, M, r: r, ((_I, 0), (_I, 1))),
+    (lambda p, M, r: p - r, ((_I, 0), (_W, 0))),
+    (lambda p, M, r: r, ((_W, 1), (_W, 0))),
+)
+
+
+def stages_per_rank(name: str, virtual_stages: int | None = None) -> int:
+    """How many stages each rank holds: ``virtual_stages`` (interleaved, default 2), 2 for zbv, else 1."""
+    if name == "zbv":
+        return 2
+    return virtual_stages or (2 if name == "interleaved_1f1b" else 1)
+
+
+def stage_placement(name: str, num_ranks: int, stages: int) -> tuple[int, ...]:
+    """The rank of each stage: a V for zbv (stages ``r`` and ``2p - 1 - r`` on rank ``r``), else looping."""
+    if name == "zbv":
+        return tuple(s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(stages))
+    return tuple(s % num_ranks for s in range(stages))
+
+
+def min_micro_batches(name: str, num_ranks: int) -> int:
+    """The fewest micro-batches the schedule's order runs: interleaved's rounds need ``num_ranks``; every
+    other order is built for any ``m >= 1`` (zbv by dropping what its phases would add beyond ``m``)."""
+    return num_ranks if name == "interleaved_1f1b" else 1
+
+
+def _zbv_order(p: int, m: int, rank: int) -> Iterator[tuple[Op, int, int]]:
+    """(op, leg, micro-batch) of one rank's compute actions under zbv; see [Note: the ZBV order]."""
+    planned = max(m, 2 * p - 1)
+    taken = dict.fromkeys(((op, leg) for op in (_F, _I, _W) for leg in (0, 1)), 0)
+    for repeats, pattern in _ZBV_PHASES:
+        for _ in range(repeats(p, planned, rank)):
+            for op, leg in pattern:
+                i, taken[op, leg] = taken[op, leg], taken[op, leg] + 1
+                if i < m:
+                    yield op, leg, i
 
 
 def _compute_order(name: str, p: int, m: int, v: int, rank: int) -> Iterator[tuple[Op, int, int]]:
     """(op, chunk, micro-batch) of one rank's compute actions; see the Note above."""
     F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    if name == "zbv":
+        yield from _zbv_order(p, m, rank)
+        return
     if name == "gpipe":
         yield from ((F, 0, i) for i in range(m))
         yield from ((B, 0, i) for i in range(m))
@@ -78,13 +154,17 @@ def _compute_order(name: str, p: int, m: int, v: int, rank: int) -> Iterator[tup
         yield from ((W, 0, i) for i in range(max(0, m - delay), m))
 
 
-def _with_communication(p: int, stages: int, rank: int, order: Iterator[tuple[Op, int, int]]) -> tuple[Action, ...]:
-    """Each compute action with its receive just before and its send just after."""
+def _with_communication(placement: tuple[int, ...], rank: int, order: Iterator[tuple[Op, int, int]]
+                        ) -> tuple[Action, ...]:
+    """Each compute action with its receive just before and its send just after; ``chunk`` is the
+    index of the stage among the rank's stages, in stage order."""
+    mine = [s for s, holder in enumerate(placement) if holder == rank]
+    last = len(placement) - 1
     actions: list[Action] = []
     for op, chunk, i in order:
-        s = rank + chunk * p
-        crosses_down = s > 0 and (s - 1) % p != rank  # the predecessor stage is on another rank
-        crosses_up = s < stages - 1 and (s + 1) % p != rank
+        s = mine[chunk]
+        crosses_down = s > 0 and placement[s - 1] != rank  # the predecessor stage is on another rank
+        crosses_up = s < last and placement[s + 1] != rank
         if op is Op.FORWARD:
             actions += [Action(Op.RECV_ACTIVATION, s, i)] if crosses_down else []
             actions.append(Action(op, s, i))
@@ -105,14 +185,27 @@ def check_name(name: str) -> None:
         raise OptionsError(f"unknown pipeline schedule {name!r}{hint}; choose one of {list(SCHEDULES)}")
 
 
-def build_schedule(name: str, *, num_ranks: int, micro_batches: int, virtual_stages: int = 1) -> PipelineSchedule:
-    """The named schedule for ``num_ranks`` ranks and ``micro_batches`` micro-batches, checked."""
+def build_schedule(name: str, *, num_ranks: int, micro_batches: int, virtual_stages: int | None = None
+                   ) -> PipelineSchedule:
+    """The named schedule for ``num_ranks`` ranks and ``micro_batches`` micro-batches, checked.
+
+    ``virtual_stages``: stages per rank; interleaved_1f1b needs >= 2, zbv always has 2 (a V), the others 1."""
     check_name(name)
-    p, m, v = num_ranks, micro_batches, virtual_stages
+    p, m = num_ranks, micro_batches
+    v = virtual_stages if virtual_stages is not None else 2 if name == "zbv" else 1
     for label, value in (("num_ranks", p), ("micro_batches", m), ("virtual_stages", v)):
         if not isinstance(value, int) or value < 1:
             raise OptionsError(f"{label} must be an integer >= 1, got {value!r}")
-    if name == "interleaved_1f1b":
+    fewest = min_micro_batches(name, p)
+    if m < fewest:
+        raise TooFewMicroBatchesError(
+            f"{name} needs at least {fewest} micro-batches on {p} ranks (it runs them in rounds of the ranks), "
+            f"got {m}; use micro_batches={fewest} (or a multiple of it), or schedule='1f1b' or 'zb_h1', which run any number")
+    if name == "zbv":
+        if v != 2:
+            raise OptionsError(f"zbv places exactly 2 stages on each rank (a V), got virtual_stages={v}; drop "
+                               "virtual_stages, or use schedule='interleaved_1f1b' for another number of stages per rank")
+    elif name == "interleaved_1f1b":
         if v < 2:
             raise OptionsError(f"interleaved_1f1b needs virtual_stages >= 2, got {v}; "
                                "pass virtual_stages=2 (or more), or use schedule='1f1b' for one stage per rank")
@@ -124,9 +217,9 @@ def build_schedule(name: str, *, num_ranks: int, micro_batches: int, virtual_sta
     elif v != 1:
         raise OptionsError(f"virtual_stages={v} applies only to schedule='interleaved_1f1b'; "
                            f"drop it or use that schedule")
-    stages = p * v
-    schedule = PipelineSchedule(name, p, stages, m, tuple(
-        _with_communication(p, stages, r, _compute_order(name, p, m, v, r)) for r in range(p)))
+    placement = stage_placement(name, p, p * v)
+    schedule = PipelineSchedule(name, p, p * v, m, tuple(
+        _with_communication(placement, r, _compute_order(name, p, m, v, r)) for r in range(p)), placement)
     check_deadlock_free(schedule)
     return schedule
 
@@ -257,9 +350,13 @@ def bubble_formula(name: str, num_ranks: int, micro_batches: int, virtual_stages
     """Idle share of the step on every rank with equal-cost actions (F = B, or F = I = W).
 
     Exact for the orders built here (``simulate`` checks them): GPipe and 1F1B
-    (p-1)/(m+p-1); interleaved (p-1)/(v m+p-1) with F, B the cost of one chunk; ZB-H1, see
-    [Note: the ZB-H1 bubble] in simulate.py."""
+    (p-1)/(m+p-1); interleaved (p-1)/(v m+p-1) with F, B the cost of one chunk; ZB-H1 and ZBV
+    (F = I = W the cost of one of its two chunks), see [Note: the ZB-H1 bubble] and
+    [Note: the ZBV bubble] in simulate.py."""
     p, m, v = num_ranks, micro_batches, virtual_stages
+    if name == "zbv":
+        idle = max(p - 1, 4 * p - 2 - 2 * m)
+        return idle / (6 * m + idle)
     if name == "interleaved_1f1b":
         return (p - 1) / (v * m + p - 1)
     if name == "zb_h1":
@@ -278,7 +375,8 @@ def warn_if_bubble_large(name: str, num_ranks: int, micro_batches: int, virtual_
     if p == 1 or m >= 4 * p:  # one rank has no bubble
         return
     now, fixed = bubble_formula(name, p, m, v), bubble_formula(name, p, 4 * p, v)
-    stages = f"{p} stages" if v == 1 else f"{p} ranks x {v} virtual stages"
+    stages = (f"{p} ranks x 2 stages in a V" if name == "zbv" else f"{p} stages" if v == 1
+              else f"{p} ranks x {v} virtual stages")
     warnings.warn(PipelineBubbleWarning(
         f"pipeline schedule {name!r} with {stages} and {m} micro-batches leaves every rank idle "
         f"{now:.1%} of the step (bubble); use micro_batches >= {4 * p} (4 x {p}) to bring it to "

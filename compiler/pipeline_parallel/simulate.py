@@ -29,6 +29,21 @@ of rank 0, everywhere; the paper counts less for a micro-batch between I and W).
 1F1B's ``p - r`` is not enough for this bubble: the last rank, holding one, must run F, I, W
 of each micro-batch in turn, so its I(m-1) starts no earlier than ``3m + p - 3`` and rank 0's
 W(m-1) ends no earlier than ``3m + 2p - 2``: two thirds of 1F1B's bubble, not one third.
+
+[Note: the ZBV bubble]
+Take F = I = W = 1 for one chunk (a stage of the V: half a rank's layers; the whole model is 2p
+chunks), so a rank computes 6m. With ``m >= (3p - 1) / 2`` rank ``r`` starts at ``r`` and then never
+waits: the phases of [Note: the ZBV order] in schedules.py are sized so that each awaited action
+arrives just as the one before ends (the down forwards fill micro-batch 0's trip down and back up;
+the W's fill the I's trip). Rank ``r`` ends at ``6m + r``, the span is ``6m + p - 1`` (rank
+``p - 1``'s end) and every rank is idle ``r`` at the start and ``p - 1 - r`` at the end: p - 1 in
+all, bubble (p-1)/(6m+p-1). In ZB-H1's units (F = I = W = one stage = two chunks) that is
+(p-1)/2 idle units against ZB-H1's p - 1: half its bubble, at the same peak memory.
+With fewer micro-batches, rank 0 finishes last: its down-leg I's come back from the bottom of the
+V one every 3 units (I, W and a wait), the first at ``m + 4p - 1``, so the span is
+``4m + 4p - 2`` and the idle time ``4p - 2 - 2m`` on every rank. In all:
+idle = max(p - 1, 4p - 2 - 2m), bubble = idle / (6m + idle); the small-m regime is checked by the
+simulator (every p <= 8, m <= 24 in the tests), not derived step by step.
 """
 
 from __future__ import annotations

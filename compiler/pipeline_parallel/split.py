@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from dpar.compiler.costs import node_flops
 from dpar.compiler.passes.random_ops import is_random
-from dpar.core.errors import OptionsError
+from dpar.core.errors import OptionsError, TooFewBlocksError
 from dpar.core.pipeline_program import Stage, StageSplit, ValueSpec
 
 
@@ -202,16 +202,30 @@ def _user_cuts(split_points: Sequence[str], prefix: str, blocks: list[int], stag
     return starts
 
 
+def _too_few_blocks(prefix: str, blocks: int, stages: int, ranks: int, schedule: str) -> TooFewBlocksError:
+    """The error for ``stages > blocks``; with several stages on each rank (zbv's V, interleaved) the fixes differ."""
+    head = f"pipeline: stages={stages} but the model has only {blocks} blocks in {prefix!r} to cut between"
+    per_rank = stages // ranks
+    if per_rank == 1:
+        return TooFewBlocksError(f"{head}; use at most {blocks} stages (or a deeper model).")
+    fixes = [f"schedule='zb_h1' or '1f1b' with stages={ranks} (one per rank)"] if ranks <= blocks else []
+    if blocks >= per_rank:
+        fixes.append(f"{schedule!r} on at most {blocks // per_rank} ranks")
+    return TooFewBlocksError(
+        f"{head}: schedule={schedule!r} runs {per_rank} stages on each of the {ranks} ranks; use at most {blocks} "
+        f"stages: {', '.join([*fixes, 'or a deeper model'])}."
+    )
+
+
 def split_stages(
-    gm: fx.GraphModule, model: nn.Module, stages: int, split_points: Sequence[str] | None = None
+    gm: fx.GraphModule, model: nn.Module, stages: int, split_points: Sequence[str] | None = None, *,
+    ranks: int | None = None, schedule: str = "",
 ) -> StageSplit:
-    """Cut ``gm`` (from ``capture``) into ``stages`` stage graphs at block boundaries."""
+    """Cut ``gm`` (from ``capture``) into ``stages`` stage graphs at block boundaries, for ``schedule`` on
+    ``ranks`` ranks (default: one stage on each rank), which only shapes the error when the blocks are too few."""
     prefix, blocks = find_blocks(gm)
     if stages > len(blocks):
-        raise OptionsError(
-            f"pipeline: stages={stages} but the model has only {len(blocks)} blocks in {prefix!r} to cut between; "
-            f"use at most {len(blocks)} stages (or a deeper model)."
-        )
+        raise _too_few_blocks(prefix, len(blocks), stages, ranks or stages, schedule)
     free, params = _classify(gm)
     nodes = list(gm.graph.nodes)
     block_cost = [0.0] * len(blocks)

@@ -28,7 +28,9 @@ _LEAVE_DDP_OUT = (
     "dpar already inserts the gradient all-reduce (or reduce-scatter) into the compiled graphs, so every "
     "gradient would be reduced twice. Give the compiled model to the training loop unwrapped: drop a "
     "hand-written DistributedDataParallel(model); a library that wraps models in DDP when run under "
-    "torchrun (Hugging Face's Trainer and Accelerate do) must be told the model is distributed already"
+    "torchrun must be told the model is distributed already: with Hugging Face's Trainer use "
+    "dpar.integrations.transformers.DparTrainer, with Accelerate dpar.integrations.accelerate.DparAccelerator, "
+    "with Lightning dpar.integrations.lightning's strategies (they compile with dpar and wrap nothing)"
 )
 
 

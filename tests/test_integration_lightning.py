@@ -1,0 +1,192 @@
+"""dpar under Lightning: ``Trainer(strategy=DparStrategy(...))`` and ``Fabric(strategy=DparFabricStrategy(...))``
+train to the parameters Lightning's own DDPStrategy gives on the same data (its DistributedSampler slices, 2 gloo
+ranks, CPU), with gradient accumulation, and checkpoints written by Lightning's own calls resume exactly.
+
+The ranks are torchrun-style processes (``run_ranks`` sets RANK, WORLD_SIZE, LOCAL_RANK and the process group),
+so Lightning finds them made outside it and launches nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distributed import run_ranks
+
+pl = pytest.importorskip("pytorch_lightning")
+lightning_fabric = pytest.importorskip("lightning_fabric")
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp")
+OPTIONS = {"compiler": "aot_eager"}
+VOCAB, SEQ, SAMPLES, BATCH = 32, 6, 8, 2  # 8 samples: 4 per rank, 2 steps of 2 per epoch
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, VOCAB))
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class TinyLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+        self.example_input_array = torch.zeros(BATCH, SEQ, dtype=torch.long)  # tp's planning forward
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.net(tokens)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, target = batch
+        return _loss(self(tokens), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        g = torch.Generator().manual_seed(7)
+        data = torch.utils.data.TensorDataset(
+            torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g), torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
+
+
+def _strategy(name: str, trainer: bool) -> object:
+    """dpar's strategy ``name``, or Lightning's own DDPStrategy (the anchor) for ``"lightning-ddp"``."""
+    from dpar.integrations.lightning import DparFabricStrategy, DparStrategy
+
+    if name == "lightning-ddp":
+        ddp = pl.strategies.DDPStrategy if trainer else lightning_fabric.strategies.DDPStrategy
+        return ddp(process_group_backend="gloo")
+    return (DparStrategy if trainer else DparFabricStrategy)(name, options=OPTIONS)
+
+
+def _parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The full parameters, from every rank's shards (rank 0's; the others return {})."""
+    import dpar
+
+    torch._dynamo.reset()
+    state = dpar.checkpoint.full_state_dict(module)
+    return {} if state is None else {k: v.detach().clone() for k, v in state.items()}
+
+
+def _fit(name: str, ckpt_path: str | None = None, save_to: str | None = None, **trainer_kwargs: object) -> dict:
+    torch._dynamo.reset()
+    module = TinyLM()
+    trainer = pl.Trainer(
+        strategy=_strategy(name, trainer=True), accelerator="cpu", devices=2, num_nodes=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return _parameters(module)
+
+
+def _worst(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    assert got.keys() == expected.keys()
+    return max((got[k] - expected[k]).abs().max().item() for k in expected) if expected else 0.0
+
+
+def _trainer_against_ddp(rank: int, world_size: int, strategy: str, accumulate: int) -> float:
+    expected = _fit("lightning-ddp", max_steps=3, accumulate_grad_batches=accumulate)
+    got = _fit(strategy, max_steps=3, accumulate_grad_batches=accumulate)
+    return _worst(got, expected)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_trainer_trains_as_lightning_ddp(strategy: str) -> None:
+    worst = run_ranks(_trainer_against_ddp, 2, strategy, 1, timeout_s=240)[0]
+    assert worst <= 1e-5, f"{strategy}: max |diff| {worst:.3g} from Lightning's DDPStrategy"
+
+
+@pytest.mark.parametrize("strategy", ("ddp", "fsdp"))
+def test_trainer_accumulates_as_lightning_ddp(strategy: str) -> None:
+    """``accumulate_grad_batches=2`` runs the first micro-batch under dpar.no_sync."""
+    worst = run_ranks(_trainer_against_ddp, 2, strategy, 2, timeout_s=240)[0]
+    assert worst <= 1e-5, f"{strategy}: max |diff| {worst:.3g} from Lightning's DDPStrategy"
+
+
+def _trainer_resumes(rank: int, world_size: int, strategy: str, directory: str) -> float:
+    uninterrupted = _fit(strategy, max_epochs=2)
+    _fit(strategy, max_epochs=1, save_to=directory)
+    resumed = _fit(strategy, max_epochs=2, ckpt_path=directory)
+    return _worst(resumed, uninterrupted)
+
+
+@pytest.mark.parametrize("strategy", ("fsdp", "tp"))
+def test_trainer_checkpoint_resumes_exactly(strategy: str, tmp_path) -> None:
+    """``trainer.save_checkpoint`` writes a dpar.checkpoint directory; ``fit(ckpt_path=...)`` resumes it (epoch,
+    parameters, AdamW state) to the uninterrupted run's parameters."""
+    worst = run_ranks(_trainer_resumes, 2, strategy, str(tmp_path / "ckpt"), timeout_s=240)[0]
+    assert worst == 0.0, f"{strategy}: resumed run {worst:.3g} from the uninterrupted one"
+
+
+def _fabric_steps(fabric: object, model: nn.Module, optimizer: object, steps: range, accumulate: int) -> None:
+    for step in steps:
+        for micro in range(accumulate):
+            g = torch.Generator().manual_seed(100 * (step * accumulate + micro) + fabric.global_rank)
+            tokens, target = torch.randint(0, VOCAB, (2, 2, SEQ), generator=g)
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                fabric.backward(_loss(model(tokens), target))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _fabric(name: str) -> object:
+    torch._dynamo.reset()
+    fabric = lightning_fabric.Fabric(strategy=_strategy(name, trainer=False), accelerator="cpu", devices=2, num_nodes=1)
+    fabric.launch()
+    return fabric
+
+
+def _fabric_train(name: str, accumulate: int) -> dict[str, torch.Tensor]:
+    fabric = _fabric(name)
+    net = _net()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))  # built before setup
+    _fabric_steps(fabric, model, optimizer, range(3), accumulate)
+    return _parameters(net)
+
+
+def _fabric_against_ddp(rank: int, world_size: int, strategy: str, accumulate: int) -> float:
+    return _worst(_fabric_train(strategy, accumulate), _fabric_train("lightning-ddp", accumulate))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fabric_trains_as_lightning_ddp(strategy: str) -> None:
+    worst = run_ranks(_fabric_against_ddp, 2, strategy, 1, timeout_s=240)[0]
+    assert worst <= 1e-5, f"{strategy}: max |diff| {worst:.3g} from Fabric's DDPStrategy"
+
+
+@pytest.mark.parametrize("strategy", ("ddp", "fsdp"))
+def test_fabric_no_backward_sync_accumulates_as_lightning_ddp(strategy: str) -> None:
+    worst = run_ranks(_fabric_against_ddp, 2, strategy, 2, timeout_s=240)[0]
+    assert worst <= 1e-5, f"{strategy}: max |diff| {worst:.3g} from Fabric's DDPStrategy"
+
+
+def _fabric_resumes(rank: int, world_size: int, strategy: str, directory: str) -> float:
+    fabric = _fabric(strategy)
+    net = _net()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    _fabric_steps(fabric, model, optimizer, range(2), 1)
+    fabric.save(directory, {"model": model, "optimizer": optimizer, "step": 2})
+    _fabric_steps(fabric, model, optimizer, range(2, 4), 1)
+    uninterrupted = _parameters(net)
+
+    fabric = _fabric(strategy)
+    net = _net()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    assert fabric.load(directory, state) == {}
+    assert state["step"] == 2
+    _fabric_steps(fabric, model, optimizer, range(2, 4), 1)
+    return _worst(_parameters(net), uninterrupted)
+
+
+@pytest.mark.parametrize("strategy", ("zero1", "fsdp"))
+def test_fabric_checkpoint_resumes_exactly(strategy: str, tmp_path) -> None:
+    worst = run_ranks(_fabric_resumes, 2, strategy, str(tmp_path / "ckpt"), timeout_s=240)[0]
+    assert worst == 0.0, f"{strategy}: resumed run {worst:.3g} from the uninterrupted one"

@@ -2,14 +2,14 @@
 
 Both are Lightning's own DDP strategies (launcher, process group, ``DistributedSampler``, rank bookkeeping)
 with the DDP wrap replaced by dpar's two calls: ``dpar.parallelize`` places the parameters for the chosen
-strategy, and ``module.compile(backend="dpar")`` (torch's in-place compile) makes every call of the module
-a dpar graph, so the module the user wrote stays the one Lightning holds, calls and checkpoints.
+strategy, and ``torch.compile(module, backend="dpar")`` takes the wrap's place.
 
 [Note: what Lightning sees of a parallelized module]
-- The module itself is compiled, not wrapped: Lightning calls ``training_step`` on it directly and the
-  step's ``self(x)`` runs the graph whose backward reduces the gradients. A step that reaches the parameters
-  without the module's own call (``self.net(x)`` inside ``training_step``) would run them outside any dpar
-  graph: its gradients would not be averaged over the ranks. Call the module in the step.
+- The compiled module stands where DDP's wrapper stood, so Lightning's own forward redirection runs the
+  Trainer's whole ``training_step`` through it: every parameter the step reads, also through ``self.net(x)``
+  rather than ``self(x)``, is read inside a dpar graph, and ``self.log`` is a graph break like any other.
+  (torch's in-place ``module.compile()`` is no substitute: it compiles nothing of a module whose ``forward``
+  is torch's own, an ``nn.Sequential``, which would then train eagerly with unsynchronised gradients.)
 - Optimizers must hold the parameters ``parallelize`` placed. The Trainer builds them after ``setup``
   (``configure_optimizers``), so they do; Fabric's ``setup(model, optimizer)`` hands over one built
   before, whose still-empty parameter groups are pointed at the placed parameters by name.
@@ -43,8 +43,8 @@ LIGHTNING_STATE = "lightning_state.pt"  # in a checkpoint directory: what is not
 def place(
     module: nn.Module, strategy: str, options: Mapping[str, Any], example_inputs: Sequence[Any] | None,
     parallelize_kwargs: Mapping[str, Any],
-) -> None:
-    """``dpar.parallelize`` ``module`` in place and compile every call of it with the dpar backend.
+) -> nn.Module:
+    """``dpar.parallelize`` ``module`` in place; return it compiled with the dpar backend.
 
     ``example_inputs`` (tensor parallel's planning forward) default to the module's own
     ``example_input_array``, Lightning's convention for an example batch.
@@ -53,7 +53,7 @@ def place(
         example = getattr(module, "example_input_array", None)
         example_inputs = None if example is None else (example if isinstance(example, (tuple, list)) else (example,))
     dpar.parallelize(module, strategy=strategy, example_inputs=example_inputs, **parallelize_kwargs)
-    module.compile(backend="dpar", options=dict(options))
+    return torch.compile(module, backend="dpar", options=dict(options))
 
 
 def point_at_placed(module: nn.Module, optimizer: torch.optim.Optimizer, before: Mapping[int, str]) -> None:
@@ -145,15 +145,14 @@ class DparStrategy(TrainerDDPStrategy):
         self._options = dict(options or {})
         self._example_inputs = example_inputs
         self._parallelize_kwargs = parallelize_kwargs
-        self._placed: nn.Module | None = None
+        self._placed: Any = None  # the compiled LightningModule (a torch OptimizedModule)
 
     def configure_ddp(self) -> None:
         """In place of DDP's wrap: parallelize and compile the LightningModule itself (once per module)."""
         module = self.lightning_module
-        if self._placed is not module:
-            place(module, self.dpar_strategy, self._options, self._example_inputs, self._parallelize_kwargs)
-            self._placed = module
-        self.model = module
+        if self._placed is None or self._placed._orig_mod is not module:
+            self._placed = place(module, self.dpar_strategy, self._options, self._example_inputs, self._parallelize_kwargs)
+        self.model = self._placed
 
     def setup(self, trainer: Any) -> None:
         """DDP's setup with ``configure_ddp`` also outside fitting: a checkpoint loads into the placed layout."""
@@ -175,6 +174,27 @@ class DparStrategy(TrainerDDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Run Lightning's closure (forward and backward) before ``optimizer.step``, not inside it.
+
+        dpar's step pre-hooks (zero1 takes each rank's range of the reduced gradients there) run when ``step`` is
+        entered; a closure that ``step`` calls afterwards would produce the gradients too late.
+        """
+        result = closure()
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def teardown(self) -> None:
+        """DDP's teardown without moving the module to the CPU: its parameters are the shards and blocks dpar
+        placed, and ``to``/``cpu`` cannot swap a parameter the compiled graphs still reference."""
+        from lightning_fabric.utilities.optimizer import _optimizers_to_device
+
+        self.model = self.lightning_module
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -244,6 +264,13 @@ class DparFabricStrategy(FabricDDPStrategy):
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
             start_method=start_method,
         )
+        if strategy == "zero1":
+            raise dpar.OptionsError(
+                "zero1 under Fabric would train wrong silently: dpar's zero1 clears the whole gradients in the "
+                "optimizer's own zero_grad, which it installs on the optimizer instance, and Fabric's optimizer "
+                "wrapper calls the optimizer class's zero_grad, so the gradients would accumulate over steps. Use "
+                "'zero2' (which also shards the optimizer state) with Fabric, or DparStrategy('zero1') with the Trainer"
+            )
         self.dpar_strategy = strategy
         self._options = dict(options or {})
         self._example_inputs = example_inputs
@@ -251,17 +278,16 @@ class DparFabricStrategy(FabricDDPStrategy):
         self._backward_sync_control = _DparBackwardSyncControl()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        place(module, self.dpar_strategy, self._options, self._example_inputs, self._parallelize_kwargs)
-        return module
+        return place(module, self.dpar_strategy, self._options, self._example_inputs, self._parallelize_kwargs)
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None,
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
         before = parameter_names(module)
-        module = self.setup_module(module)
+        compiled = self.setup_module(module)
         for optimizer in optimizers:
             point_at_placed(module, optimizer, before)
-        return module, optimizers, scheduler
+        return compiled, optimizers, scheduler
 
     def save_checkpoint(
         self, path: str | os.PathLike[str], state: dict[str, Any], storage_options: Any = None,

@@ -21,10 +21,9 @@ strategy, and ``torch.compile(module, backend="dpar")`` takes the wrap's place.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +240,7 @@ class DparStrategy(TrainerDDPStrategy):
 
 class _DparBackwardSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return dpar.no_sync(module) if enabled else contextlib.nullcontext()
+        return dpar.no_sync(module) if enabled else nullcontext()
 
 
 class DparFabricStrategy(FabricDDPStrategy):

@@ -5,9 +5,10 @@ with the DDP wrap replaced by dpar's two calls: ``dpar.parallelize`` places the 
 strategy, and ``torch.compile(module, backend="dpar")`` takes the wrap's place.
 
 [Note: what Lightning sees of a parallelized module]
-- The compiled module stands where DDP's wrapper stood, so Lightning's own forward redirection runs the
-  Trainer's whole ``training_step`` through it: every parameter the step reads, also through ``self.net(x)``
-  rather than ``self(x)``, is read inside a dpar graph, and ``self.log`` is a graph break like any other.
+- The compiled module stands where DDP's wrapper stood, and the Trainer's whole ``training_step`` (and the
+  other steps) runs compiled with the dpar backend (``_CompiledSteps``): every parameter the step reads, also
+  through ``self.net(x)`` rather than ``self(x)``, is read inside a dpar graph, and ``self.log`` is a graph
+  break like any other.
   (torch's in-place ``module.compile()`` is no substitute: it compiles nothing of a module whose ``forward``
   is torch's own, an ``nn.Sequential``, which would then train eagerly with unsynchronised gradients.)
 - Optimizers must hold the parameters ``parallelize`` placed. The Trainer builds them after ``setup``
@@ -33,6 +34,7 @@ import torch.nn as nn
 from lightning_fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning_fabric.strategies.strategy import _BackwardSyncControl
 from pytorch_lightning.strategies import DDPStrategy as TrainerDDPStrategy
+from pytorch_lightning.strategies.strategy import _ForwardRedirection
 
 import dpar
 
@@ -145,6 +147,7 @@ class DparStrategy(TrainerDDPStrategy):
         self._example_inputs = example_inputs
         self._parallelize_kwargs = parallelize_kwargs
         self._placed: Any = None  # the compiled LightningModule (a torch OptimizedModule)
+        self._forward_redirection = _CompiledSteps(self._options)
 
     def configure_ddp(self) -> None:
         """In place of DDP's wrap: parallelize and compile the LightningModule itself (once per module)."""
@@ -236,6 +239,29 @@ class DparStrategy(TrainerDDPStrategy):
 
     def _plain_optimizers(self) -> list[torch.optim.Optimizer]:
         return [getattr(o, "_optimizer", o) for o in self.optimizers]  # a LightningOptimizer wraps the torch one
+
+
+class _CompiledSteps(_ForwardRedirection):
+    """Lightning's forward redirection, in dpar's form: ``training_step`` (and the other steps) of the
+    LightningModule, each compiled with the dpar backend, run in place of the wrapper's ``forward``.
+
+    Lightning's own redirection patches ``forward`` and calls the wrapper; through a compiled wrapper that patch
+    is a mutation Dynamo refuses (an ``AssertionError`` "already tracked for mutation" on torch 2.13, as soon as
+    the step has no graph break). Compiling the bound step method traces the same code without the patch.
+    """
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self._options = options
+        self._steps: dict[str, Callable[..., Any]] = {}
+        self._module: nn.Module | None = None
+
+    def __call__(self, wrapper_module: nn.Module, original_module: Any, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._module is not original_module:
+            self._module, self._steps = original_module, {}
+        if method_name not in self._steps:
+            self._steps[method_name] = torch.compile(
+                getattr(original_module, method_name), backend="dpar", options=dict(self._options))
+        return self._steps[method_name](*args, **kwargs)
 
 
 class _DparBackwardSyncControl(_BackwardSyncControl):

@@ -58,6 +58,14 @@ class TinyLM(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
 
 
+class BareLM(TinyLM):
+    """A step that reads the layers without the module's own call and logs nothing (no graph break)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, target = batch
+        return _loss(self.net(tokens), target)
+
+
 def _strategy(name: str, trainer: bool) -> object:
     """dpar's strategy ``name``, or Lightning's own DDPStrategy (the anchor) for ``"lightning-ddp"``."""
     from dpar.integrations.lightning import DparFabricStrategy, DparStrategy
@@ -82,10 +90,13 @@ def _parameters(module: nn.Module, name: str) -> dict[str, torch.Tensor]:
     return {} if state is None else {k: v.detach().clone() for k, v in state.items()}
 
 
-def _fit(name: str, ckpt_path: str | None = None, save_to: str | None = None, **trainer_kwargs: object) -> dict:
+def _fit(
+    name: str, ckpt_path: str | None = None, save_to: str | None = None, module_class: type = TinyLM,
+    **trainer_kwargs: object,
+) -> dict:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    module = TinyLM()
+    module = module_class()
     trainer = pl.Trainer(
         strategy=_strategy(name, trainer=True), accelerator="cpu", devices=2, num_nodes=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
@@ -100,22 +111,22 @@ def _worst(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> f
     return max((got[k] - expected[k]).abs().max().item() for k in expected) if expected else 0.0
 
 
-def _trainer_against_ddp(rank: int, world_size: int, strategy: str, accumulate: int) -> float:
-    expected = _fit("lightning-ddp", max_steps=3, accumulate_grad_batches=accumulate)
-    got = _fit(strategy, max_steps=3, accumulate_grad_batches=accumulate)
+def _trainer_against_ddp(rank: int, world_size: int, strategy: str, accumulate: int, module_class: type) -> float:
+    expected = _fit("lightning-ddp", max_steps=3, accumulate_grad_batches=accumulate, module_class=module_class)
+    got = _fit(strategy, max_steps=3, accumulate_grad_batches=accumulate, module_class=module_class)
     return _worst(got, expected)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_trainer_trains_as_lightning_ddp(strategy: str) -> None:
-    worst = run_ranks(_trainer_against_ddp, 2, strategy, 1, timeout_s=240)[0]
+    worst = run_ranks(_trainer_against_ddp, 2, strategy, 1, TinyLM, timeout_s=240)[0]
     assert worst <= 1e-5, f"{strategy}: max |diff| {worst:.3g} from Lightning's DDPStrategy"
 
 
 @pytest.mark.parametrize("strategy", ("ddp", "fsdp"))
 def test_trainer_accumulates_as_lightning_ddp(strategy: str) -> None:
-    """``accumulate_grad_batches=2`` runs the first micro-batch under dpar.no_sync."""
-    worst = run_ranks(_trainer_against_ddp, 2, strategy, 2, timeout_s=240)[0]
+    """``accumulate_grad_batches=2`` runs the first micro-batch under dpar.no_sync; the step calls ``self.net``."""
+    worst = run_ranks(_trainer_against_ddp, 2, strategy, 2, BareLM, timeout_s=240)[0]
     assert worst <= 1e-5, f"{strategy}: max |diff| {worst:.3g} from Lightning's DDPStrategy"
 
 
@@ -210,3 +221,43 @@ def test_fabric_refuses_zero1_by_name() -> None:
 
     with pytest.raises(dpar.OptionsError, match="zero1 under Fabric"):
         DparFabricStrategy("zero1")
+
+
+class LlamaLM(pl.LightningModule):
+    """A tiny Hugging Face LlamaForCausalLM from a config (nothing downloaded), its own loss, a padding mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import third_party
+
+        torch.manual_seed(0)
+        self.lm = third_party.HuggingFaceLM("llama")
+        self.example_input_array = tuple(t[:BATCH] for t in self._data().tensors)
+
+    @staticmethod
+    def _data() -> torch.utils.data.TensorDataset:
+        import third_party
+
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, third_party.VOCAB, (SAMPLES, third_party.SEQ), generator=g)
+        mask = (torch.arange(third_party.SEQ) < torch.randint(3, third_party.SEQ + 1, (SAMPLES, 1), generator=g)).long()
+        return torch.utils.data.TensorDataset(ids, ids.masked_fill(mask == 0, -100), mask)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lm(ids, labels, mask)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(*batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self._data(), batch_size=BATCH, shuffle=True)
+
+
+@pytest.mark.parametrize("strategy", ("fsdp", "tp"))
+def test_trainer_trains_hf_llama_as_lightning_ddp(strategy: str) -> None:
+    pytest.importorskip("transformers")
+    worst = run_ranks(_trainer_against_ddp, 2, strategy, 1, LlamaLM, timeout_s=240)[0]
+    assert worst <= 1e-5, f"{strategy}: max |diff| {worst:.3g} from Lightning's DDPStrategy"

@@ -250,7 +250,7 @@ class LlamaLM(pl.LightningModule):
         return self(*batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)  # the third-party table's setting (README)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(self._data(), batch_size=BATCH, shuffle=True)

@@ -41,7 +41,7 @@ import dpar
 LIGHTNING_STATE = "lightning_state.pt"  # in a checkpoint directory: what is not the model or its optimizer
 
 
-def place(
+def _place(
     module: nn.Module, strategy: str, options: Mapping[str, Any], example_inputs: Sequence[Any] | None,
     parallelize_kwargs: Mapping[str, Any],
 ) -> nn.Module:
@@ -57,7 +57,7 @@ def place(
     return torch.compile(module, backend="dpar", options=dict(options))
 
 
-def point_at_placed(module: nn.Module, optimizer: torch.optim.Optimizer, before: Mapping[int, str]) -> None:
+def _point_at_placed(module: nn.Module, optimizer: torch.optim.Optimizer, before: Mapping[int, str]) -> None:
     """Point an optimizer built before ``parallelize`` at the parameters it placed, by name.
 
     ``before`` maps ``id`` of each parameter the module held before ``parallelize`` to its name. An
@@ -80,11 +80,11 @@ def point_at_placed(module: nn.Module, optimizer: torch.optim.Optimizer, before:
         group["params"] = [placed[before[id(p)]] for p in group["params"]]
 
 
-def parameter_names(module: nn.Module) -> dict[int, str]:
+def _parameter_names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 
 
-def save_directory(
+def _save_directory(
     path: str | os.PathLike[str], module: nn.Module, optimizer: torch.optim.Optimizer | None, rest: dict[str, Any],
 ) -> None:
     """``dpar.checkpoint.save`` the model and optimizer into ``path``, then rank 0 writes ``rest`` beside them."""
@@ -97,7 +97,7 @@ def save_directory(
         dist.barrier()
 
 
-def load_directory(
+def _load_directory(
     path: str | os.PathLike[str], module: nn.Module, optimizer: torch.optim.Optimizer | None,
     weights_only: bool | None,
 ) -> dict[str, Any]:
@@ -112,7 +112,7 @@ def load_directory(
     return torch.load(rest_file, map_location="cpu", weights_only=bool(weights_only))
 
 
-def one_optimizer(optimizers: Sequence[torch.optim.Optimizer]) -> torch.optim.Optimizer | None:
+def _one_optimizer(optimizers: Sequence[torch.optim.Optimizer]) -> torch.optim.Optimizer | None:
     if len(optimizers) > 1:
         raise dpar.OptionsError(
             f"dpar.checkpoint saves one optimizer with its model; this run has {len(optimizers)}: "
@@ -127,7 +127,8 @@ class DparStrategy(TrainerDDPStrategy):
     ``strategy`` is dpar's (``"ddp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"``, ``"tp"``, ...); ``options`` go to
     ``torch.compile(..., options=...)``, ``example_inputs`` (else the module's ``example_input_array``) and the
     remaining keywords (``mesh``, ``param_dtype``, ...) to ``dpar.parallelize``. Lightning's own keywords of
-    ``DDPStrategy`` (``process_group_backend``, ``timeout``, ``start_method``, ...) keep their meaning.
+    ``DDPStrategy`` it takes (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+    ``precision_plugin``, ``process_group_backend``, ``start_method``) keep their meaning.
     """
 
     def __init__(
@@ -153,7 +154,7 @@ class DparStrategy(TrainerDDPStrategy):
         """In place of DDP's wrap: parallelize and compile the LightningModule itself (once per module)."""
         module = self.lightning_module
         if self._placed is None or self._placed._orig_mod is not module:
-            self._placed = place(module, self.dpar_strategy, self._options, self._example_inputs, self._parallelize_kwargs)
+            self._placed = _place(module, self.dpar_strategy, self._options, self._example_inputs, self._parallelize_kwargs)
         self.model = self._placed
 
     def setup(self, trainer: Any) -> None:
@@ -224,12 +225,12 @@ class DparStrategy(TrainerDDPStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options: dpar.checkpoint writes it")
         path = self.broadcast(filepath)
         checkpoint.pop("state_dict", None)
-        optimizer = one_optimizer(self._plain_optimizers()) if checkpoint.pop("optimizer_states", None) is not None else None
-        save_directory(path, self.lightning_module, optimizer, checkpoint)
+        optimizer = _one_optimizer(self._plain_optimizers()) if checkpoint.pop("optimizer_states", None) is not None else None
+        _save_directory(path, self.lightning_module, optimizer, checkpoint)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         path = self.broadcast(checkpoint_path)
-        return load_directory(path, self.lightning_module, one_optimizer(self._plain_optimizers()), weights_only)
+        return _load_directory(path, self.lightning_module, _one_optimizer(self._plain_optimizers()), weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # load_checkpoint loaded the model
@@ -272,7 +273,7 @@ class _DparBackwardSyncControl(_BackwardSyncControl):
 class DparFabricStrategy(FabricDDPStrategy):
     """Lightning Fabric's strategy for dpar: ``Fabric(strategy=DparFabricStrategy("fsdp"), devices=2)``.
 
-    The keywords are ``DparStrategy``'s. ``fabric.setup(model, optimizer)`` parallelizes and compiles the model
+    The keywords are ``DparStrategy``'s (``precision`` for ``precision_plugin``). ``fabric.setup(model, optimizer)`` parallelizes and compiles the model
     and points the optimizer at the placed parameters; ``fabric.no_backward_sync`` is ``dpar.no_sync``;
     ``fabric.save``/``fabric.load`` write and read a directory through ``dpar.checkpoint``.
     """
@@ -303,15 +304,15 @@ class DparFabricStrategy(FabricDDPStrategy):
         self._backward_sync_control = _DparBackwardSyncControl()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return place(module, self.dpar_strategy, self._options, self._example_inputs, self._parallelize_kwargs)
+        return _place(module, self.dpar_strategy, self._options, self._example_inputs, self._parallelize_kwargs)
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None,
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
-        before = parameter_names(module)
+        before = _parameter_names(module)
         compiled = self.setup_module(module)
         for optimizer in optimizers:
-            point_at_placed(module, optimizer, before)
+            _point_at_placed(module, optimizer, before)
         return compiled, optimizers, scheduler
 
     def save_checkpoint(
@@ -321,7 +322,7 @@ class DparFabricStrategy(FabricDDPStrategy):
         if storage_options is not None or filter:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
         module, optimizer, rest = _split_state(state)
-        save_directory(self.broadcast(path), module, optimizer, rest)
+        _save_directory(self.broadcast(path), module, optimizer, rest)
 
     def load_checkpoint(
         self, path: str | os.PathLike[str], state: Any = None, strict: bool = True, weights_only: bool | None = None,
@@ -332,7 +333,7 @@ class DparFabricStrategy(FabricDDPStrategy):
                 "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})"
             )
         module, optimizer, _ = _split_state(state)
-        rest = load_directory(self.broadcast(path), module, optimizer, weights_only)
+        rest = _load_directory(self.broadcast(path), module, optimizer, weights_only)
         missing = [k for k in state if k not in rest and not isinstance(state[k], (nn.Module, torch.optim.Optimizer))]
         if strict and missing:
             raise KeyError(f"the checkpoint at {path} holds no {missing[0]!r}; fabric.load(..., strict=False) skips it")
@@ -350,6 +351,6 @@ def _split_state(state: Mapping[str, Any]) -> tuple[nn.Module, torch.optim.Optim
             f"dpar.checkpoint saves one parallelized model with its optimizer; this state holds {len(modules)} "
             "modules: save each model with its own fabric.save"
         )
-    optimizer = one_optimizer([v for v in state.values() if isinstance(v, torch.optim.Optimizer)])
+    optimizer = _one_optimizer([v for v in state.values() if isinstance(v, torch.optim.Optimizer)])
     rest = {k: v for k, v in state.items() if not isinstance(v, (nn.Module, torch.optim.Optimizer))}
     return modules[0], optimizer, rest

@@ -175,17 +175,12 @@ class DparStrategy(TrainerDDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # Lightning clips with torch's clip_grad_norm_, which under tp reads each rank's blocks alone: the
+        # plugin this strategy owns clips by dpar's global norm instead (no public hook: an attribute of ours).
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: dpar.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Run Lightning's closure (forward and backward) before ``optimizer.step``, not inside it.
-
-        dpar's step pre-hooks (zero1 takes each rank's range of the reduced gradients there) run when ``step`` is
-        entered; a closure that ``step`` calls afterwards would produce the gradients too late.
-        """
-        result = closure()
-        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
     def teardown(self) -> None:
         """DDP's teardown without moving the module to the CPU: its parameters are the shards and blocks dpar
@@ -314,6 +309,18 @@ class DparFabricStrategy(FabricDDPStrategy):
         for optimizer in optimizers:
             _point_at_placed(module, optimizer, before)
         return compiled, optimizers, scheduler
+
+    def clip_gradients_norm(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """``fabric.clip_gradients``: by dpar's global norm (torch's reads each rank's tensor-parallel blocks alone)."""
+        self.precision.unscale_gradients(optimizer)
+        norm = dpar.clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is not finite ({norm.item()}); "
+                               "pass error_if_nonfinite=False to clip anyway")
+        return norm
 
     def save_checkpoint(
         self, path: str | os.PathLike[str], state: dict[str, Any], storage_options: Any = None,

@@ -125,12 +125,22 @@ class OwnedRanges:
         register_step_pre_hook_first(optimizer, self.before)
         optimizer.register_step_post_hook(self.after)
 
-    def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """Take this rank's ranges of the whole gradients. A ``step(closure)`` (Lightning's, any closure user's)
+        would produce them inside the step, after this hook: the closure runs here first, and the step is handed
+        one that returns its loss (closure optimizers that re-evaluate, such as LBFGS, read across a parameter's
+        elements and are not zero1's anyway)."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, closure?)
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            args, kwargs = args[:1], {**kwargs, "closure": lambda: loss}
         if self.stepping is None:
             self.stepping = _switch_to_ranges(optimizer)
         for owned in self.stepping.owned:
             grad = owned.follow().grad
             owned.view.grad = None if grad is None else grad.reshape(-1)[owned.lo : owned.hi]
+        return (args, kwargs) if closure is not None else None
 
     def after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Drop the views' gradients (views of the whole ones, which stay, as DDP's do); after a step that ran

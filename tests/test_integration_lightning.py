@@ -123,6 +123,19 @@ def test_trainer_trains_as_lightning_ddp(strategy: str) -> None:
     assert worst <= 1e-5, f"{strategy}: max |diff| {worst:.3g} from Lightning's DDPStrategy"
 
 
+def _trainer_clipped_against_ddp(rank: int, world_size: int, strategy: str) -> float:
+    expected = _fit("lightning-ddp", max_steps=3, gradient_clip_val=0.05)
+    got = _fit(strategy, max_steps=3, gradient_clip_val=0.05)
+    return _worst(got, expected)
+
+
+@pytest.mark.parametrize("strategy", ("tp", "fsdp"))
+def test_trainer_clips_by_the_global_norm_as_lightning_ddp(strategy: str) -> None:
+    """``gradient_clip_val``: torch's clip_grad_norm_ would read each rank's tp blocks alone."""
+    worst = run_ranks(_trainer_clipped_against_ddp, 2, strategy, timeout_s=240)[0]
+    assert worst <= 1e-5, f"{strategy}: max |diff| {worst:.3g} from Lightning's DDPStrategy with clipping"
+
+
 @pytest.mark.parametrize("strategy", ("ddp", "fsdp"))
 def test_trainer_accumulates_as_lightning_ddp(strategy: str) -> None:
     """``accumulate_grad_batches=2`` runs the first micro-batch under dpar.no_sync; the step calls ``self.net``."""

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from distributed import run_ranks
 
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp")
 TOLERANCE = 1e-5
 STEPS = 3
 SAVED_AT = 2

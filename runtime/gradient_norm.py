@@ -32,7 +32,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     norms = [torch.nn.utils.get_total_norm(grads, norm_type) for grads in by_mesh.values()]
     norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.tensor(0.0)
-    for param in params:  # scaled as stored: a Shard(0) DTensor by a DTensor norm, a block by the plain one
-        norm = DTensor.from_local(total, param.grad.device_mesh) if isinstance(param.grad, DTensor) else total
-        torch.nn.utils.clip_grads_with_norm_([param], max_norm, norm)
+    stored: dict[object, list[torch.Tensor]] = {}  # scaled as stored: Shard(0) DTensors per mesh, blocks and whole ones
+    for param in params:
+        stored.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param)
+    for mesh, group in stored.items():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total if mesh is None else DTensor.from_local(total, mesh))
     return total

@@ -28,15 +28,11 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-try:
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-except ImportError:  # torch 2.11 (the GPU machines) names it hint_int, with the same (value, fallback)
-    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from dpar.compiler.collectives import is_compute
 from dpar.core.errors import OptionsError
-from dpar.core.torch_internals import pytree
+from dpar.core.torch_internals import optimization_hint, pytree
 
 N, B, ALPHA, BETA = sympy.symbols("N B alpha beta", positive=True)
 

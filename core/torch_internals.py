@@ -35,6 +35,12 @@ from torch.optim.optimizer import _use_grad_for_differentiable as use_grad_for_d
 # The op namespace functional collectives trace into: what dpar's passes insert and match.
 C10D_FUNCTIONAL = torch.ops._c10d_functional
 OpOverload = torch._ops.OpOverload  # the type of an ATen overload (``aten.mm.default``) in a graph
+# A symbolic size's hint without a guard: torch 2.11 (the GPU machines' torch) names optimization_hint hint_int, with the
+# same (value, fallback).
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:
+    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
 # A reduce-scatter of one tensor, traceable: torch 2.13 renamed 2.11's reduce_scatter_tensor (the GPU machines' torch)
 # to reduce_scatter_single, and the old name warns there.
 reduce_scatter_single = getattr(functional_collectives, "reduce_scatter_single", None) or functional_collectives.reduce_scatter_tensor

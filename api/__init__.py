@@ -14,7 +14,7 @@ from dpar.runtime import checkpoint
 from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.core.errors import (
     ActivationPolicyError, BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
-    InitializationError, InspectionError, NonFiniteGradientError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
+    InitializationError, InspectionError, NonFiniteGradientError, NotCompiledError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
     SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError, TooFewBlocksError, TooFewMicroBatchesError,
     UnmaterializedStateError, WrappedTwiceError,
 )
@@ -38,6 +38,7 @@ __all__ = [
     "InitializationError",
     "InspectionError",
     "NonFiniteGradientError",
+    "NotCompiledError",
     "OptionsError",
     "OuterSGD",
     "PipelineBubbleWarning",

@@ -26,7 +26,7 @@ from dpar.core.plan import (
     check_bucket_cap, plan_of_model, replicated,
 )
 from dpar.core import model_state
-from dpar.runtime import optimizer_hooks
+from dpar.runtime import eager_guard, optimizer_hooks
 from dpar.surgery import local_sgd, sharding, tensor_parallel, zero1
 from dpar.core.errors import ActivationPolicyError, OptionsError, ProcessGroupError
 
@@ -190,6 +190,7 @@ def parallelize(
                    same_batch_in_tp_group=same_batch_in_tp_group, sequence_parallel=sequence_parallel,
                    activation_checkpointing=activation_checkpointing)
     chosen = _checked(model, strategy, bucket_cap_mb, max_inflight_gathers, options)
+    eager_guard.refuse_eager_training(model, strategy)  # see [Note: a model that never reaches the backend]
     options["activation_checkpointing"] = activations = activation_policy(model, activation_checkpointing)
     model_state.record_meta_buffers(model)  # see [Note: buffers of a model born on meta]
     if chosen is Strategy.DDP:

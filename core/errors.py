@@ -101,6 +101,11 @@ class WrappedTwiceError(DparError):
     ``fully_shard``): both would synchronise gradients, so every one would be reduced twice."""
 
 
+class NotCompiledError(DparError):
+    """A parallelized model ran a training forward outside dpar's compiled graphs: dpar's communication
+    lives in those graphs, so each rank would train on its own gradients."""
+
+
 class InspectionError(DparError):
     """``dpar.explain`` / ``dpar inspect`` captured graphs that cannot be what training runs: a report
     on them would be wrong (a data-parallel backward with no gradient reduction)."""

@@ -222,7 +222,7 @@ def plan_pipeline(
             if rows % (dp * mbr):
                 continue  # the dp pipelines cannot each take whole micro-batches
             m = rows // (dp * mbr)
-            plan = build_schedule(schedule, num_ranks=pp, micro_batches=m)
+            plan = build_schedule(schedule, num_ranks=pp, micro_batches=m, checked=False)  # simulate checks it
             tp_s = [len(c.blocks) * 2 * link_time("all_reduce", block_bytes, tp, _tp_link(spec, tp)) for c in costs]
             latency = max((spec.alpha + c.send_bytes / tp * spec.beta for c in costs if c.send_bytes), default=0.0)
             timeline = simulate(plan, _action_cost(costs, tp, tp_s), latency=latency)

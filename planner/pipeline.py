@@ -26,8 +26,8 @@ Megatron-style with sequence parallelism:
 - per block and micro-batch, two collectives of the block's activation (the bytes a block hands
   on) in the forward and two in the backward (I under zb_h1 / zbv, W has none): all-reduces, or
   with sequence parallelism reduce-scatter + all-gather, the same bytes. They are priced
-  ``link_time`` on the intra-node link where ``tp`` fits in a node (``DeviceSpec.links``), added
-  to the actions' time (not overlapped with compute).
+  ``link_time`` on the intra-node link where ``tp`` fits in a node (``DeviceSpec.links``: tp is
+  the innermost mesh dimension), added to the actions' time (not overlapped with compute).
 
 Every candidate's schedule is replayed with those costs (``simulate``). Its modelled step:
 
@@ -45,7 +45,8 @@ alone as ``tp_s``), the schedule's bubble formula and ``bubble_s = compute_s x b
 Memory per rank, over its stages: parameters, gradients and optimizer state in the parameters'
 dtype, / tp, and under fsdp / dp plus the gathered parameters and their unreduced gradients
 (/ tp) held through the step; plus the activations of the micro-batches each stage holds at once
-(1F1B: ``p - r`` on rank ``r``; GPipe: all ``m``; ZB-H1 and zbv: ``p``), / tp. The largest rank's
+(1F1B: ``p - r`` on rank ``r``; GPipe: all ``m``; ZB-H1: ``p``; zbv: the simulator's count for
+each of the rank's two chunks, summed), / tp. The largest rank's
 is checked against the budget. The fastest candidate that fits wins; ties go to the smaller pp,
 then the smaller tp, then ddp.
 
@@ -244,8 +245,9 @@ def plan_pipeline(
             f"plan_pipeline: no layout fits {memory_budget_gb:g} GB per rank; the least memory is {least.layout} "
             f"with {least.memory_bytes / 1e9:.4g} GB ({least.state_bytes / 1e9:.4g} GB parameters, gradients and "
             f"optimizer state, {least.activation_bytes / 1e9:.4g} GB activations). Raise memory_budget_gb to at least "
-            f"{least.memory_bytes / 1e9:.4g}, or cut the activations (smaller micro_batch_rows) or the state "
-            f"(more ranks, a larger tp_max, dp_strategy fsdp, an optimizer with less state)"
+            f"{least.memory_bytes / 1e9:.4g}, or cut the activations (smaller micro_batch_rows, shorter sequences; "
+            f"activation checkpointing is not modelled here) or the state (more ranks, a larger tp_max, dp_strategy "
+            f"fsdp, an optimizer with less state)"
         )
     choice = min(fitting, key=lambda c: (c.step_s, c.pp, c.tp, DP_STRATEGIES.index(c.dp_strategy)))
     return PipelinePlan(

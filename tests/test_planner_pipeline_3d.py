@@ -17,6 +17,7 @@ import pytest
 import torch
 from pipeline_models import FLOPS_ONLY, mse, stack
 
+from dpar.cli import main
 from dpar.compiler.costs import DeviceSpec
 from dpar.planner import plan_pipeline
 
@@ -74,6 +75,21 @@ def test_a_budget_between_ddp_and_fsdp_picks_fsdp():
     assert plan(17_000, tp_max=1).choice.layout == "pp=1 x tp=1 x dp=4 (fsdp)"
     assert plan(1e9, tp_max=1).choice.layout == "pp=1 x tp=1 x dp=4 (ddp)"
     assert plan(17_000, tp_max=1, dp_strategies=("ddp",)).choice.layout == "pp=2 x tp=1 x dp=2 (ddp)"
+
+
+def test_cli_prints_the_3d_table_and_says_tp_is_on_paper(capsys):
+    models = Path(__file__).resolve().parent / "pipeline_models.py"
+    code = main(["plan", f"{models}:stack", "--mesh-shape", "4", "--per-rank", "--pipeline", "--memory-budget-gb",
+                 "0.000006", "--micro-batch-rows", "2", "--loss", f"{models}:mse"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert {(r[1], r[3]) for r in rows} == {("1", "ddp"), ("1", "fsdp"), ("2", "ddp"), ("2", "fsdp"), ("4", "ddp")}
+    chosen = [r for r in rows if r[-1] == "chosen"]
+    assert len(chosen) == 1 and int(chosen[0][1]) > 1 and "plan on paper" in out
+    assert main(["plan", f"{models}:stack", "--mesh-shape", "4", "--per-rank", "--pipeline", "--memory-budget-gb",
+                 "0.000006", "--micro-batch-rows", "2", "--loss", f"{models}:mse", "--tp-max", "1"]) == 2
+    assert "the least memory is pp=4 x tp=1 x dp=1 (ddp)" in capsys.readouterr().out
 
 
 def test_zbv_needs_two_blocks_per_rank_and_prices_the_v():

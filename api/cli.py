@@ -140,15 +140,16 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plan_pipeline(args: argparse.Namespace, model: Any, example_inputs: Any, console: Any) -> int:
-    """``dpar plan --pipeline``: the pipeline degree for the mesh's ranks under the budget."""
-    from dpar.planner.pipeline import plan_pipeline
+    """``dpar plan --pipeline``: the pp x tp x dp layout for the mesh's ranks under the budget."""
+    from dpar.planner.pipeline import DP_STRATEGIES, plan_pipeline
     from dpar.core.errors import OptionsError
 
     try:
         result = plan_pipeline(
             model, example_inputs, world_size=math.prod(args.mesh_shape), memory_budget_gb=args.memory_budget_gb,
             micro_batch_rows=args.micro_batch_rows, schedule=args.schedule,
-            loss_fn=load_target(args.loss) if args.loss else None, device=args.device,
+            loss_fn=load_target(args.loss) if args.loss else None, device=args.device, tp_max=args.tp_max,
+            dp_strategies=(args.dp_strategy,) if args.dp_strategy else DP_STRATEGIES,
         )
     except OptionsError as error:
         console.print(f"dpar plan: {error}", markup=False, highlight=False)
@@ -167,6 +168,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def parser() -> argparse.ArgumentParser:
     from dpar.compiler.pipeline_parallel.schedules import SCHEDULES
+    from dpar.planner.pipeline import DP_STRATEGIES, PLANNED_SCHEDULES
     from dpar.compiler.costs import PRESETS
     from dpar.compiler.memory import OPTIMIZER_STATES
     from dpar.inspect.strategies import STRATEGIES
@@ -210,9 +212,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON (Plan.from_json reads it)")
     p.add_argument("--op-graph", action="store_true", help="report the search's op-graph figures; default: the chosen "
                    "plan's compute and activations counted on its compiled graphs, as dpar inspect counts them")
-    g = p.add_argument_group("--pipeline: choose pp (and dp = world / pp) instead of placements")
-    g.add_argument("--pipeline", action="store_true", help="price every pipeline degree dividing the mesh's ranks")
-    g.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zb_h1"))
+    g = p.add_argument_group("--pipeline: choose pp x tp x dp (and ddp or fsdp over dp) instead of placements")
+    g.add_argument("--pipeline", action="store_true", help="price every pp x tp x dp layout of the mesh's ranks")
+    g.add_argument("--schedule", default="1f1b", choices=PLANNED_SCHEDULES)
+    g.add_argument("--tp-max", type=int, default=8, help="largest tensor-parallel degree searched (a power of two); "
+                   "1: pipeline and data parallelism only, what dpar.pipeline runs today")
+    g.add_argument("--dp-strategy", default=None, choices=DP_STRATEGIES, help="across pipelines; default: search both")
     g.add_argument("--micro-batch-rows", type=int, default=None, help="default: global rows / ranks")
     g.add_argument("--loss", metavar="FILE.py:fn", help="loss_fn(output, target), the target the last input; "
                    "default: next-token cross-entropy against targets shaped like the first input")

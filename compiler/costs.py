@@ -204,7 +204,13 @@ def _comm_time_function(kind: str) -> Callable[[int, int, float, float], float]:
 
 
 def comm_time(kind: str, nbytes: int, world_size: int, spec: DeviceSpec) -> float:
-    return float(_comm_time_function(kind)(world_size, nbytes, spec.alpha, spec.beta))
+    """One collective over the world on the inter-node link (see [Note: the device's links])."""
+    return link_time(kind, nbytes, world_size, (spec.alpha, spec.beta))
+
+
+def link_time(kind: str, nbytes: float, world_size: int, link: tuple[float, float]) -> float:
+    """One collective on a given (α, β) link, e.g. one of ``DeviceSpec.links``."""
+    return float(_comm_time_function(kind)(world_size, nbytes, *link))
 
 
 def moved_bytes(kind: str, nbytes: int, world_size: int) -> float:

@@ -14,6 +14,8 @@ step on a device preset; ``dpar plan`` chooses placements for a mesh.
     dpar plan examples/llama3_on_paper.py:llama3_8b --per-rank --mesh-shape 8,8
     dpar plan examples/llama3_on_paper.py:llama3_8b_pipeline --per-rank --mesh-shape 64 --pipeline \
         --device h100 --loss examples/llama3_on_paper.py:model_loss
+    dpar plan examples/llama3_on_paper.py:llama3_70b_bf16_pipeline --per-rank --mesh-shape 512 --pipeline \
+        --device h100 --memory-budget-gb 80 --loss examples/llama3_on_paper.py:model_loss   # pp x tp x dp
     dpar plan examples/llama3_on_paper.py:llama3_70b --per-rank --mesh-shape 1024
     dpar plan examples/llama3_on_paper.py:llama3_70b --per-rank --mesh-shape 64,8 --memory-budget-gb 80
     dpar plan examples/llama3_on_paper.py:llama3_405b --per-rank --mesh-shape 2048,8 --memory-budget-gb 80
@@ -86,6 +88,24 @@ def llama3_8b_pipeline() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """For ``--pipeline --loss ...:model_loss``: the pipeline takes (model inputs..., target)."""
     model, (ids,) = llama3("8b")
     return model, (ids, ids)
+
+
+def _bf16_pipeline(size: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """For ``dpar plan --pipeline --per-rank``: in bf16 (as Llama 3 trains), one row of 4096 tokens a rank."""
+    model, (ids,) = llama3(size, seq=4096)
+    return model.to(torch.bfloat16), (ids, ids)
+
+
+def llama3_8b_bf16_pipeline() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    return _bf16_pipeline("8b")
+
+
+def llama3_70b_bf16_pipeline() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    return _bf16_pipeline("70b")
+
+
+def llama3_405b_bf16_pipeline() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    return _bf16_pipeline("405b")
 
 
 def model_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,68 +1,112 @@
-"""``plan_pipeline``: how many pipeline stages (pp) and data-parallel pipelines (dp = world / pp).
+"""``plan_pipeline``: the pipeline (pp), tensor (tp) and data-parallel (dp, ddp or fsdp) degrees together.
 
 [Note: choosing the pipeline degree]
-Every divisor ``pp`` of the world size up to the model's number of blocks is a candidate, with
-``dp = world / pp`` pipelines side by side. The global batch is cut into micro-batches of
-``micro_batch_rows`` rows (one capture, at that shape, serves every candidate), so a pipeline
-runs ``m = rows / (dp x micro_batch_rows)`` of them: a deeper pipeline gets more micro-batches,
-which is what keeps its bubble down. Each candidate is cut (``split_stages``), its stages priced
-as ``dpar inspect`` prices them ([Note: the pipeline cost model] in ``compiler/pipeline_parallel/costs.py``)
-and its schedule replayed with those costs. Its modelled step:
+A candidate is ``(pp, tp, dp, dp_strategy)`` with ``pp x tp x dp = world``: ``pp`` a divisor of the
+world with enough blocks for its stages (``pp`` stages, ``2 pp`` in a V for zbv), ``tp`` a power of
+two up to ``tp_max`` that divides the attention and key/value heads (read off the model's
+``config``; without one, the hidden size: the last dimension of what a block hands on), and each
+of ``dp_strategies`` (fsdp only where dp > 1: with one pipeline it is ddp plus a copy). The
+global batch is cut into micro-batches of ``micro_batch_rows`` rows; the ``tp`` ranks of a stage
+share a micro-batch, so a pipeline runs ``m = rows / (dp x micro_batch_rows)`` of them.
 
-    step = pipeline span (compute + bubble + sends on the critical path) + dp all-reduce of the
-           largest stage's gradients (after the span, not overlapped: the same for every pp)
+Costs come from one capture at the micro-batch's shape: the model is cut into one stage per block
+and each block priced as ``dpar inspect`` prices a stage ([Note: the pipeline cost model]; the
+middle blocks of a deep model share one trace). A candidate's stage of consecutive blocks
+(``balanced_cuts`` over the blocks' FLOPs, as ``split_stages`` cuts) costs the sum of its blocks:
+forward time, parameters and saved activations, less the values each block computes from the batch
+alone (RoPE's cos and sin), held once; it sends what its last block sends. Under ``tp``,
+Megatron-style with sequence parallelism:
 
-reported beside its parts: ``compute_s`` (the busiest rank's m x (F + B)), the schedule's bubble
-formula and ``bubble_s = compute_s x b / (1 - b)`` (equal stages, free sends: span = compute_s +
-bubble_s exactly), one send's time. Memory per rank: its stage's parameters, gradients and
-optimizer state, plus the activations of the micro-batches it holds at once (1F1B: ``p - r`` on
-rank ``r``; GPipe: all ``m``; ZB-H1: ``p`` everywhere), the largest rank's against the budget.
-The fastest candidate that fits wins; ties go to the smaller pp (fewer stages, fewer sends).
+- compute / tp: the **whole** stage's forward, not only its matrix products (a first model: the
+  norms and element-wise ops are split too only with sequence parallelism, and the attention's
+  softmax is split by heads);
+- parameters, gradients and optimizer state / tp (the norms' weights, replicated in Megatron, too);
+- activations / tp: with sequence parallelism every saved value, the norms' and residuals'
+  included, is split over the tp ranks (Korthikanti et al. 2022), and so is a send between stages;
+- per block and micro-batch, two collectives of the block's activation (the bytes a block hands
+  on) in the forward and two in the backward (I under zb_h1 / zbv, W has none): all-reduces, or
+  with sequence parallelism reduce-scatter + all-gather, the same bytes. They are priced
+  ``link_time`` on the intra-node link where ``tp`` fits in a node (``DeviceSpec.links``: tp is
+  the innermost mesh dimension), added to the actions' time (not overlapped with compute).
+
+Every candidate's schedule is replayed with those costs (``simulate``). Its modelled step:
+
+    step = pipeline span (compute + tp collectives + bubble + sends on the critical path)
+         + dp collectives of the fullest rank's stages (after the span, not overlapped)
+
+with ddp's all-reduce of the rank's gradients (/ tp) over dp, or fsdp's all-gather + reduce-scatter
+of them (the parameters gathered once per step and the gradients reduced once, as ``dpar.pipeline``
+does under ``dp_strategy="fsdp"``: the same bytes as ddp's all-reduce in the ring model). dp and
+pipeline sends use the inter-node link, even where a group would fit in a node. Reported beside
+its parts: ``compute_s`` (the busiest rank's m x (F + B), tp collectives included, also shown
+alone as ``tp_s``), the schedule's bubble formula and ``bubble_s = compute_s x b / (1 - b)``
+(equal stages, free sends: span = compute_s + bubble_s exactly), one send's time.
+
+Memory per rank, over its stages: parameters, gradients and optimizer state in the parameters'
+dtype, / tp, and under fsdp / dp plus the gathered parameters and their unreduced gradients
+(/ tp) held through the step; plus the activations of the micro-batches each stage holds at once
+(1F1B: ``p - r`` on rank ``r``; GPipe: all ``m``; ZB-H1: ``p``; zbv: the simulator's count for
+each of the rank's two chunks, summed), / tp. The largest rank's
+is checked against the budget. The fastest candidate that fits wins; ties go to the smaller pp,
+then the smaller tp, then ddp.
+
+Not modelled: activation checkpointing, the vocabulary-parallel embedding and loss, overlap of
+the tp, dp or send collectives with compute, a dp or pp group that fits in one node (NVLink),
+mixed precision (state is the model's own dtype: 4 bytes a parameter per tensor in fp32, 2 in bf16),
+and a tp group larger than a node beyond pricing it on the inter-node link.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
-from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule
-from dpar.compiler.pipeline_parallel.simulate import simulate
-from dpar.compiler.pipeline_parallel.split import capture, find_blocks, split_stages
-from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
+from dpar.compiler.costs import DeviceSpec, comm_time, device_spec, link_time
 from dpar.compiler.memory import OPTIMIZER_STATES
-from dpar.compiler.pipeline_parallel.costs import (
-    LossFn, StageCost, action_cost, cut_and_price, hop_latency, micro_batch_of, with_loss,
-)
+from dpar.compiler.pipeline_parallel.costs import LossFn, StageCost, cut_and_price, micro_batch_of, with_loss
+from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule, stages_per_rank
+from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
+from dpar.compiler.pipeline_parallel.split import balanced_cuts, capture, find_blocks, split_stages
 from dpar.core.errors import OptionsError, PipelineMemoryError
+from dpar.core.pipeline_program import Action, Op, PipelineSchedule, StageSplit
 
-PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
-"""One stage per rank; interleaved_1f1b's virtual stages are not searched."""
+PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zbv")
+"""One stage per rank, or zbv's two in a V; interleaved_1f1b's virtual stages are not searched."""
+
+DP_STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineCandidate:
-    """One (pp, dp) and what it costs per step on one rank; see [Note: choosing the pipeline degree]."""
+    """One (pp, tp, dp, dp_strategy) and what it costs per step on one rank; see [Note: choosing the pipeline degree]."""
 
     pp: int
+    tp: int
     dp: int
+    dp_strategy: str
     micro_batches: int
-    compute_s: float
+    compute_s: float  # the busiest rank's compute, its tp collectives included
+    tp_s: float  # of which the tp collectives
     bubble: float  # the schedule's formula
     bubble_s: float
     send_s: float  # one boundary's send per micro-batch (the largest)
     pipeline_s: float  # the simulated span
-    dp_all_reduce_s: float
+    dp_comm_s: float  # ddp's all-reduce or fsdp's all-gather + reduce-scatter
     step_s: float
-    state_bytes: int  # the fullest rank's parameters + gradients + optimizer state
+    state_bytes: int  # the fullest rank's parameters + gradients + optimizer state (+ fsdp's gathered ones)
     activation_bytes: int  # the fullest rank's activations held at its peak
     fits: bool
 
     @property
     def memory_bytes(self) -> int:
         return self.state_bytes + self.activation_bytes
+
+    @property
+    def layout(self) -> str:
+        return f"pp={self.pp} x tp={self.tp} x dp={self.dp} ({self.dp_strategy})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,23 +125,37 @@ class PipelinePlan:
         return self.choice.pp
 
     @property
+    def tp(self) -> int:
+        return self.choice.tp
+
+    @property
     def dp(self) -> int:
         return self.choice.dp
+
+    @property
+    def dp_strategy(self) -> str:
+        return self.choice.dp_strategy
 
     def __str__(self) -> str:
         budget = "no memory budget" if self.memory_budget_bytes is None else f"{self.memory_budget_bytes / 1e9:g} GB per rank"
         lines = [
-            f"pipeline plan: pp={self.pp} x dp={self.dp} on {self.world_size} ranks ({self.schedule}, micro-batches of "
+            f"pipeline plan: {self.choice.layout} on {self.world_size} ranks ({self.schedule}, micro-batches of "
             f"{self.micro_batch_rows} rows, {budget}, {self.device}, {self.optimizer})",
-            f"{'pp':>3} {'dp':>3} {'m':>4} {'compute':>11} {'bubble':>15} {'send':>10} {'span':>11} "
-            f"{'dp all-red.':>11} {'step':>11} {'state GB':>9} {'act. GB':>9} fits",
+            f"{'pp':>3} {'tp':>3} {'dp':>4} {'dp by':>5} {'m':>4} {'compute':>11} {'of it tp':>11} {'bubble':>17} "
+            f"{'send':>10} {'span':>11} {'dp comm':>11} {'step':>11} {'state GB':>9} {'act. GB':>9} fits",
         ]
         for c in self.candidates:
             mark = " <- chosen" if c is self.choice else ""
             lines.append(
-                f"{c.pp:>3} {c.dp:>3} {c.micro_batches:>4} {_ms(c.compute_s)} {c.bubble:>5.1%} {_ms(c.bubble_s)} "
-                f"{_ms(c.send_s, 10)} {_ms(c.pipeline_s)} {_ms(c.dp_all_reduce_s)} {_ms(c.step_s)} "
-                f"{c.state_bytes / 1e9:>9.4f} {c.activation_bytes / 1e9:>9.4f} {'yes' if c.fits else 'no'}{mark}"
+                f"{c.pp:>3} {c.tp:>3} {c.dp:>4} {c.dp_strategy:>5} {c.micro_batches:>4} {_ms(c.compute_s)} {_ms(c.tp_s)} "
+                f"{c.bubble:>5.1%} {_ms(c.bubble_s)} {_ms(c.send_s, 10)} {_ms(c.pipeline_s)} {_ms(c.dp_comm_s)} "
+                f"{_ms(c.step_s)} {c.state_bytes / 1e9:>9.4f} {c.activation_bytes / 1e9:>9.4f} "
+                f"{'yes' if c.fits else 'no'}{mark}"
+            )
+        if self.tp > 1:
+            lines.append(
+                f"note: dpar.pipeline does not yet run tensor parallelism inside a stage, so this layout (tp={self.tp}) "
+                f"is a plan on paper; the fastest that runs today is the best tp=1 line that fits, if any"
             )
         return "\n".join(lines)
 
@@ -117,21 +175,29 @@ def plan_pipeline(
     loss_fn: LossFn | None = None,
     device: str | DeviceSpec = "h100",
     optimizer: str = "adamw",
+    tp_max: int = 8,
+    dp_strategies: Sequence[str] = DP_STRATEGIES,
 ) -> PipelinePlan:
-    """The pipeline degree (and dp = world / pp) with the least modelled step that fits the budget.
+    """The (pp, tp, dp, dp strategy) with the least modelled step that fits the budget.
 
     ``example_inputs`` is the **global** batch, as ``dpar.plan`` takes it (``loss_fn`` and the
     target as in ``dpar.explain(strategy="pipeline")``: with a loss the last input is the target,
     without one next-token cross-entropy is priced). ``micro_batch_rows`` defaults to one rank's
-    share of the batch (``rows / world_size``). Raises ``PipelineMemoryError`` when no pp fits.
+    share of the batch (``rows / world_size``). ``tp_max=1`` and ``dp_strategies=("ddp",)`` search
+    pp alone, what ``dpar.pipeline`` runs today. Raises ``PipelineMemoryError`` when nothing fits.
     """
     if schedule not in PLANNED_SCHEDULES:
         raise OptionsError(f"plan_pipeline: schedule {schedule!r} is not one of {list(PLANNED_SCHEDULES)} (one stage "
-                           "per rank); plan with '1f1b' and inspect the interleaved schedule with dpar.explain")
+                           "per rank, or zbv's V); plan with '1f1b' and inspect the interleaved schedule with dpar.explain")
     if optimizer not in OPTIMIZER_STATES:
         raise OptionsError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
     if not isinstance(world_size, int) or world_size < 1:
         raise OptionsError(f"plan_pipeline: world_size must be a positive int, got {world_size!r}")
+    if not isinstance(tp_max, int) or tp_max < 1:
+        raise OptionsError(f"plan_pipeline: tp_max must be a positive int, got {tp_max!r}; 1 searches no tensor parallelism")
+    unknown = [s for s in dp_strategies if s not in DP_STRATEGIES]
+    if unknown or not dp_strategies:
+        raise OptionsError(f"plan_pipeline: dp_strategies {list(dp_strategies)} must be some of {list(DP_STRATEGIES)}")
     inputs, loss = with_loss(example_inputs, loss_fn)
     rows = inputs[0].shape[0]
     mbr = micro_batch_rows or rows // world_size
@@ -142,30 +208,48 @@ def plan_pipeline(
     micro_batch = micro_batch_of(inputs, mbr)
     graph = capture(model, loss, micro_batch)
     _, blocks = find_blocks(graph)
+    split = split_stages(graph, model, len(blocks))
+    per_block = cut_and_price(split, model, micro_batch, spec)
+    block_bytes = max((c.send_bytes for c in per_block), default=0)
+    divides = _tp_must_divide(model, split)
+    v = stages_per_rank(schedule)
     candidates = []
-    for pp in (d for d in range(1, min(world_size, len(blocks)) + 1) if world_size % d == 0):
-        dp = world_size // pp
-        if rows % (dp * mbr):
-            continue  # the dp pipelines cannot each take whole micro-batches
-        split = split_stages(graph, model, pp)
-        if any(not stage.blocks for stage in split.stages):
-            continue
-        candidates.append(_price(pp, dp, rows // (dp * mbr), cut_and_price(split, model, micro_batch, spec),
-                                 schedule, spec, optimizer, memory_budget_gb))
+    for pp in (d for d in range(1, len(blocks) // v + 1) if world_size % d == 0):
+        costs = _stages(per_block, pp * v, model)
+        for tp in (2 ** k for k in range(tp_max.bit_length()) if 2 ** k <= tp_max):
+            if world_size % (pp * tp) or any(size % tp for size in divides.values()):
+                continue
+            dp = world_size // (pp * tp)
+            if rows % (dp * mbr):
+                continue  # the dp pipelines cannot each take whole micro-batches
+            m = rows // (dp * mbr)
+            plan = build_schedule(schedule, num_ranks=pp, micro_batches=m, checked=False)  # simulate checks it
+            tp_s = [len(c.blocks) * 2 * link_time("all_reduce", block_bytes, tp, _tp_link(spec, tp)) for c in costs]
+            latency = max((spec.alpha + c.send_bytes / tp * spec.beta for c in costs if c.send_bytes), default=0.0)
+            timeline = simulate(plan, _action_cost(costs, tp, tp_s), latency=latency)
+            for strategy in dp_strategies:
+                if strategy == "fsdp" and dp == 1:
+                    continue  # one pipeline: fsdp would be ddp plus a gathered copy
+                candidates.append(_price(plan, timeline, costs, tp, tp_s, dp, strategy, latency, spec, optimizer,
+                                         memory_budget_gb))
     if not candidates:
-        raise OptionsError(f"plan_pipeline: no pp divides world_size={world_size} with dp = world / pp splitting the "
-                           f"batch of {rows} rows into micro-batches of {mbr}; use a batch that is a multiple of "
-                           f"world_size x micro_batch_rows")
+        raise OptionsError(
+            f"plan_pipeline: no pp x tp x dp = {world_size} (tp up to {tp_max} dividing {_sizes(divides)}, "
+            f"{v} stage(s) per rank over {len(blocks)} blocks) splits the batch of {rows} rows into micro-batches of "
+            f"{mbr} per pipeline; use a batch that is a multiple of world_size x micro_batch_rows"
+        )
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         least = min(candidates, key=lambda c: c.memory_bytes)
         raise PipelineMemoryError(
-            f"plan_pipeline: no pipeline degree fits {memory_budget_gb:g} GB per rank; the least memory is pp={least.pp} "
+            f"plan_pipeline: no layout fits {memory_budget_gb:g} GB per rank; the least memory is {least.layout} "
             f"with {least.memory_bytes / 1e9:.4g} GB ({least.state_bytes / 1e9:.4g} GB parameters, gradients and "
             f"optimizer state, {least.activation_bytes / 1e9:.4g} GB activations). Raise memory_budget_gb to at least "
-            f"{least.memory_bytes / 1e9:.4g}, or cut the activations (smaller micro_batch_rows) or the state "
-            f"(more ranks for more stages, an optimizer with less state, or a sharded strategy through dpar.plan)")
-    choice = min(fitting, key=lambda c: (c.step_s, c.pp))
+            f"{least.memory_bytes / 1e9:.4g}, or cut the activations (smaller micro_batch_rows, shorter sequences; "
+            f"activation checkpointing is not modelled here) or the state (more ranks, a larger tp_max, dp_strategy "
+            f"fsdp, an optimizer with less state)"
+        )
+    choice = min(fitting, key=lambda c: (c.step_s, c.pp, c.tp, DP_STRATEGIES.index(c.dp_strategy)))
     return PipelinePlan(
         world_size=world_size, schedule=schedule, micro_batch_rows=mbr,
         memory_budget_bytes=None if memory_budget_gb is None else memory_budget_gb * 1e9,
@@ -173,22 +257,75 @@ def plan_pipeline(
     )
 
 
+def _stages(per_block: Sequence[StageCost], stages: int, model: nn.Module) -> tuple[StageCost, ...]:
+    """``stages`` stages of consecutive blocks, each the sum of its blocks' costs (see the Note)."""
+    starts = [*balanced_cuts([c.flops for c in per_block], stages), len(per_block)]
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    merged = []
+    for s in range(stages):
+        run = per_block[starts[s]:starts[s + 1]]
+        names = tuple(sorted({n for c in run for n in c.parameters}))
+        held = {id(parameters[n]): parameters[n] for n in names}.values()  # a tied weight once
+        free = max(c.free_activation_bytes for c in run)
+        merged.append(StageCost(
+            index=s, blocks=tuple(b for c in run for b in c.blocks), parameters=names,
+            parameter_numel=sum(p.numel() for p in held), parameter_bytes=sum(p.numel() * p.element_size() for p in held),
+            flops=sum(c.flops for c in run), forward_s=sum(c.forward_s for c in run),
+            activation_bytes=sum(c.activation_bytes - c.free_activation_bytes for c in run) + free,
+            free_activation_bytes=free, send_bytes=run[-1].send_bytes, send_s=run[-1].send_s,
+        ))
+    return tuple(merged)
+
+
+def _tp_must_divide(model: nn.Module, split: StageSplit) -> dict[str, int]:
+    """What tp must divide: the attention and key/value heads of a model with a ``config`` that names
+    them (Hugging Face's), else the hidden size (the last dimension of what a block hands on)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        if isinstance(heads, int):
+            return {"attention heads": heads, "key/value heads": getattr(config, "num_key_value_heads", None) or heads}
+    sent = [v for stage in split.stages for v in stage.carried_out if v.shape]
+    return {"hidden size": max(sent, key=lambda v: v.shape[-1]).shape[-1]} if sent else {}
+
+
+def _sizes(divides: dict[str, int]) -> str:
+    return ", ".join(f"{size} {what}" for what, size in divides.items()) or "anything"
+
+
+def _tp_link(spec: DeviceSpec, tp: int) -> tuple[float, float]:
+    """The intra-node link where ``tp`` fits in a node (``DeviceSpec.links``), else the inter-node one."""
+    return spec.links((tp,))[0] if spec.mesh_links is None else (spec.alpha, spec.beta)
+
+
+def _action_cost(costs: Sequence[StageCost], tp: int, tp_s: Sequence[float]) -> Callable[[Action], float]:
+    """Each compute action's seconds under tp: its share of the stage's compute and, but for W, the tp collectives."""
+    return lambda a: costs[a.stage].action_s(a.op) / tp + (0.0 if a.op is Op.BACKWARD_WEIGHT else tp_s[a.stage])
+
+
 def _price(
-    pp: int, dp: int, m: int, costs: Sequence[StageCost], schedule: str, spec: DeviceSpec, optimizer: str,
-    memory_budget_gb: float | None,
+    plan: PipelineSchedule, timeline: SimulatedTimeline, costs: Sequence[StageCost], tp: int, tp_s: Sequence[float],
+    dp: int, strategy: str, latency: float, spec: DeviceSpec, optimizer: str, memory_budget_gb: float | None,
 ) -> PipelineCandidate:
-    plan = build_schedule(schedule, num_ranks=pp, micro_batches=m)
-    timeline = simulate(plan, action_cost(costs), latency=hop_latency(costs))
+    pp, m, fsdp = plan.num_ranks, plan.micro_batches, strategy == "fsdp"
     compute = max(timeline.busy)
-    b = bubble_formula(schedule, pp, m)
-    state = [c.state_bytes(optimizer) for c in costs]
-    activations = [timeline.peak_in_flight[c.index] * c.activation_bytes for c in costs]
+    b = bubble_formula(plan.name, pp, m)
+    state, activations, dp_comm = [], [], []
+    for rank in range(pp):
+        stages = plan.stages_of(rank)
+        params = sum(costs[s].parameter_bytes for s in stages) / tp
+        factor = 2 + OPTIMIZER_STATES[optimizer]
+        state.append(params * factor / dp + 2 * params if fsdp else params * factor)
+        activations.append(sum(timeline.peak_in_flight[s] * costs[s].activation_bytes for s in stages) / tp)
+        kinds = ("all_gather", "reduce_scatter") if fsdp else ("all_reduce",)
+        dp_comm.append(sum(comm_time(kind, params, dp, spec) for kind in kinds))
     fullest = max(range(pp), key=lambda r: state[r] + activations[r])
-    all_reduce = max(comm_time("all_reduce", c.parameter_bytes, dp, spec) for c in costs) if dp > 1 else 0.0
+    busiest = max(range(pp), key=lambda r: timeline.busy[r])
     memory = state[fullest] + activations[fullest]
     return PipelineCandidate(
-        pp=pp, dp=dp, micro_batches=m, compute_s=compute, bubble=b, bubble_s=compute * b / (1 - b),
-        send_s=hop_latency(costs), pipeline_s=timeline.span, dp_all_reduce_s=all_reduce,
-        step_s=timeline.span + all_reduce, state_bytes=state[fullest], activation_bytes=activations[fullest],
+        pp=pp, tp=tp, dp=dp, dp_strategy=strategy, micro_batches=m, compute_s=compute,
+        tp_s=m * 2 * sum(tp_s[s] for s in plan.stages_of(busiest)), bubble=b, bubble_s=compute * b / (1 - b),
+        send_s=latency, pipeline_s=timeline.span, dp_comm_s=max(dp_comm), step_s=timeline.span + max(dp_comm),
+        state_bytes=round(state[fullest]), activation_bytes=round(activations[fullest]),
         fits=memory_budget_gb is None or memory <= memory_budget_gb * 1e9,
     )

@@ -32,6 +32,7 @@ F = 8.192e-6
 
 def plan(budget_bytes: float | None, device=FLOPS_ONLY, **kwargs):
     model, batch = stack(rows=8)
+    kwargs = {"tp_max": 1, "dp_strategies": ("ddp",), **kwargs}  # pp alone: the worked table above
     return plan_pipeline(model, batch, world_size=4, loss_fn=mse, device=device,
                          memory_budget_gb=None if budget_bytes is None else budget_bytes / 1e9, **kwargs)
 
@@ -55,7 +56,7 @@ def test_a_budget_that_fits_the_whole_model_picks_no_pipeline():
     p = plan(1e9)
     assert (p.pp, p.dp) == (1, 4)
     assert all(c.fits for c in p.candidates)
-    assert "pp=1 x dp=4 on 4 ranks" in str(p) and "<- chosen" in str(p)
+    assert "pp=1 x tp=1 x dp=4 (ddp) on 4 ranks" in str(p) and "<- chosen" in str(p)
 
 
 def test_a_budget_that_fits_half_the_model_picks_two_stages():
@@ -73,7 +74,7 @@ def test_zero_bubble_schedule_changes_the_spans_and_the_memory_held():
 
 
 def test_an_impossible_budget_raises_naming_the_least_footprint_and_the_fix():
-    with pytest.raises(PipelineMemoryError, match=r"least memory is pp=4 with 7.168e-06 GB.*at least 7.168e-06") as error:
+    with pytest.raises(PipelineMemoryError, match=r"least memory is pp=4 x tp=1 x dp=1 \(ddp\) with 7.168e-06 GB.*at least 7.168e-06") as error:
         plan(5_000)
     assert isinstance(error.value, dpar.OptionsError)
 
@@ -82,11 +83,11 @@ def test_data_parallel_all_reduce_is_the_ring_over_dp_of_a_stage_of_gradients():
     link = DeviceSpec("link", 1e9, 1e9, float("inf"), alpha=1e-6, link_bandwidth=1e9)
     got = {c.pp: c for c in plan(None, device=link).candidates}
     # pp=1: all 4,096 gradient bytes over dp=4: 2(N-1) alpha + 2(N-1)/N B beta; pp=4 has dp=1
-    assert got[1].dp_all_reduce_s == pytest.approx(6e-6 + 1.5 * 4096e-9)
-    assert got[2].dp_all_reduce_s == pytest.approx(2e-6 + 2048e-9)
-    assert got[4].dp_all_reduce_s == 0.0
+    assert got[1].dp_comm_s == pytest.approx(6e-6 + 1.5 * 4096e-9)
+    assert got[2].dp_comm_s == pytest.approx(2e-6 + 2048e-9)
+    assert got[4].dp_comm_s == 0.0
     assert got[2].send_s == pytest.approx(1e-6 + 1024e-9)
-    assert got[2].step_s == pytest.approx(got[2].pipeline_s + got[2].dp_all_reduce_s)
+    assert got[2].step_s == pytest.approx(got[2].pipeline_s + got[2].dp_comm_s)
 
 
 def test_bad_arguments_name_the_fix():
@@ -98,7 +99,8 @@ def test_bad_arguments_name_the_fix():
 
 def test_cli_plan_pipeline_prints_every_candidate_and_the_choice(capsys):
     code = main(["plan", f"{MODELS}:stack", "--mesh-shape", "4", "--per-rank", "--pipeline",
-                 "--memory-budget-gb", "0.000015", "--micro-batch-rows", "2", "--loss", f"{MODELS}:mse"])
+                 "--memory-budget-gb", "0.000015", "--micro-batch-rows", "2", "--loss", f"{MODELS}:mse",
+                 "--tp-max", "1", "--dp-strategy", "ddp"])
     out = capsys.readouterr().out
     assert code == 0
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]

@@ -13,8 +13,14 @@ tensors: nothing runs) and priced on one micro-batch:
 - activations held per micro-batch, from its forward until its backward: the distinct storages of
   what the forward saves for the backward (the received activations included, the parameters and
   the batch not), by ``compiler/memory.py``'s liveness over the traced forward graph;
+  Of these, ``free_activation_bytes`` are values the stage computes from the batch alone
+  (RoPE's cos and sin): a stage of several blocks holds them once, not once per block;
 - a send: the carried-out values' bytes, priced α + bytes·β (one point-to-point hop); the gradient
   going back is as large. The simulator takes one latency for every hop: the largest stage's.
+
+Stages whose graphs are the same ops on the same shapes (the middle blocks of a deep model) cost
+the same: each distinct graph is traced once (``cut_and_price``), so pricing 80 one-block stages
+traces three.
 
 State per rank is the model's own dtype: each parameter its bytes, a gradient as large, and
 ``OPTIMIZER_STATES[optimizer]`` tensors more (fp32 AdamW: 16 bytes per parameter, ZeRO's 16Ψ).
@@ -27,6 +33,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -89,6 +96,7 @@ class StageCost:
     flops: float  # forward, the split's count
     forward_s: float
     activation_bytes: int  # saved from F until its B (or W)
+    free_activation_bytes: int  # of which computed from the batch alone (held once however many blocks)
     send_bytes: int  # carried out to the next stage (0 on the last)
     send_s: float
 
@@ -100,16 +108,24 @@ class StageCost:
         return self.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer])
 
 
-def _held_bytes(stage_graphs) -> int:
-    """Bytes of the distinct storages the forward saves, received activations included."""
+def _held_bytes(stage_graphs) -> tuple[int, int]:
+    """Bytes of the distinct storages the forward saves, received activations included, and of those
+    the part computed from the batch and buffers alone (no parameter, nothing received)."""
     forward = stage_graphs.forward
     placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    first_carried = len(stage_graphs.parameter_names) + len(stage_graphs.buffer_names) + len(stage_graphs.stage.batch_inputs)
+    first_batch = len(stage_graphs.parameter_names) + len(stage_graphs.buffer_names)
+    first_carried = first_batch + len(stage_graphs.stage.batch_inputs)
     carried = {n.name for n in placeholders[first_carried:]}
     live = liveness(forward, {}, carried, set(), exclude_outputs=False)
+    learned = set(placeholders[:len(stage_graphs.parameter_names)]) | set(placeholders[first_carried:])
+    for node in forward.graph.nodes:
+        if any(a in learned for a in node.all_input_nodes):
+            learned.add(node)
     saved = forward.graph.output_node().args[0][stage_graphs.num_outputs:]
     keys = {key for node in saved for key, _ in storages_of(node)}
-    return sum(live.counted.get(key, Live()).total for key in keys)
+    free = {key for node in saved if node not in learned for key, _ in storages_of(node)}
+    held = {key: live.counted.get(key, Live()).total for key in keys}
+    return sum(held.values()), sum(held[key] for key in free)
 
 
 def _stage_cost(stage: Stage, last: bool, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec) -> StageCost:
@@ -119,12 +135,31 @@ def _stage_cost(stage: Stage, last: bool, model: nn.Module, micro_batch: Sequenc
     forward_s = sum(node_cost(n, spec).seconds for n in graphs.forward.graph.nodes if n.op == "call_function")
     held = list({id(parameters[n]): parameters[n] for n in stage.parameters}.values())  # a tied weight once
     send = sum(math.prod(v.shape) * v.dtype.itemsize for v in stage.carried_out)
+    activations, free = _held_bytes(graphs)
     return StageCost(
         index=stage.index, blocks=stage.blocks, parameters=stage.parameters,
         parameter_numel=sum(p.numel() for p in held), parameter_bytes=sum(p.numel() * p.element_size() for p in held),
-        flops=stage.flops, forward_s=forward_s, activation_bytes=_held_bytes(graphs),
+        flops=stage.flops, forward_s=forward_s, activation_bytes=activations, free_activation_bytes=free,
         send_bytes=send, send_s=spec.alpha + send * spec.beta if send else 0.0,
     )
+
+
+def _shape_key(stage: Stage, last: bool, model_state: dict[str, torch.Tensor]) -> tuple:
+    """What a stage's price depends on: its ops and their shapes, its parameters' shapes, what it
+    receives and sends; not the names (two middle blocks of a deep model have the same key)."""
+
+    def value(node: fx.Node) -> object:
+        if node.op == "get_attr":
+            return tuple(getattr(model_state.get(node.target.removeprefix("model.")), "shape", ()))
+        val = node.meta.get("val")
+        return (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else str(val)
+
+    nodes = list(stage.graph.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    ops = tuple((n.op, str(n.target) if n.op == "call_function" else "", value(n),
+                 repr(fx.node.map_arg((n.args, n.kwargs), index.__getitem__))) for n in nodes)
+    flows = tuple((v.shape, v.dtype, v.requires_grad) for v in (*stage.carried_in, *stage.carried_out))
+    return last, stage.batch_inputs, flows, ops
 
 
 def price_stages(
@@ -142,7 +177,16 @@ def cut_and_price(split: StageSplit, model: nn.Module, micro_batch: Sequence[tor
     if empty:
         raise OptionsError(f"pipeline inspection: stages {empty} would hold no block; use fewer stages")
     last = len(split.stages) - 1
-    return tuple(_stage_cost(s, s.index == last, model, micro_batch, spec) for s in split.stages)
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    priced: dict[tuple, StageCost] = {}
+    costs = []
+    for stage in split.stages:
+        key = _shape_key(stage, stage.index == last, state)
+        if key not in priced:
+            priced[key] = _stage_cost(stage, stage.index == last, model, micro_batch, spec)
+        costs.append(dataclasses.replace(priced[key], index=stage.index, blocks=stage.blocks,
+                                         parameters=stage.parameters, flops=stage.flops))
+    return tuple(costs)
 
 
 def action_cost(costs: Sequence[StageCost]) -> Callable[[Action], float]:

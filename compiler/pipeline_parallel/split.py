@@ -156,7 +156,7 @@ def _flops(node: fx.Node) -> float:
     return float(node_flops(node) or out.numel())
 
 
-def _balanced_cuts(costs: Sequence[float], stages: int) -> list[int]:
+def balanced_cuts(costs: Sequence[float], stages: int) -> list[int]:
     """First block of each stage, minimising the largest stage's cost (contiguous blocks, exact DP)."""
     n = len(costs)
     prefix = [0.0]
@@ -251,7 +251,7 @@ def split_stages(
         costs = list(block_cost)
         costs[0] += pre
         costs[-1] += post
-        starts = _balanced_cuts(costs, stages)
+        starts = balanced_cuts(costs, stages)
     stage_of_block = {}
     for s, start in enumerate(starts):
         end = starts[s + 1] if s + 1 < stages else len(blocks)

@@ -20,7 +20,8 @@ users of the machine hits all of them alike:
 floor and ddp do not depend on m: they run beside the first m's modes only.
 
 dpar's ``zb_h1`` is torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB1P, which
-with v = 1 is ZB-H1), and ``interleaved_1f1b`` runs 2 stages per rank on both.
+with v = 1 is ZB-H1), ``interleaved_1f1b`` runs 2 stages per rank on both, and ``zbv`` is torch's
+``ScheduleZBVZeroBubble`` with the same V placement (stages ``r`` and ``2p - 1 - r`` on rank ``r``).
 
 Bubble: ``measured_bubble()`` (dpar's own, from its action timeline) beside
 ``bubble_formula`` ((p-1)/(m+p-1); (p-1)/(vm+p-1) interleaved; ZB-H1's in simulate.py) and beside
@@ -58,7 +59,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import dpar
-from dpar.compiler.pipeline_parallel.schedules import build_schedule, bubble_formula
+from dpar.compiler.pipeline_parallel.schedules import build_schedule, bubble_formula, stage_placement
 from dpar.compiler.pipeline_parallel.simulate import simulate
 
 HERE = Path(__file__).resolve().parent
@@ -77,6 +78,7 @@ SCHEDULES = {
     "1f1b": ("Schedule1F1B", 1),
     "zb_h1": ("ScheduleInterleavedZeroBubble", 1),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
 }
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -188,7 +190,7 @@ def build_torch(config: GPTConfig, schedule: str, m: int, args: argparse.Namespa
     rank, p = dist.get_rank(), dist.get_world_size()
     model = gpt(config, args.seed)
     ends = [*starts[1:], config.n_layer]
-    stage_ids = list(range(rank, len(starts), p))
+    stage_ids = [s for s, r in enumerate(stage_placement(schedule, p, len(starts))) if r == rank]  # zbv: a V
     modules = [StageModule(model, starts[s], ends[s]) for s in stage_ids]
     timer = Timer()
     stages = []

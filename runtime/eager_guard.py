@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from dpar.core import model_state
 from dpar.core.errors import NotCompiledError
+from dpar.core.torch_internals import detect_fake_mode
 
 
 def refuse_eager_training(model: nn.Module, strategy: str) -> None:
@@ -38,7 +38,7 @@ def refuse_eager_training(model: nn.Module, strategy: str) -> None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
         tensors = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)]
-        if any(isinstance(t, FakeTensor) or t.is_meta for t in tensors):
+        if any(t.is_meta for t in tensors) or detect_fake_mode(tensors) is not None:
             return
         raise NotCompiledError(
             f"{type(module).__name__}, parallelized for {strategy!r}, ran a training forward outside dpar's compiled "

@@ -12,19 +12,23 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from dpar.compiler.megatron import megatron_plan
 from dpar.compiler.pass_listing import PipelinePassListing
+from dpar.compiler.propagation.propagate import MeshDim
 from dpar.compiler.pipeline_parallel.sharded import layout_of
 from dpar.compiler.pipeline_parallel.schedules import build_schedule, check_name, warn_if_bubble_large
 from dpar.compiler.pipeline_parallel.split import capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import retarget_device_pass, trace_stage
 from dpar.core.pipeline_program import StageGraphs, StageSplit, SyncVariant
 from dpar.runtime.agreement import agree
-from dpar.core.errors import ActivationPolicyError, OptionsError, UnmaterializedStateError
+from dpar.core.errors import ActivationPolicyError, OptionsError, TensorParallelPlanError, UnmaterializedStateError
+from dpar.core.facts import TensorParallelSpec
 from dpar.core.plan import ActivationPolicy, DataParallel, Recompute
 from dpar.core.model_state import check_materialized, local_part, record_meta_buffers, state_of
 from dpar.core.torch_internals import compute_local_shape_and_global_offset
 from dpar.runtime.liveness import PIPELINE_STEP, watching
 from dpar.runtime.pipeline_parallel import PipelineExecutor, PipelineGroups
+from dpar.surgery.tensor_parallel import install_markers, split_parameters, state_dict_mesh
 from dpar.core.world import current_world
 
 _ATTRIBUTE = "_dpar_pipeline"
@@ -37,16 +41,18 @@ def _groups(mesh: DeviceMesh | None) -> PipelineGroups:
             return PipelineGroups(None, (0,), 0, None, 1)
         return PipelineGroups(dist.group.WORLD, tuple(range(world.size)), world.rank, None, 1)
     names = mesh.mesh_dim_names or ()
-    if "pp" not in names or not set(names) <= {"dp", "pp"}:
+    if "pp" not in names or not set(names) <= {"dp", "pp", "tp"} or len(set(names)) != len(names):
         raise OptionsError(
-            f"pipeline: mesh dimensions {names} are not ('pp',) or ('dp', 'pp'); build it with "
-            "init_device_mesh(device, (dp, pp), mesh_dim_names=('dp', 'pp'))."
+            f"pipeline: mesh dimensions {names} are not ('pp',), ('dp', 'pp'), ('pp', 'tp') or ('dp', 'pp', 'tp'); "
+            "build it with init_device_mesh(device, (dp, pp, tp), mesh_dim_names=('dp', 'pp', 'tp'))."
         )
     pp = mesh.get_group("pp")
     dp = mesh.get_group("dp") if "dp" in names else None
+    tp = mesh.get_group("tp") if "tp" in names else None
     return PipelineGroups(
         pp, tuple(dist.get_process_group_ranks(pp)), mesh.get_local_rank("pp"), dp,
         mesh.size(names.index("dp")) if dp is not None else 1, mesh.get_local_rank("dp") if dp is not None else 0,
+        tp, mesh.size(names.index("tp")) if tp is not None else 1, mesh.get_local_rank("tp") if tp is not None else 0,
     )
 
 
@@ -159,12 +165,14 @@ class PipelineStep:
         self._traced_on_meta = False
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The pipeline group's batch: every member's slice, in pipeline order."""
-        if self.groups.pp is None:
-            return x
-        parts = [torch.empty_like(x) for _ in self.groups.pp_ranks]
-        dist.all_gather(parts, x.contiguous(), group=self.groups.pp)
-        return torch.cat(parts)
+        """The pipeline group's batch: every member's slice, in pipeline order; under tensor parallel, then
+        every tensor-parallel peer's pipeline batch, in ``tp`` order (the same rows on every rank of the group)."""
+        for group, size in ((self.groups.pp, len(self.groups.pp_ranks)), (self.groups.tp, self.groups.tp_size)):
+            if group is not None and size > 1:
+                parts = [torch.empty_like(x) for _ in range(size)]
+                dist.all_gather(parts, x.contiguous(), group=group)
+                x = torch.cat(parts)
+        return x
 
     def measured_bubble(self) -> float:
         return self.executor.measured_bubble()
@@ -306,6 +314,56 @@ def _shard_over_dp(
     return sync, gather, chunks
 
 
+def _check_tensor_parallel(
+    groups: PipelineGroups, tp_plan: dict[str, int | None] | None, sequence_parallel: bool) -> None:
+    """The tensor-parallel options name a ``tp`` mesh dimension."""
+    if groups.tp is None and (tp_plan is not None or sequence_parallel):
+        raise OptionsError(
+            "pipeline: tp_plan and sequence_parallel split each stage over a mesh's 'tp' dimension, and the mesh has "
+            "none; pass init_device_mesh(device, (dp, pp, tp), mesh_dim_names=('dp', 'pp', 'tp'))."
+        )
+
+
+def _split_over_tp(
+    model: nn.Module, split: StageSplit, groups: PipelineGroups, mesh: DeviceMesh, model_inputs: Sequence[torch.Tensor],
+    tp_plan: dict[str, int | None] | None, sequence_parallel: bool,
+) -> tuple[dict[str, TensorParallelSpec], MeshDim]:
+    """[Note: tensor parallel inside a pipeline stage]: each split parameter replaced by this rank's block, as
+    ``dpar.parallelize(strategy="tp")`` splits it (Megatron's plan unless ``tp_plan`` names the dims), checked
+    before anything runs; returns the split parameters' specs by every name, and the ``tp`` dimension."""
+    planned = megatron_plan(model, model_inputs)
+    dims = planned.dims if tp_plan is None else dict(tp_plan)
+    staged = {n for stage in split.stages for n in stage.parameters}
+    outside = sorted(set(dims) - staged)
+    if tp_plan is not None and outside:
+        raise TensorParallelPlanError(
+            f"pipeline: tp_plan names {', '.join(map(repr, outside))}, which no stage reads (not a parameter of the "
+            f"model, or one its forward never uses); name the parameters of the stages: {', '.join(sorted(staged))}."
+        )
+    size = groups.tp_size
+    uneven = {name: units for name, units in planned.units.items() if dims.get(name) is not None and units % size}
+    if uneven:
+        raise TensorParallelPlanError(
+            f"pipeline: a tp degree of {size} does not divide the units a view cuts the output of "
+            + ", ".join(f"{name} into ({units})" for name, units in sorted(uneven.items()))
+            + " (attention heads, or the q/k/v parts of a fused projection); each rank must hold whole units, so "
+            f"choose a tp degree that divides them, or keep those layers replicated "
+            f"(tp_plan={{{', '.join(f'{n!r}: None' for n in sorted(uneven))}, ...}})."
+        )
+    splits = split_parameters(model, dims, groups.tp)
+    names = mesh.mesh_dim_names
+    # State-dict DTensors over ("tp", "dp") of this pipeline position, as parallelize's ddp+tp and fsdp+tp have them.
+    install_markers(model, splits, state_dict_mesh(mesh["tp"], mesh["dp"], mesh["dp", "tp"]) if "dp" in names
+                    else mesh["tp"])
+    specs = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for leaf, spec in splits.get(module, {}).items():
+            if spec.dim is not None:
+                specs[f"{module_name}.{leaf}" if module_name else leaf] = spec
+    tp = MeshDim(size=size, rank=groups.tp_rank, group_name=groups.tp.group_name, sequence_parallel=sequence_parallel)
+    return specs, tp
+
+
 def _refuse_checkpointing(given: Any) -> None:
     """A stage's backward is cut from its joint graph by data dependence (pipeline_parallel/stage_graphs.py),
     not by the partitioner that honours recompute tags: a policy that recomputes would be ignored, so it is
@@ -334,6 +392,8 @@ def pipeline(
     dp_strategy: str = "ddp",
     bucket_cap_mb: float = 25,
     activation_checkpointing: Any = None,
+    tp_plan: dict[str, int | None] | None = None,
+    sequence_parallel: bool = False,
 ) -> PipelineStep:
     """Cut ``model`` into ``stages`` pipeline stages and return the step that trains it.
 
@@ -344,7 +404,11 @@ def pipeline(
     the pipeline over the whole world; a ``("dp", "pp")`` mesh runs one pipeline per ``dp`` index and averages
     gradients over ``dp``: ``dp_strategy="ddp"`` all-reduces them in buckets of ``bucket_cap_mb``, ``"fsdp"`` keeps
     1/dp of each stage's parameters, gradients and optimizer state per rank, gathered once per step.
-    See ``[Note: the pipeline's data contract]`` in ``runtime/pipeline_parallel.py``.
+    See ``[Note: the pipeline's data contract]`` in ``runtime/pipeline_parallel.py``. A mesh with a ``tp``
+    dimension (``("dp", "pp", "tp")`` or ``("pp", "tp")``) also splits each stage's layers over ``tp``, Megatron-style
+    as ``dpar.parallelize(strategy="tp")`` does (``tp_plan``: parameter name -> dim or None, default from a
+    fake forward; ``sequence_parallel`` as there), either ``dp_strategy`` over ``dp`` (fsdp shards each rank's
+    blocks); see [Note: tensor parallel inside a pipeline stage] in ``compiler/pipeline_parallel/stage_graphs.py``.
 
     ``model`` may be built on the meta device: cut it here, then ``model.to_empty(device=...)`` allocates this rank's
     stages only (its ``dp`` shard of them under ``"fsdp"``); load weights (``set_model_state_dict``, ``dcp.load``,
@@ -358,6 +422,7 @@ def pipeline(
     check_name(schedule)
     data_parallel = DataParallel.parse(dp_strategy, (DataParallel.DDP, DataParallel.FSDP), prefix="pipeline: ")
     groups = _groups(mesh)
+    _check_tensor_parallel(groups, tp_plan, sequence_parallel)
     p = len(groups.pp_ranks)
     if not isinstance(stages, int) or stages < 1 or stages % p:
         raise OptionsError(
@@ -387,15 +452,16 @@ def pipeline(
             f"pipeline: every example input needs the batch in dim 0 with the same number of rows; got shapes "
             f"{[tuple(x.shape) for x in example_inputs]}."
         )
-    total = rows.pop() * p
+    fed = p * groups.tp_size  # the ranks whose slices one pipeline trains on
+    total = rows.pop() * fed
     if total % micro_batches:
         divisors = [d for d in range(1, total + 1) if total % d == 0]
         raise OptionsError(
             f"pipeline: micro_batches={micro_batches} does not divide the pipeline group's batch of {total} rows "
-            f"({p} ranks x {total // p} rows each); use one of {divisors}."
+            f"({fed} ranks x {total // fed} rows each); use one of {divisors}."
         )
     warn_if_bubble_large(schedule, p, micro_batches, virtual)
-    micro_batch = tuple(torch.cat([x] * p)[: total // micro_batches] for x in example_inputs)
+    micro_batch = tuple(torch.cat([x] * fed)[: total // micro_batches] for x in example_inputs)
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     if on_meta:  # [Note: a pipeline born on meta]
         micro_batch = tuple(x.to("meta") for x in micro_batch)
@@ -406,10 +472,12 @@ def pipeline(
         agree(world, "dpar.pipeline", [*str(split).splitlines(), *str(plan).splitlines(),
                                        f"inputs {[tuple(x.shape) for x in example_inputs]}"], timeout_s=120,
               subject="pipeline stage splits, schedules and input shapes")
+    specs, tp = _split_over_tp(model, split, groups, mesh, micro_batch[:-1], tp_plan, sequence_parallel) \
+        if groups.tp is not None else ({}, None)
     parameters = dict(model.named_parameters(remove_duplicate=False))
     state = parameters | dict(model.named_buffers(remove_duplicate=False))
     mine = plan.stages_of(groups.pp_rank)
-    graphs = {s: trace_stage(split.stages[s], state, s == stages - 1, micro_batch) for s in mine}
+    graphs = {s: trace_stage(split.stages[s], state, s == stages - 1, micro_batch, specs, tp) for s in mine}
     holders = _holders(split, parameters, plan)
     _record_whole_model(model, holders)
     held = {id(parameters[n]) for s in mine for n in split.stages[s].parameters}  # this call only

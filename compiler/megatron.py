@@ -221,6 +221,8 @@ class _Follow(TorchFunctionMode):
         self.names = names  # id(parameter) -> parameter name
         self.state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> _Split or _MIXED
         self.dims: dict[str, int | None] = {}
+        # Column Linear -> the fewest units a view splits its output's block into (its attention heads).
+        self.units: dict[str, int] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -243,6 +245,8 @@ class _Follow(TorchFunctionMode):
             if isinstance(value, torch.Tensor):
                 dim = rule(value, tuple(args), kwargs, operands, states)
                 self.state[value] = _MIXED if dim is _MIXED else _Split(source, dim)
+                if rule is _viewed and dim is not _MIXED and value.shape[dim] != operands[0].shape[states[0].dim]:
+                    self.units[source] = min(self.units.get(source, value.shape[dim]), value.shape[dim])
         return out
 
     def _classify(self, out: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dim: int) -> None:
@@ -263,8 +267,23 @@ class _Follow(TorchFunctionMode):
         pytree.tree_map(lambda t: self.state.__setitem__(t, state) if isinstance(t, torch.Tensor) else None, value)
 
 
+@dataclasses.dataclass(frozen=True)
+class MegatronPlan:
+    """``dims``: parameter name -> the dimension tensor parallel splits (None: replicated). ``units``: column
+    Linear weight name -> how many units (attention heads) a view cuts its output's split dimension into,
+    which the tensor-parallel degree must divide for the heads to stay whole on each rank."""
+
+    dims: dict[str, int | None]
+    units: dict[str, int]
+
+
 def megatron_dims(model: nn.Module, example_inputs: Sequence[Any]) -> dict[str, int | None]:
     """Parameter name -> the dimension tensor parallel splits (None: replicated)."""
+    return megatron_plan(model, example_inputs).dims
+
+
+def megatron_plan(model: nn.Module, example_inputs: Sequence[Any]) -> MegatronPlan:
+    """The split of each parameter and the heads of each column Linear, from one forward on fake tensors."""
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
         # Fake copies of the state too: a real buffer updated in place under the fake mode (BatchNorm's
@@ -275,4 +294,4 @@ def megatron_dims(model: nn.Module, example_inputs: Sequence[Any]) -> dict[str, 
         with follow, torch.no_grad():
             functional_call(model, state, tuple(pytree.tree_map(fake, list(example_inputs))))
     # A tied embedding's weight was classified where the head read it: its split is the head's.
-    return {name: follow.dims.get(name) for name in parameters}
+    return MegatronPlan({name: follow.dims.get(name) for name in parameters}, dict(follow.units))

@@ -23,7 +23,9 @@ class OptionsError(DparError, ValueError):
 
 class TensorParallelPlanError(OptionsError):
     """A tensor-parallel plan splits a parameter that an op reads whole: sharding propagation has no
-    rule that keeps its block there (a convolution, BatchNorm, a grouped expert matmul)."""
+    rule that keeps its block there (a convolution, BatchNorm, a grouped expert matmul); or, under
+    ``dpar.pipeline``, a tp degree that does not divide a split layer's heads, or a plan naming a
+    parameter no stage reads."""
 
 
 class ActivationPolicyError(OptionsError):

@@ -7,7 +7,10 @@ the group (every rank gets the whole batch; a stage reads the inputs it needs, t
 the tokens, the last the targets), cuts that batch into ``m`` equal micro-batches, and weights
 each micro-batch's loss by ``1/m``. With a mean loss that is the mean over the group's rows, so
 the gradients are those of one process on those rows; over a ``("dp", "pp")`` mesh, the
-gradients are then averaged over ``dp``, which is torch DDP's average of equal slices.
+gradients are then averaged over ``dp``, which is torch DDP's average of equal slices. Under a mesh
+with a ``tp`` dimension the ``t`` pipelines of one ``dp`` index are one tensor-parallel pipeline:
+the step gathers their ``p * t`` slices over ``pp`` and then ``tp``, so every rank of a tensor-parallel
+group runs the same micro-batches (each rank's slice still counts once, as under DDP).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class PipelineGroups:
     dp: dist.ProcessGroup | None
     dp_size: int
     dp_rank: int = 0
+    tp: dist.ProcessGroup | None = None  # [Note: tensor parallel inside a pipeline stage]
+    tp_size: int = 1
+    tp_rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,20 +84,21 @@ def one_process(name: str, layers: int, optim: str, world_size: int) -> tuple[di
 
 
 def pipelined(rank: int, world_size: int, name: str, layers: int, optim: str, schedule: str, stages: int,
-              micro_batches: int, mesh_shape: tuple[int, int] | None = None, dp_strategy: str = "ddp",
+              micro_batches: int, mesh_shape: tuple[int, ...] | None = None, dp_strategy: str = "ddp",
+              mesh_names: tuple[str, ...] = ("dp", "pp"), **options,
               ) -> tuple[dict | None, list[float], list[float], dict[int, int]]:
     """Each rank fed its own slice; returns (full state on rank 0, losses, measured bubble per step,
-    the most micro-batches each of this rank's stages held at once)."""
+    the most micro-batches each of this rank's stages held at once). ``options``: more of dpar.pipeline's."""
     model = build(name, layers)
     mesh = None
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp"))
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     x, y = batch(0, ROWS_PER_RANK * world_size)
     step = dpar.pipeline(model, token_loss, example_inputs=(x.chunk(world_size)[rank], y.chunk(world_size)[rank]),
                          stages=stages, micro_batches=micro_batches, schedule=schedule, mesh=mesh,
-                         dp_strategy=dp_strategy)
+                         dp_strategy=dp_strategy, **options)
     opt = optimizer(optim, model.parameters())
     losses, bubbles = [], []
     for i in range(STEPS):

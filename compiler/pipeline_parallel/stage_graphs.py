@@ -16,6 +16,17 @@ parameter gradients). dpar cuts that joint graph itself, by data dependence alon
 So I is exactly the critical path between stages and W is work no other rank waits for: a
 zero-bubble schedule moves W into what would otherwise be bubbles. I and W together compute
 each node once, the same nodes as B.
+
+[Note: tensor parallel inside a pipeline stage]
+Under a mesh with a ``tp`` dimension the stage's split parameters arrive as this rank's blocks, and the
+joint graph reads each through ``dpar::tensor_parallel_weight`` (the marker ``dpar.parallelize``'s
+modules read them through: see [Note: how a tensor-parallel parameter reaches the graph]), so ``make_fx``
+records the marker and, from ``autograd.grad``, its gradient marker. The tensor-parallel pass
+(``tensor_parallel_pass``: propagation, then localization) then runs on that joint graph as it does on
+AOTAutograd's, before it is cut: F, B, I and W each get the collectives of their own nodes, so every
+schedule runs them where it runs the node. The joint graph's outputs come out replicated over ``tp``
+(the carried activations, the input gradients, the loss), parameter gradients as their parameter's
+block; saved values between F and B stay as propagation placed them, each rank's own.
 """
 
 from __future__ import annotations
@@ -27,7 +38,11 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
+from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
+from dpar.compiler.propagation.propagate import MeshDim
+from dpar.core.facts import TensorParallelSpec
 from dpar.core.pipeline_program import Stage, StageGraphs
+from dpar.runtime.tensor_parallel import tensor_parallel_weight
 
 
 def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
@@ -64,10 +79,15 @@ def extract_graph(joint: fx.GraphModule, inputs: Sequence[fx.Node], outputs: Seq
     return gm
 
 
-def trace_stage(stage: Stage, state: dict[str, torch.Tensor], last: bool, batch: Sequence[torch.Tensor]) -> StageGraphs:
+def trace_stage(
+    stage: Stage, state: dict[str, torch.Tensor], last: bool, batch: Sequence[torch.Tensor],
+    splits: dict[str, TensorParallelSpec] | None = None, tp: MeshDim | None = None,
+) -> StageGraphs:
     """Trace ``stage``'s joint graph and cut it per [Note: splitting a stage's backward into I and W].
 
-    ``state``: the model's parameters and buffers by name (tied ones under each name)."""
+    ``state``: the model's parameters and buffers by name (tied ones under each name). ``splits`` (name ->
+    spec, split parameters only) and ``tp``: see [Note: tensor parallel inside a pipeline stage]."""
+    splits = splits or {}
     graph_names = [name for name, _ in stage.graph.named_parameters(remove_duplicate=False)]
     buffer_graph_names = [name for name, _ in stage.graph.named_buffers(remove_duplicate=False)]
     names = tuple(name.removeprefix("model.") for name in graph_names)
@@ -79,9 +99,18 @@ def trace_stage(stage: Stage, state: dict[str, torch.Tensor], last: bool, batch:
     grad_outputs = (0,) if last else tuple(i for i, spec in enumerate(specs_out) if spec.requires_grad)
     num_outputs = 1 if last else len(specs_out)
 
+    def read(name: str, value: torch.Tensor) -> torch.Tensor:
+        spec = splits.get(name)
+        if spec is None:
+            return value
+        return tensor_parallel_weight(
+            value, spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim], spec.name
+        )
+
     def joint(param_values, buffer_values, batch_inputs, carried, output_grads):
         with torch.enable_grad():
-            values = dict(zip(graph_names, param_values)) | dict(zip(buffer_graph_names, buffer_values))
+            read_values = [read(n, v) for n, v in zip(names, param_values)]
+            values = dict(zip(graph_names, read_values)) | dict(zip(buffer_graph_names, buffer_values))
             out = functional_call(stage.graph, values, (*batch_inputs, *carried))
             outs = (out,) if last else tuple(out)
             differentiable = [carried[i] for i in grad_inputs] + list(param_values)
@@ -103,6 +132,8 @@ def trace_stage(stage: Stage, state: dict[str, torch.Tensor], last: bool, batch:
     )
     batch_inputs = [batch[i] for i in stage.batch_inputs]
     traced = make_fx(joint, tracing_mode="fake")(params, buffers, batch_inputs, carried, output_grads)
+    if tp is not None:
+        traced = tensor_parallel_pass(traced, tp)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     n_p, n_b, n_c = len(params) + len(buffers), len(batch_inputs), len(carried)
     p_nodes = placeholders[:n_p]  # the state: parameters, then buffers

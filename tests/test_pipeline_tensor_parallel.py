@@ -1,0 +1,171 @@
+"""dpar.pipeline over a mesh with a "tp" dimension: each stage's layers split Megatron-style over tp.
+
+Each rank is fed its own slice (DDP's contract); after 5 AdamW steps the parameters must equal one process on the
+global batch and torch DDP on the same slices (tolerances from NOTES.md), on every schedule. Bad meshes and plans
+are refused by name before anything runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import pytest
+import torch
+
+import dpar
+from distributed import run_ranks
+from pipeline_training import ROWS_PER_RANK, batch, build, one_process, pipelined, token_loss, torch_ddp
+from training import max_abs_diff
+
+TOLERANCE = 1e-4  # AdamW, NOTES.md
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+
+
+def _stages(schedule: str, pp: int) -> int:
+    return 2 * pp if schedule in ("interleaved_1f1b", "zbv") else pp
+
+
+Case = tuple[str, str]  # (dp_strategy, schedule)
+
+
+def _cases_and_torch_ddp(rank: int, world_size: int, name: str, layers: int, mesh_shape: tuple[int, ...],
+                         mesh_names: tuple[str, ...], cases: tuple[Case, ...], options: dict) -> dict:
+    warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
+    warnings.simplefilter("ignore", UserWarning)  # DTensor's note on gathering a ("tp", "dp") shard in two steps
+    pp = mesh_shape[mesh_names.index("pp")]
+    results = {}
+    for dp_strategy, schedule in cases:
+        state, losses, _, _ = pipelined(rank, world_size, name, layers, "adamw", schedule, _stages(schedule, pp), 4,
+                                        mesh_shape=mesh_shape, mesh_names=mesh_names, dp_strategy=dp_strategy,
+                                        **options)
+        results[dp_strategy, schedule] = (state, losses)
+    results["torch_ddp"] = torch_ddp(rank, world_size, name, layers, "adamw")
+    return results
+
+
+def _assert_matches_one_process_and_torch_ddp(name: str, layers: int, mesh_shape: tuple[int, ...],
+                                              mesh_names: tuple[str, ...], cases: tuple[Case, ...],
+                                              timeout_s: float, **options) -> None:
+    world_size = int(torch.tensor(mesh_shape).prod())
+    reference, reference_losses = one_process(name, layers, "adamw", world_size)
+    results = run_ranks(_cases_and_torch_ddp, world_size, name, layers, mesh_shape, mesh_names, cases,
+                        options, timeout_s=timeout_s)
+    ddp = results[0]["torch_ddp"]
+    for case in cases:
+        state = results[0][case][0]
+        assert max_abs_diff(reference, state) < TOLERANCE, case
+        assert max_abs_diff(ddp, state) < TOLERANCE, case
+        for result in results:  # every rank returns the same mean loss, the global batch's
+            assert result[case][1] == pytest.approx(reference_losses, rel=1e-5), case
+
+
+def test_pp_by_tp_matches_one_process_and_torch_ddp_on_every_schedule():
+    """(pp 2, tp 2) on 4 ranks, HF Llama (GQA: 4 query heads, 2 key/value heads, split 2 and 1 per rank)."""
+    _assert_matches_one_process_and_torch_ddp("llama", 4, (2, 2), ("pp", "tp"), tuple(("ddp", s) for s in SCHEDULES),
+                                              timeout_s=600)
+
+
+def test_tied_embedding_and_sequence_parallel_over_pp_by_tp():
+    """GPT-2's tied embedding and head on the first and last stage, split by vocabulary rows over tp and summed
+    over pp; sequence parallel between the split layers."""
+    _assert_matches_one_process_and_torch_ddp("gpt2", 4, (2, 2), ("pp", "tp"), (("ddp", "1f1b"), ("ddp", "zbv")),
+                                              timeout_s=600, sequence_parallel=True)
+
+
+def test_dp_by_pp_by_tp_matches_one_process_and_torch_ddp_on_every_schedule():
+    """(dp 2, pp 2, tp 2) on 8 ranks, HF Llama of 8 layers, every schedule under ddp over dp and fsdp on the two
+    places its reduce-scatter goes (the last B, the last W of a V): gradients of each rank's blocks averaged, or
+    their shards reduce-scattered, over dp. One launch of the 8 ranks (minutes on 2 cores)."""
+    cases = (*(("ddp", s) for s in SCHEDULES), ("fsdp", "1f1b"), ("fsdp", "zbv"))
+    _assert_matches_one_process_and_torch_ddp("llama", 8, (2, 2, 2), ("dp", "pp", "tp"), cases, timeout_s=1200)
+
+
+def _slice() -> tuple[torch.Tensor, torch.Tensor]:
+    return batch(0, ROWS_PER_RANK)
+
+
+def _collectives(gm: torch.fx.GraphModule) -> collections.Counter:
+    return collections.Counter(
+        str(n.target).removeprefix("_c10d_functional.").removesuffix(".default") for n in gm.graph.nodes
+        if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)
+    )
+
+
+def test_each_rank_holds_blocks_and_the_stage_graphs_hold_the_tp_collectives(world_of_four):
+    """Column Linears hold their rows, row Linears their columns, norms whole; each layer's two row-parallel
+    outputs are all-reduced in F, and the split layers' input gradients in the backward (B, or I and W)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    model = build("llama", 4)
+    whole = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    step = dpar.pipeline(model, token_loss, example_inputs=_slice(), stages=2, micro_batches=8, mesh=mesh,
+                         schedule="zb_h1")
+    held = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    layer = "inner.model.layers.0."
+    assert held[layer + "self_attn.q_proj.weight"] == (16, 32) and held[layer + "self_attn.k_proj.weight"] == (8, 32)
+    assert held[layer + "self_attn.o_proj.weight"] == (32, 16) and held[layer + "mlp.down_proj.weight"] == (32, 32)
+    assert held[layer + "input_layernorm.weight"] == whole[layer + "input_layernorm.weight"]
+    assert {n: tuple(t.shape) for n, t in model.state_dict().items() if n in held} == {n: whole[n] for n in held}
+    (stage,) = step.graphs
+    graphs = step.graphs[stage]
+    assert _collectives(graphs.forward) == {"all_reduce": 4}  # two layers, attention and MLP outputs
+    assert _collectives(graphs.backward)["all_reduce"] == 12
+    assert _collectives(graphs.backward_input) + _collectives(graphs.backward_weight) == _collectives(graphs.backward)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, names, name, kwargs, error, message",
+    [
+        ((1, 4), ("pp", "tp"), "llama", dict(), dpar.TensorParallelPlanError,
+         r"a tp degree of 4 does not divide the units a view cuts the output of "
+         r"inner.model.layers.0.self_attn.k_proj.weight into \(2\).*attention heads"),
+        ((2, 2), ("pp", "tp"), "gpt", dict(stages=2), dpar.TensorParallelPlanError,
+         r"inner.blocks.0.attn.qkv.weight into \(3\).*the q/k/v parts of a fused projection"),
+        ((2, 2), ("pp", "tp"), "llama", dict(tp_plan={"inner.model.layers.0.mlp.up_proj.weight": 0, "lm_head.weight": 0}),
+         dpar.TensorParallelPlanError, r"tp_plan names 'lm_head.weight', which no stage reads"),
+        ((2, 2), ("dp", "tp"), "llama", dict(), dpar.OptionsError,
+         r"mesh dimensions \('dp', 'tp'\) are not \('pp',\), \('dp', 'pp'\), \('pp', 'tp'\) or \('dp', 'pp', 'tp'\)"),
+        ((2, 2), ("pp", "pp2"), "llama", dict(), dpar.OptionsError, r"mesh dimensions \('pp', 'pp2'\) are not"),
+        ((2, 2), ("dp", "pp"), "llama", dict(sequence_parallel=True), dpar.OptionsError,
+         r"tp_plan and sequence_parallel split each stage over a mesh's 'tp' dimension, and the mesh has none"),
+    ],
+    ids=["tp-does-not-divide-kv-heads", "tp-does-not-divide-fused-qkv", "plan-names-no-stage-parameter",
+         "no-pp-dimension", "unknown-dimension", "sequence-parallel-without-tp"],
+)
+def test_bad_tensor_parallel_meshes_and_plans_are_refused_before_anything_runs(world_of_four, mesh_shape, names, name,
+                                                                               kwargs, error, message):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    arguments = dict(example_inputs=_slice(), stages=mesh_shape[names.index("pp")] if "pp" in names else 2,
+                     micro_batches=4, mesh=mesh) | kwargs
+    model = build(name, 4)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(error, match=message):
+        dpar.pipeline(model, token_loss, **arguments)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # nothing split, nothing released
+
+
+def test_fsdp_beside_tp_holds_a_dp_shard_of_each_block():
+    """(dp 2, pp 2, tp 2), dp_strategy="fsdp" (8 fake ranks): each parameter at rest is the Shard(0) over dp of
+    this rank's tp block, and the state dict shows it whole, as a [Shard(dim), Shard(0)] DTensor over ("tp", "dp")."""
+    from fake_world import fake_world
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    with fake_world(8):
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+        model = build("llama", 4)
+        whole = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        dpar.pipeline(model, token_loss, example_inputs=_slice(), stages=2, micro_batches=4, mesh=mesh,
+                      dp_strategy="fsdp")
+        held = dict(model.named_parameters())
+        q = "inner.model.layers.0.self_attn.q_proj.weight"
+        assert tuple(held[q].shape) == (16, 32) and tuple(held[q].to_local().shape) == (8, 32)
+        state = model.state_dict()
+        assert tuple(state[q].shape) == whole[q] and list(state[q].placements) == [Shard(0), Shard(0)]
+        assert state[q].device_mesh.mesh_dim_names == ("tp", "dp")
+        o = "inner.model.layers.0.self_attn.o_proj.weight"
+        assert tuple(held[o].to_local().shape) == (16, 16) and list(state[o].placements) == [Shard(1), Shard(0)]

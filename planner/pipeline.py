@@ -154,8 +154,8 @@ class PipelinePlan:
             )
         if self.tp > 1:
             lines.append(
-                f"note: dpar.pipeline does not yet run tensor parallelism inside a stage, so this layout (tp={self.tp}) "
-                f"is a plan on paper; the fastest that runs today is the best tp=1 line that fits, if any"
+                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}); "
+                "tp is priced as Megatron with sequence parallel, a model not yet checked against measured runs"
             )
         return "\n".join(lines)
 

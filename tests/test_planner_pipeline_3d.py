@@ -66,7 +66,7 @@ def test_a_tight_budget_forces_tp():
     assert p.tp > 1 and p.choice.memory_bytes <= 6_000
     assert not any(c.fits for c in p.candidates if c.tp == 1)
     assert by_layout(p)[1, 4, "ddp"].memory_bytes == 4096 + 1024
-    assert "plan on paper" in str(p)
+    assert "('dp', 'pp', 'tp') mesh" in str(p)
 
 
 def test_a_budget_between_ddp_and_fsdp_picks_fsdp():
@@ -86,7 +86,7 @@ def test_cli_prints_the_3d_table_and_says_tp_is_on_paper(capsys):
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert {(r[1], r[3]) for r in rows} == {("1", "ddp"), ("1", "fsdp"), ("2", "ddp"), ("2", "fsdp"), ("4", "ddp")}
     chosen = [r for r in rows if r[-1] == "chosen"]
-    assert len(chosen) == 1 and int(chosen[0][1]) > 1 and "plan on paper" in out
+    assert len(chosen) == 1 and int(chosen[0][1]) > 1 and "('dp', 'pp', 'tp') mesh" in out
     assert main(["plan", f"{models}:stack", "--mesh-shape", "4", "--per-rank", "--pipeline", "--memory-budget-gb",
                  "0.000006", "--micro-batch-rows", "2", "--loss", f"{models}:mse", "--tp-max", "1"]) == 2
     assert "the least memory is pp=4 x tp=1 x dp=1 (ddp)" in capsys.readouterr().out

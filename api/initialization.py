@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from dpar.core.facts import local_block, retired_of, tensor_parallel_spec_of
-from dpar.runtime.tensor_parallel import tensor_parallel_weight
+from dpar.runtime.tensor_parallel import whole_parameter
 from dpar.surgery import sharding, tensor_parallel
 from dpar.core.errors import InitializationError
 from dpar.core.torch_internals import compute_local_shape_and_global_offset, resolve_process_group
@@ -64,9 +64,7 @@ def _gather(param: torch.Tensor) -> torch.Tensor:
         value = value.full_tensor()  # fsdp+tp: the tensor-parallel block
     spec = tensor_parallel_spec_of(param)
     if spec is not None and spec.dim is not None:
-        value = tensor_parallel_weight(
-            value, spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim], spec.name
-        )
+        value = whole_parameter(value, spec)
     return value.clone()
 
 

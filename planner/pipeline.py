@@ -66,7 +66,9 @@ import torch.nn as nn
 
 from dpar.compiler.costs import DeviceSpec, comm_time, device_spec, link_time
 from dpar.compiler.memory import OPTIMIZER_STATES
-from dpar.compiler.pipeline_parallel.costs import LossFn, StageCost, cut_and_price, micro_batch_of, with_loss
+from dpar.compiler.pipeline_parallel.costs import (
+    LossFn, StageCost, cut_and_price, micro_batch_of, parameter_sizes, with_loss,
+)
 from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule, stages_per_rank
 from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
 from dpar.compiler.pipeline_parallel.split import balanced_cuts, capture, find_blocks, split_stages
@@ -265,11 +267,11 @@ def _stages(per_block: Sequence[StageCost], stages: int, model: nn.Module) -> tu
     for s in range(stages):
         run = per_block[starts[s]:starts[s + 1]]
         names = tuple(sorted({n for c in run for n in c.parameters}))
-        held = {id(parameters[n]): parameters[n] for n in names}.values()  # a tied weight once
+        numel, nbytes = parameter_sizes(parameters, names)
         free = max(c.free_activation_bytes for c in run)
         merged.append(StageCost(
             index=s, blocks=tuple(b for c in run for b in c.blocks), parameters=names,
-            parameter_numel=sum(p.numel() for p in held), parameter_bytes=sum(p.numel() * p.element_size() for p in held),
+            parameter_numel=numel, parameter_bytes=nbytes,
             flops=sum(c.flops for c in run), forward_s=sum(c.forward_s for c in run),
             activation_bytes=sum(c.activation_bytes - c.free_activation_bytes for c in run) + free,
             free_activation_bytes=free, send_bytes=run[-1].send_bytes, send_s=run[-1].send_s,

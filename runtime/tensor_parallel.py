@@ -70,6 +70,12 @@ def _(block: torch.Tensor, dim: int, tp_size: int, group_name: str, size: int, n
     return block.new_empty(shape)
 
 
+def whole_parameter(block: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
+    """The full parameter ``spec`` describes, read from this rank's ``block`` through the marker (traced: the
+    tensor-parallel passes' input; eager: an all-gather over the spec's group)."""
+    return tensor_parallel_weight(block, spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim], spec.name)
+
+
 @torch.library.custom_op("dpar::tensor_parallel_grad", mutates_args=())
 def tensor_parallel_grad(grad: torch.Tensor, dim: int, tp_size: int, group_name: str) -> torch.Tensor:
     """This rank's block of a full gradient every rank of the group computed alike."""

@@ -23,7 +23,7 @@ from dpar.core import model_state
 from dpar.core.errors import OptionsError
 from dpar.core.facts import TENSOR_PARALLEL, TensorParallelSpec, can_split, local_block
 from dpar.core.torch_internals import full_state_dict_loader_code
-from dpar.runtime.tensor_parallel import as_block, as_dtensor, tensor_parallel_weight
+from dpar.runtime.tensor_parallel import as_block, as_dtensor, whole_parameter
 
 
 # [Note: a 2-D parameter in torch's full-state-dict load]
@@ -74,9 +74,7 @@ def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) 
 
         def read(self: nn.Module) -> torch.Tensor:
             block = inner.fget(self) if isinstance(inner, property) else self._parameters[name]
-            return tensor_parallel_weight(
-                block, spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim], spec.name
-            )
+            return whole_parameter(block, spec)
 
         return property(read)
 

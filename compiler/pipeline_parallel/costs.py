@@ -128,18 +128,24 @@ def _held_bytes(stage_graphs) -> tuple[int, int]:
     return sum(held.values()), sum(held[key] for key in free)
 
 
+def parameter_sizes(parameters: dict[str, torch.Tensor], names: Sequence[str]) -> tuple[int, int]:
+    """(elements, bytes) of the parameters ``names`` name, a tied weight counted once."""
+    held = {id(parameters[n]): parameters[n] for n in names}.values()
+    return sum(p.numel() for p in held), sum(p.numel() * p.element_size() for p in held)
+
+
 def _stage_cost(stage: Stage, last: bool, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec) -> StageCost:
     parameters = dict(model.named_parameters(remove_duplicate=False))
     state = parameters | dict(model.named_buffers(remove_duplicate=False))
     graphs = trace_stage(stage, state, last, micro_batch)
     forward_s = sum(node_cost(n, spec).seconds for n in graphs.forward.graph.nodes if n.op == "call_function")
-    held = list({id(parameters[n]): parameters[n] for n in stage.parameters}.values())  # a tied weight once
     send = sum(math.prod(v.shape) * v.dtype.itemsize for v in stage.carried_out)
     activations, free = _held_bytes(graphs)
+    numel, nbytes = parameter_sizes(parameters, stage.parameters)
     return StageCost(
-        index=stage.index, blocks=stage.blocks, parameters=stage.parameters,
-        parameter_numel=sum(p.numel() for p in held), parameter_bytes=sum(p.numel() * p.element_size() for p in held),
-        flops=stage.flops, forward_s=forward_s, activation_bytes=activations, free_activation_bytes=free,
+        index=stage.index, blocks=stage.blocks, parameters=stage.parameters, parameter_numel=numel,
+        parameter_bytes=nbytes, flops=stage.flops, forward_s=forward_s, activation_bytes=activations,
+        free_activation_bytes=free,
         send_bytes=send, send_s=spec.alpha + send * spec.beta if send else 0.0,
     )
 

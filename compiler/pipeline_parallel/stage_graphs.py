@@ -42,7 +42,7 @@ from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
 from dpar.compiler.propagation.propagate import MeshDim
 from dpar.core.facts import TensorParallelSpec
 from dpar.core.pipeline_program import Stage, StageGraphs
-from dpar.runtime.tensor_parallel import tensor_parallel_weight
+from dpar.runtime.tensor_parallel import whole_parameter
 
 
 def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
@@ -101,11 +101,7 @@ def trace_stage(
 
     def read(name: str, value: torch.Tensor) -> torch.Tensor:
         spec = splits.get(name)
-        if spec is None:
-            return value
-        return tensor_parallel_weight(
-            value, spec.dim, spec.tp_size, spec.group_name, spec.global_shape[spec.dim], spec.name
-        )
+        return value if spec is None else whole_parameter(value, spec)
 
     def joint(param_values, buffer_values, batch_inputs, carried, output_grads):
         with torch.enable_grad():

@@ -93,7 +93,8 @@ def _read(path: str) -> str:
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, crash_dir: str) -> tuple[int | None, Any]:
-    """(None, results), or (the rank killed by a signal, minus its signal number)."""
+    """(None, results), or (the rank killed by a signal, minus its signal number), also when its peers
+    reported the broken connection first."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -123,11 +124,18 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
                 continue
             (results if status == "ok" else errors)[rank] = payload
     finally:
-        for p in procs:
+        killed = set()
+        for rank, p in enumerate(procs):
             p.join(timeout=5 if not errors else 1)
             if p.is_alive():
                 p.kill()
+                killed.add(rank)
     if errors:
+        # A crash often surfaces first as its peers' errors (gloo: "Connection reset by peer"); the
+        # crashed rank, not its peers, is the failure to report and retry.
+        for rank, p in enumerate(procs):
+            if rank not in killed and rank not in results and rank not in errors and (p.exitcode or 0) < 0:
+                return rank, p.exitcode
         rank = min(errors)
         raise RankFailed(f"rank {rank} failed:\n{errors[rank]}")
     return None, [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]

@@ -12,7 +12,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from dpar.compiler.lowering import STAGE_COMPILERS, lower_stage_graph
 from dpar.compiler.megatron import megatron_plan
+from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
 from dpar.compiler.pass_listing import PipelinePassListing
 from dpar.compiler.propagation.propagate import MeshDim
 from dpar.compiler.pipeline_parallel.sharded import layout_of
@@ -27,6 +29,7 @@ from dpar.core.plan import ActivationPolicy, DataParallel, Recompute
 from dpar.core.model_state import check_materialized, local_part, record_meta_buffers, state_of
 from dpar.core.torch_internals import compute_local_shape_and_global_offset
 from dpar.runtime.liveness import PIPELINE_STEP, watching
+from dpar.runtime.optimizer_hooks import hand_down
 from dpar.runtime.pipeline_parallel import PipelineExecutor, PipelineGroups
 from dpar.surgery.tensor_parallel import install_markers, split_parameters, state_dict_mesh
 from dpar.core.world import current_world
@@ -394,6 +397,7 @@ def pipeline(
     activation_checkpointing: Any = None,
     tp_plan: dict[str, int | None] | None = None,
     sequence_parallel: bool = False,
+    compiler: str = "aot_eager",
 ) -> PipelineStep:
     """Cut ``model`` into ``stages`` pipeline stages and return the step that trains it.
 
@@ -415,11 +419,21 @@ def pipeline(
     ``dpar.checkpoint.load``, ``load_safetensors``) or ``dpar.init_weights`` before the first step. Each rank's
     ``model.state_dict()`` holds its stages' tensors (DTensors under ``"fsdp"``). See ``[Note: a pipeline born on
     meta]`` and ``[Note: a pipelined model's state]``.
+
+    ``compiler``: ``"aot_eager"`` runs the stage graphs as Python ATen calls; ``"inductor"`` lowers each one with
+    Inductor at its first run (every schedule, zero-bubble ones included) and compiles the step of every optimizer
+    over the model's parameters from its second step, as ``dpar.parallelize`` does; see [Note: compiled pipeline
+    stages] in ``compiler/lowering.py``.
     """
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise OptionsError("pipeline: this model is already cut into stages; call dpar.pipeline once per model.")
     _refuse_checkpointing(activation_checkpointing)
     check_name(schedule)
+    if compiler not in STAGE_COMPILERS:
+        raise OptionsError(
+            f"pipeline: compiler={compiler!r} is not one of {list(STAGE_COMPILERS)}; 'inductor' compiles the stage "
+            "graphs, 'aot_eager' runs them as Python."
+        )
     data_parallel = DataParallel.parse(dp_strategy, (DataParallel.DDP, DataParallel.FSDP), prefix="pipeline: ")
     groups = _groups(mesh)
     _check_tensor_parallel(groups, tp_plan, sequence_parallel)
@@ -493,7 +507,11 @@ def pipeline(
             sync, gather, chunks = _shard_over_dp(model, graphs, parameters, groups, mesh, passes)
             dp = groups.dp_size  # each rank sums its shard of a shared parameter (padded to whole rows)
             shared = {n: ((-(-shape[0] // dp) * shape[1:].numel(),), dtype) for n, (shape, dtype) in shared.items()}
-    executor = PipelineExecutor(plan, graphs, model, groups, shared, sync, gather, chunks)
+    lower = None
+    if compiler == "inductor":  # [Note: compiled pipeline stages]
+        lower = lower_stage_graph
+        hand_down(OPTIMIZER_STAGE, model.parameters(), in_graph=model.parameters())
+    executor = PipelineExecutor(plan, graphs, model, groups, shared, sync, gather, chunks, lower)
     step = PipelineStep(model, split, graphs, executor, groups, tuple(tuple(x.shape) for x in example_inputs),
                         born_on_meta=on_meta)
     model.register_load_state_dict_pre_hook(_accept_pipeline_state)

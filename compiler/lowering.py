@@ -11,12 +11,14 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
 from dpar.core.torch_internals import aot_autograd, functorch_config, inductor
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+STAGE_COMPILERS = ("aot_eager", "inductor")
 
 
 class GraphRole(enum.Enum):
@@ -192,3 +194,22 @@ def _compile_inductor(
     # A cached artifact would skip the hooks, and with them the runtime that dispatches variants.
     with functorch_config().patch(enable_autograd_cache=False), inductor_.config.patch(patches):
         return inductor_.compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def lower_stage_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """Inductor's code for one pipeline stage graph.
+
+    [Note: compiled pipeline stages]
+    A stage's F, B, I and W graphs (and their data-parallel variants: the fsdp gather, the last
+    backward's bucketed all-reduce or reduce-scatter) are ATen graphs that already are the backward
+    (compiler/pipeline_parallel/stage_graphs.py), so each is lowered as an inference graph, under
+    ``no_grad``, at its first run with that run's tensors (a model born on meta is on its device by
+    then). The schedule's order of graphs and point-to-point transfers is the executor's and stays
+    as it is; each graph's own collectives (tensor parallel, the dp buckets) are lowered with it.
+    Inductor takes and returns flat tensors: values cross between F, I and W as tensors, never as the
+    tuple of a multi-output node (``_with_items`` in stage_graphs.py). torch.distributed.pipelining
+    refuses compiled stages under its zero-bubble schedules; here I and W are graphs of their own, so
+    they compile like any other.
+    """
+    with torch.no_grad():
+        return inductor().compile_fx(gm, list(example_inputs))

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,8 +67,12 @@ class PipelineExecutor:
         groups: PipelineGroups, shared: dict[str, tuple[torch.Size, torch.dtype]],
         sync: dict[int, SyncVariant] | None = None, gather: dict[int, fx.GraphModule] | None = None,
         chunks: dict[str, int] | None = None,
+        lower: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]] | None = None,
     ) -> None:
         self.schedule = schedule
+        # [Note: compiled pipeline stages]: each graph lowered at its first run (after a meta model's retarget).
+        self.lower = lower
+        self.lowered: dict[fx.GraphModule, Callable[..., Any]] = {}
         self.graphs = graphs
         self.model = model
         self.state: dict[str, torch.Tensor] = {}  # parameters and buffers by name, looked up at each step
@@ -100,6 +105,15 @@ class PipelineExecutor:
         self.parameters = dict(self.model.named_parameters(remove_duplicate=False))
         self.state = {**self.parameters, **dict(self.model.named_buffers(remove_duplicate=False))}
 
+    def _call(self, gm: fx.GraphModule, *args: Any) -> Sequence:
+        """Run one of the stage graphs (or a variant of one): as Python, or as the code ``lower`` made of it."""
+        if self.lower is None:
+            return gm(*args)
+        code = self.lowered.get(gm)
+        if code is None:
+            code = self.lowered[gm] = self.lower(gm, list(args))
+        return code(*args)
+
     def _flat_shard(self, name: str) -> torch.Tensor:
         """A sharded parameter's rows (its ``Shard(0)`` DTensor's local part), flat and padded to its chunk."""
         local = self.state[name].detach().to_local().reshape(-1)
@@ -113,10 +127,10 @@ class PipelineExecutor:
     def _forward(self, action: Action, batch: list[torch.Tensor], carried: list[torch.Tensor]) -> Sequence:
         g = self.graphs[action.stage]
         if self.first_forward.get(action.stage) != action:
-            return g.forward(*self._params(action.stage), *batch, *carried)
+            return self._call(g.forward, *self._params(action.stage), *batch, *carried)
         shard = torch.cat([self._flat_shard(n) for n in g.parameter_names])
         buffers = [self.state[n] for n in g.buffer_names]
-        result = self.gather[action.stage](shard, *buffers, *batch, *carried)
+        result = self._call(self.gather[action.stage], shard, *buffers, *batch, *carried)
         self.gathered[action.stage] = list(result[len(result) - len(g.parameter_names):])  # kept for the step
         return result[: len(result) - len(g.parameter_names)]
 
@@ -163,14 +177,14 @@ class PipelineExecutor:
             """Run the stage's graph, or its sync variant when this is the stage's last backward work."""
             variant = self.sync.get(action.stage)
             if variant is None or self.last_backward[action.stage] != action:
-                return getattr(self.graphs[action.stage], graph_name)(*args)
+                return self._call(getattr(self.graphs[action.stage], graph_name), *args)
             mine = stage_grads[action.stage]
             params = self._params(action.stage)  # whole, also where they rest as shards
             accumulated = [mine.pop(i, None) for i in variant.accumulated]
             accumulated = [
                 a if a is not None else torch.zeros_like(params[i]) for a, i in zip(accumulated, variant.accumulated)
             ]
-            return variant.graph(*args, *accumulated)  # its gradients are the averaged totals
+            return self._call(variant.graph, *args, *accumulated)  # its gradients are the averaged totals
 
         def grads_in(key: tuple[int, int]) -> list[torch.Tensor]:
             if key[0] == self.last_stage:
@@ -205,7 +219,7 @@ class PipelineExecutor:
                 accumulate(s, result[len(g.grad_inputs):])
             elif action.op is Op.BACKWARD_INPUT:
                 og = grads_in(key)
-                result = g.backward_input(*self._params(s), *saved[key], *og)
+                result = self._call(g.backward_input, *self._params(s), *saved[key], *og)
                 input_grads[key] = list(result[: len(g.grad_inputs)])
                 stash[key] = [og, list(result[len(g.grad_inputs):])]
             elif action.op is Op.BACKWARD_WEIGHT:

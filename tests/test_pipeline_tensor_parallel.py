@@ -171,3 +171,10 @@ def test_fsdp_beside_tp_holds_a_dp_shard_of_each_block():
         assert state[q].device_mesh.mesh_dim_names == ("tp", "dp")
         o = "inner.model.layers.0.self_attn.o_proj.weight"
         assert tuple(held[o].to_local().shape) == (16, 16) and list(state[o].placements) == [Shard(1), Shard(0)]
+
+
+def test_compiled_zero_bubble_stages_with_sequence_parallel_over_pp_by_tp():
+    """The same run as above under ZBV with every stage graph lowered by Inductor, their tp collectives (the
+    sequence-parallel gathers and reduce-scatters) lowered with them; see [Note: compiled pipeline stages]."""
+    _assert_matches_one_process_and_torch_ddp("gpt2", 4, (2, 2), ("pp", "tp"), (("ddp", "zbv"),),
+                                              timeout_s=900, sequence_parallel=True, compiler="inductor")

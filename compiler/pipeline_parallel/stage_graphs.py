@@ -31,6 +31,7 @@ block; saved values between F and B stay as propagation placed them, each rank's
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -56,6 +57,13 @@ def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
         if node not in stop:
             stack.extend(node.all_input_nodes)
     return seen
+
+
+def _with_items(region: set[fx.Node]) -> set[fx.Node]:
+    """``region`` and the items read out of its multi-output nodes, so that a value crosses from one graph to
+    the next as a tensor, never as a tuple (a compiler takes and returns flat tensors): attention's or the
+    loss's second result, read by the backward only, is taken out where the node runs."""
+    return region | {u for n in region for u in n.users if u.op == "call_function" and u.target is operator.getitem}
 
 
 def extract_graph(joint: fx.GraphModule, inputs: Sequence[fx.Node], outputs: Sequence[fx.Node | None]) -> fx.GraphModule:
@@ -142,10 +150,10 @@ def trace_stage(
     param_grads = grads[len(grad_inputs):]
 
     inputs = set(placeholders)
-    forward_region = _ancestors(outs, inputs) - inputs
+    forward_region = _with_items(_ancestors(outs, inputs) - inputs)
     present = [g for g in grads if g is not None]
     grad_region = _ancestors(present, inputs) - inputs - forward_region
-    input_region = _ancestors([g for g in input_grads if g is not None], inputs) - inputs - forward_region
+    input_region = _with_items(_ancestors([g for g in input_grads if g is not None], inputs) - inputs - forward_region)
     weight_region = grad_region - input_region
 
     def read_by(node: fx.Node, region: set[fx.Node], results: list) -> bool:

@@ -8,11 +8,16 @@ For each GPT size and micro-batch count ``m``, every rank builds these modes fro
 and trains them on the same batches with AdamW, taking turns (``--rounds``) so that load from other
 users of the machine hits all of them alike:
 
-- ``dpar_<schedule>``: ``dpar.pipeline`` over the world, each rank passing its own slice;
+- ``dpar_<schedule>``: ``dpar.pipeline`` over the world, each rank passing its own slice, its stage
+  graphs run as Python; ``dpar_inductor_<schedule>`` the same with ``compiler="inductor"`` (every stage
+  graph lowered by Inductor, the optimizer's step compiled) where ``--compilers`` names it;
 - ``torch_<schedule>``: ``torch.distributed.pipelining`` (``PipelineStage`` and the matching
   schedule class) on the same model cut at the blocks dpar chose, stage ``s`` on rank ``s % p``, fed
   the global batch; the tied embedding / LM head gradient is summed over the two ranks holding it
   (dpar does the same inside its step), and that all-reduce is timed;
+- ``torch_compiled_<schedule>`` (with ``--compilers ... inductor``): the same with each stage module
+  under ``torch.compile`` and the optimizer's step too; torch refuses its zero-bubble schedules with
+  compiled stages, which is recorded as that mode's error;
 - ``floor``: forward and backward of the global batch on one rank, no communication (every rank
   runs it at once, one core each); floor / p is a perfect pipeline's step;
 - ``ddp``: torch DDP on the same model, each rank its slice.
@@ -46,6 +51,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -162,12 +168,14 @@ class StageModule(nn.Module):
         return self.lm_head(self.ln_f(x)) if self.is_last else x
 
 
-def build_dpar(config: GPTConfig, schedule: str, m: int, args: argparse.Namespace, example: Batch) -> tuple[Trainer, list[int]]:
+def build_dpar(config: GPTConfig, schedule: str, m: int, args: argparse.Namespace, example: Batch,
+               compiler: str = "aot_eager") -> tuple[Trainer, list[int]]:
     """dpar's step; returns it and the first block of each stage dpar chose (for torch to copy)."""
     p = dist.get_world_size()
     model = gpt(config, args.seed)
     v = SCHEDULES[schedule][1]
-    step = dpar.pipeline(model, token_loss, example_inputs=example, stages=p * v, micro_batches=m, schedule=schedule)
+    step = dpar.pipeline(model, token_loss, example_inputs=example, stages=p * v, micro_batches=m, schedule=schedule,
+                         compiler=compiler)
     starts = [int(stage.blocks[0].rsplit(".", 1)[1]) for stage in step.split.stages]
     trainer = Trainer(lambda mine, whole: step(*mine), torch.optim.AdamW(model.parameters(), lr=args.lr))
 
@@ -185,17 +193,23 @@ def build_dpar(config: GPTConfig, schedule: str, m: int, args: argparse.Namespac
     return trainer, starts
 
 
-def build_torch(config: GPTConfig, schedule: str, m: int, args: argparse.Namespace, starts: list[int]) -> Trainer:
-    """The same model cut at ``starts``, this rank's stages under torch's schedule class."""
+def build_torch(config: GPTConfig, schedule: str, m: int, args: argparse.Namespace, starts: list[int],
+                compiled: bool = False) -> Trainer:
+    """The same model cut at ``starts``, this rank's stages under torch's schedule class; ``compiled``: each
+    stage module under ``torch.compile`` (Inductor) and the optimizer's step compiled."""
     rank, p = dist.get_rank(), dist.get_world_size()
     model = gpt(config, args.seed)
     ends = [*starts[1:], config.n_layer]
     stage_ids = [s for s, r in enumerate(stage_placement(schedule, p, len(starts))) if r == rank]  # zbv: a V
     modules = [StageModule(model, starts[s], ends[s]) for s in stage_ids]
+
     timer = Timer()
     stages = []
     for s, module in zip(stage_ids, modules):
-        stage = pipelining.PipelineStage(module, s, len(starts), torch.device("cpu"))
+        # torch.compile's wrapper, not module.compile(): the zero-bubble schedules refuse the wrapper when built, on
+        # every rank alike; an in-place compiled module passes that check and fails one rank mid-step (a hang).
+        stage = pipelining.PipelineStage(torch.compile(module) if compiled else module, s, len(starts),
+                                         torch.device("cpu"))
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             setattr(stage, name, timer.wrap(getattr(stage, name)))
         stages.append(stage)
@@ -220,7 +234,10 @@ def build_torch(config: GPTConfig, schedule: str, m: int, args: argparse.Namespa
             tied.grad = grad
         return torch.stack(losses).mean() if losses else None
 
-    trainer = Trainer(forward_backward, torch.optim.AdamW(params, lr=args.lr))
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    if compiled:
+        optimizer.step = torch.compile(optimizer.step)
+    trainer = Trainer(forward_backward, optimizer)
     trainer.probe = lambda call_s: trainer.call_idle.append(1 - timer.busy / call_s)
     return trainer
 
@@ -265,23 +282,29 @@ def run_group(config: GPTConfig, m: int, baselines: bool, args: argparse.Namespa
     ``baselines``: floor and ddp too (they do not depend on m: measured in the first group only)."""
     batches = batches_for(config, args, args.warmup + args.steps)
     trainers: dict[str, Trainer] = {"floor": build_floor(config, args), "ddp": build_ddp(config, args)} if baselines else {}
+    for trainer in trainers.values():
+        trainer.train(batches[:1], measured=False)  # as every mode below, at its build
     errors: dict[str, str] = {}
     build_s: dict[str, float] = {}
     for schedule in args.schedules:
         if schedule == "interleaved_1f1b" and (m % dist.get_world_size() or 2 * dist.get_world_size() > config.n_layer):
             continue
-        start = time.perf_counter()
-        trainers[f"dpar_{schedule}"], starts = build_dpar(config, schedule, m, args, batches[0][0])
-        build_s[f"dpar_{schedule}"] = time.perf_counter() - start
-        try:
-            trainers[f"torch_{schedule}"] = build_torch(config, schedule, m, args, starts)
-            trainers[f"torch_{schedule}"].train(batches[:1], measured=False)  # shape inference: fail here
-        except Exception as exc:  # noqa: BLE001  (recorded and reported: the other modes go on)
-            trainers.pop(f"torch_{schedule}", None)
-            errors[f"torch_{schedule}"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:600]
-        dist.barrier()
+        for compiler in args.compilers:
+            ours = "dpar_" + ("inductor_" if compiler == "inductor" else "") + schedule
+            start = time.perf_counter()
+            trainers[ours], starts = build_dpar(config, schedule, m, args, batches[0][0], compiler)
+            trainers[ours].train(batches[:1], measured=False)  # lowers the stage graphs: build time
+            build_s[ours] = time.perf_counter() - start
+            theirs = "torch_" + ("compiled_" if compiler == "inductor" else "") + schedule
+            try:
+                trainers[theirs] = build_torch(config, schedule, m, args, starts, compiled=compiler == "inductor")
+                trainers[theirs].train(batches[:1], measured=False)  # shape inference: fail here
+            except Exception as exc:  # noqa: BLE001  (recorded and reported: the other modes go on)
+                trainers.pop(theirs, None)
+                errors[theirs] = f"{type(exc).__name__}: {exc}".splitlines()[0][:600]
+            dist.barrier()
     for name, trainer in trainers.items():
-        trainer.train(batches[1 if name.startswith("torch") else 0 : args.warmup], measured=False)
+        trainer.train(batches[1 : args.warmup], measured=False)  # each mode ran batch 0 when it was built
     per_turn = args.steps // args.rounds
     for turn in range(args.rounds):
         first = args.warmup + turn * per_turn
@@ -344,7 +367,7 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
                 if mode.startswith(("dpar", "torch")):
                     row["call_idle_per_rank"] = [statistics.median(r[mode]["call_idle"]) for r in per_rank]
                 if mode.startswith("dpar"):
-                    schedule = mode.removeprefix("dpar_")
+                    schedule = mode.removeprefix("dpar_").removeprefix("inductor_")
                     durations = {k: v for r in per_rank for k, v in r[mode]["durations"].items()}
                     row["measured_bubble_per_rank"] = [statistics.median(r[mode]["bubbles"]) for r in per_rank]
                     row["formula_bubble"] = bubble_formula(schedule, p, m, SCHEDULES[schedule][1])
@@ -352,10 +375,19 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
                     row["simulated"] = simulated(schedule, p, m, durations)
                 entry["modes"][mode] = row
             for schedule in args.schedules:
-                ours, theirs = entry["modes"].get(f"dpar_{schedule}"), entry["modes"].get(f"torch_{schedule}")
-                if ours and theirs:
-                    ours["ratio_to_torch"] = ours["step_ms_rank0"]["median"] / theirs["step_ms_rank0"]["median"]
-                    ours["max_abs_loss_diff_vs_torch"] = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
+                for ours_name, theirs_name in ((f"dpar_{schedule}", f"torch_{schedule}"),
+                                               (f"dpar_inductor_{schedule}", f"torch_compiled_{schedule}")):
+                    ours, theirs = entry["modes"].get(ours_name), entry["modes"].get(theirs_name)
+                    if ours and theirs:
+                        ours["ratio_to_torch"] = ours["step_ms_rank0"]["median"] / theirs["step_ms_rank0"]["median"]
+                        ours["max_abs_loss_diff_vs_torch"] = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
+            torch_modes = {k: v["step_ms_rank0"]["median"] for k, v in entry["modes"].items() if k.startswith("torch")}
+            if torch_modes:
+                best = min(torch_modes, key=torch_modes.get)
+                entry["best_torch"] = {"mode": best, "median_ms": torch_modes[best]}
+                for name, mode in entry["modes"].items():
+                    if name.startswith("dpar"):
+                        mode["ratio_to_best_torch"] = mode["step_ms_rank0"]["median"] / torch_modes[best]
             groups[f"{size}_m{m}"] = entry
     return groups
 
@@ -366,18 +398,20 @@ def print_table(groups: dict[str, Any], p: int) -> None:
     print("|---|---:|---|---:|---:|---:|---|---|---:|---|")
     for entry in groups.values():
         modes = entry["modes"]
-        for schedule in SCHEDULES:
-            ours = modes.get(f"dpar_{schedule}")
+        pairs = [(f"dpar_{s}", f"torch_{s}", s) for s in SCHEDULES]
+        pairs += [(f"dpar_inductor_{s}", f"torch_compiled_{s}", f"{s}, compiled") for s in SCHEDULES]
+        for ours_name, theirs_name, schedule in pairs:
+            ours = modes.get(ours_name)
             if ours is None:
                 continue
-            theirs = modes.get(f"torch_{schedule}")
+            theirs = modes.get(theirs_name)
             ms = lambda r: f"{r['step_ms_rank0']['median']:.0f} ({r['step_ms_rank0']['min']:.0f}-{r['step_ms_rank0']['max']:.0f})"
             pct = lambda xs: " / ".join(f"{x:.0%}" for x in xs)
             idle = pct(ours["call_idle_per_rank"]) + " vs " + (pct(theirs["call_idle_per_rank"]) if theirs else "-")
             if theirs:
                 compared = f"{ms(theirs)} | {ours['ratio_to_torch']:.2f}"
             else:
-                compared = f"failed: {entry['errors'].get(f'torch_{schedule}', 'not run')[:120]} | -"
+                compared = f"failed: {entry['errors'].get(theirs_name, 'not run')[:120]} | -"
             print(f"| {entry['size']} | {entry['micro_batches']} | {schedule} | {ms(ours)} | {compared} | "
                   f"{pct(ours['measured_bubble_per_rank'])} | {pct(ours['simulated']['bubble_per_rank'])} | "
                   f"{ours['formula_bubble']:.0%} | {idle} |")
@@ -387,6 +421,12 @@ def print_table(groups: dict[str, Any], p: int) -> None:
             r = modes[mode]["step_ms_rank0"]
             extra = f" (floor / {p} = {r['median'] / p:.0f})" if mode == "floor" else ""
             print(f"| {entry['size']} | {entry['micro_batches']} | {mode} | {r['median']:.0f} ({r['min']:.0f}-{r['max']:.0f}){extra} | | | | | | |")
+        if "best_torch" in entry:
+            best = entry["best_torch"]
+            ratios = ", ".join(f"{k.removeprefix('dpar_')} {v['ratio_to_best_torch']:.2f}" for k, v in modes.items()
+                               if k.startswith("dpar"))
+            print(f"| {entry['size']} | {entry['micro_batches']} | dpar / best torch ({best['mode']}, "
+                  f"{best['median_ms']:.0f} ms): {ratios} | | | | | | | | |")
     for against, what in (("torch", "torch pipelining, same schedule"), ("floor", "floor, one process")):
         key = f"max_abs_loss_diff_vs_{against}"
         worst = max(((mode[key], f"{group} {name}") for group, entry in groups.items()
@@ -400,6 +440,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES))
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    parser.add_argument("--compilers", nargs="+", choices=["aot_eager", "inductor"], default=["aot_eager"],
+                        help="dpar's stage graphs as Python (aot_eager) and/or lowered by Inductor; inductor also "
+                             "runs torch pipelining with compiled stage modules")
     parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (the machine has 2 cores)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per mode")
@@ -412,7 +455,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.warmup < 2 or args.rounds < 1 or args.steps % args.rounds:
         raise SystemExit("--warmup must be at least 2 and --steps a multiple of --rounds")
-    args.compiler = "aot_eager"  # write_record's file name; the stage graphs run as traced ATen graphs
+    args.compiler = "+".join(args.compilers)  # write_record's file name
     return args
 
 
@@ -420,6 +463,7 @@ def main() -> None:
     args = parse_args()
     start = time.perf_counter()
     ranks = run_ranks(run_rank, args.world_size, args, timeout_s=args.timeout_s)
+    torch.save(ranks, Path(tempfile.gettempdir()) / "pipeline_step_time_ranks.pt")  # to summarise again
     groups = summarise(ranks, args)
     print(f"\n{args.world_size} gloo ranks x 1 thread ({os.cpu_count()} cores), batch {args.batch_size}/rank, "
           f"AdamW, {args.steps} measured steps in {args.rounds} turns after {args.warmup} warm-up; rank 0's step ms")
@@ -439,6 +483,7 @@ def main() -> None:
         "dpar_revision": revision(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "torch_classes": {k: v[0] for k, v in SCHEDULES.items()},
+        "compilers": args.compilers,
         "groups": groups,
         "wall_s": time.perf_counter() - start,
     }

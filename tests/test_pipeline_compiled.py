@@ -85,6 +85,7 @@ def test_compiled_zero_bubble_stages_with_fsdp_across_pipelines_match_one_proces
         # F (its first run as the variant that gathers the shards), I, W (its last run as the variant that
         # reduce-scatters): five graphs, each lowered once.
         assert result["lowered_count"] == 5
+        assert result["step_graphs"] == 1  # the optimizer's step over the DTensor shards, compiled
         assert result["losses"] == pytest.approx(reference_losses, rel=1e-5)
     assert max_abs_diff(reference, results[0]["state"]) < 1e-4
 

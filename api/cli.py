@@ -88,12 +88,13 @@ def _inspect_pipeline(args: argparse.Namespace) -> int:
 
     from dpar.inspect.pipeline import explain_pipeline, print_pipeline_report
     from dpar.core.errors import OptionsError
+    from dpar.pipelining import pipeline
 
     unused = [flag for flag, given in (("--html", args.html), ("--dot", args.dot), ("--png", args.png),
                                        ("--code", args.code), ("--bucket-cap-mb", args.bucket_cap_mb)) if given]
     if unused or args.stages is None:
         raise SystemExit(f"dpar inspect --strategy pipeline: needs --stages S (and takes --micro-batches, --schedule, "
-                         f"--loss, --trace){'; drop ' + ', '.join(unused) if unused else ''}")
+                         f"--tp, --loss, --trace){'; drop ' + ', '.join(unused) if unused else ''}")
     model, example_inputs = load_target(args.target)()
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
@@ -101,6 +102,7 @@ def _inspect_pipeline(args: argparse.Namespace) -> int:
             model, example_inputs, stages=args.stages, micro_batches=args.micro_batches or args.stages,
             schedule=args.schedule, world_size=args.world_size, virtual_stages=args.virtual_stages,
             loss_fn=load_target(args.loss) if args.loss else None, device=args.device, optimizer=args.optimizer,
+            tensor_parallel=args.tp, pipeline=pipeline,
         )
     except OptionsError as error:
         console.print(f"dpar inspect: {error}", markup=False, highlight=False)
@@ -195,6 +197,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batches", type=int, help="micro-batches per step (default: the stages)")
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     g.add_argument("--virtual-stages", type=int, default=None, help="stages per rank (interleaved_1f1b, default 2)")
+    g.add_argument("--tp", type=int, default=1, help="split each stage over this many tensor-parallel ranks (a "
+                   "('dp', 'pp', 'tp') mesh); -n counts them")
     g.add_argument("--loss", metavar="FILE.py:fn", help="loss_fn(output, target), the target being the last input; "
                    "default: cross-entropy of the output as logits against targets shaped like the first input")
     p.set_defaults(run=_inspect)

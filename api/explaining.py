@@ -1,7 +1,7 @@
 """``dpar.explain``: the inspector's report, with each strategy's model placed by ``dpar.parallelize``.
 
 The inspector (``dpar.inspect``) sits below the api and does not import it; this is where the api
-hands it the one function that places a model.
+hands it the functions that place a model (``dpar.parallelize``) and cut it into stages (``dpar.pipeline``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dpar.inspect.explain import explain as _explain
+from dpar.pipelining import pipeline
 from dpar.placement import parallelize
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ def explain(
     if activation_checkpointing is not None:
         place = functools.partial(parallelize, activation_checkpointing=activation_checkpointing)
         place.places_ddp = True  # type: ignore[attr-defined]
-    return _explain(model, example_inputs, parallelize=place, **kwargs)
+    return _explain(model, example_inputs, parallelize=place, build_pipeline=pipeline, **kwargs)
 
 
 __all__ = ["explain"]

@@ -127,6 +127,7 @@ def explain(
     optimizer: str = "adamw",
     ranks_shown: int = 4,
     parallelize: Parallelize | None = None,
+    build_pipeline: Callable[..., Any] | None = None,
     **pipeline: Any,
 ) -> Report | PipelineReport:
     """Compile a copy of ``model`` for ``world_size`` ranks, in this process, and report on it.
@@ -140,14 +141,16 @@ def explain(
     simulated world. ``strategy="pipeline"`` takes ``explain_pipeline``'s keywords
     (``stages``, ``micro_batches``, ``schedule``, ``loss_fn``, ...) and returns its
     ``PipelineReport``: the stage split, the schedule and its simulated timeline. ``parallelize`` is
-    ``dpar.parallelize``, handed down by ``dpar.explain`` (inspection does not import the api).
+    ``dpar.parallelize`` and ``build_pipeline`` ``dpar.pipeline`` (for ``tensor_parallel`` stages), handed down
+    by ``dpar.explain`` (inspection does not import the api).
     """
     if strategy == "pipeline":
         from dpar.inspect.pipeline import explain_pipeline
 
         if options:
             raise OptionsError(f"explain: options {sorted(options)} are the compiler's; strategy='pipeline' takes none")
-        return explain_pipeline(model, example_inputs, world_size=world_size, device=device, optimizer=optimizer, **pipeline)
+        return explain_pipeline(model, example_inputs, world_size=world_size, device=device, optimizer=optimizer,
+                                pipeline=build_pipeline, **pipeline)
     if pipeline:
         raise OptionsError(f"explain: {sorted(pipeline)} apply only to strategy='pipeline'; drop them or use that strategy")
     chosen = strategy_named(strategy)

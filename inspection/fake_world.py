@@ -13,8 +13,8 @@ from dpar.core.torch_internals import register_fake_backend
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """Rank 0 of a fake group of ``world_size``: collectives return at once and move nothing.
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Rank ``rank`` of a fake group of ``world_size``: collectives return at once and move nothing.
 
     Refuses to run beside a real process group: the default group is global, and
     replacing a training job's group would break it.
@@ -30,7 +30,7 @@ def fake_world(world_size: int) -> Iterator[None]:
         )
     launched = os.environ.pop("WORLD_SIZE", None)  # a launcher's WORLD_SIZE is not ours to simulate
     register_fake_backend()
-    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -59,21 +59,22 @@ and a tp group larger than a node beyond pricing it on the inter-node link.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 
-from dpar.compiler.costs import DeviceSpec, comm_time, device_spec, link_time
+from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.compiler.pipeline_parallel.costs import (
-    LossFn, StageCost, cut_and_price, micro_batch_of, parameter_sizes, with_loss,
+    LossFn, StageCost, TensorParallelCost, action_cost, cut_and_price, megatron_collectives, micro_batch_of,
+    parameter_sizes, tensor_parallel_cost, with_loss,
 )
 from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule, stages_per_rank
 from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
 from dpar.compiler.pipeline_parallel.split import balanced_cuts, capture, find_blocks, split_stages
 from dpar.core.errors import OptionsError, PipelineMemoryError
-from dpar.core.pipeline_program import Action, Op, PipelineSchedule, StageSplit
+from dpar.core.pipeline_program import Op, PipelineSchedule, StageSplit
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zbv")
 """One stage per rank, or zbv's two in a V; interleaved_1f1b's virtual stages are not searched."""
@@ -226,13 +227,13 @@ def plan_pipeline(
                 continue  # the dp pipelines cannot each take whole micro-batches
             m = rows // (dp * mbr)
             plan = build_schedule(schedule, num_ranks=pp, micro_batches=m, checked=False)  # simulate checks it
-            tp_s = [len(c.blocks) * 2 * link_time("all_reduce", block_bytes, tp, _tp_link(spec, tp)) for c in costs]
+            tp_cost = tensor_parallel_cost(megatron_collectives(costs, block_bytes), tp, spec, read_off_graphs=False)
             latency = max((spec.alpha + c.send_bytes / tp * spec.beta for c in costs if c.send_bytes), default=0.0)
-            timeline = simulate(plan, _action_cost(costs, tp, tp_s), latency=latency)
+            timeline = simulate(plan, action_cost(costs, tp_cost), latency=latency)
             for strategy in dp_strategies:
                 if strategy == "fsdp" and dp == 1:
                     continue  # one pipeline: fsdp would be ddp plus a gathered copy
-                candidates.append(_price(plan, timeline, costs, tp, tp_s, dp, strategy, latency, spec, optimizer,
+                candidates.append(_price(plan, timeline, costs, tp_cost, dp, strategy, latency, spec, optimizer,
                                          memory_budget_gb))
     if not candidates:
         raise OptionsError(
@@ -295,21 +296,11 @@ def _sizes(divides: dict[str, int]) -> str:
     return ", ".join(f"{size} {what}" for what, size in divides.items()) or "anything"
 
 
-def _tp_link(spec: DeviceSpec, tp: int) -> tuple[float, float]:
-    """The intra-node link where ``tp`` fits in a node (``DeviceSpec.links``), else the inter-node one."""
-    return spec.links((tp,))[0] if spec.mesh_links is None else (spec.alpha, spec.beta)
-
-
-def _action_cost(costs: Sequence[StageCost], tp: int, tp_s: Sequence[float]) -> Callable[[Action], float]:
-    """Each compute action's seconds under tp: its share of the stage's compute and, but for W, the tp collectives."""
-    return lambda a: costs[a.stage].action_s(a.op) / tp + (0.0 if a.op is Op.BACKWARD_WEIGHT else tp_s[a.stage])
-
-
 def _price(
-    plan: PipelineSchedule, timeline: SimulatedTimeline, costs: Sequence[StageCost], tp: int, tp_s: Sequence[float],
+    plan: PipelineSchedule, timeline: SimulatedTimeline, costs: Sequence[StageCost], tp_cost: TensorParallelCost,
     dp: int, strategy: str, latency: float, spec: DeviceSpec, optimizer: str, memory_budget_gb: float | None,
 ) -> PipelineCandidate:
-    pp, m, fsdp = plan.num_ranks, plan.micro_batches, strategy == "fsdp"
+    pp, m, fsdp, tp = plan.num_ranks, plan.micro_batches, strategy == "fsdp", tp_cost.degree
     compute = max(timeline.busy)
     b = bubble_formula(plan.name, pp, m)
     state, activations, dp_comm = [], [], []
@@ -326,7 +317,7 @@ def _price(
     memory = state[fullest] + activations[fullest]
     return PipelineCandidate(
         pp=pp, tp=tp, dp=dp, dp_strategy=strategy, micro_batches=m, compute_s=compute,
-        tp_s=m * 2 * sum(tp_s[s] for s in plan.stages_of(busiest)), bubble=b, bubble_s=compute * b / (1 - b),
+        tp_s=m * sum(tp_cost.seconds[s][Op.FORWARD] + tp_cost.seconds[s][Op.BACKWARD] for s in plan.stages_of(busiest)), bubble=b, bubble_s=compute * b / (1 - b),
         send_s=latency, pipeline_s=timeline.span, dp_comm_s=max(dp_comm), step_s=timeline.span + max(dp_comm),
         state_bytes=round(state[fullest]), activation_bytes=round(activations[fullest]),
         fits=memory_budget_gb is None or memory <= memory_budget_gb * 1e9,

@@ -16,6 +16,7 @@ from pipeline_models import FLOPS_ONLY, mse, stack
 import dpar
 from dpar.cli import main
 from dpar.compiler.costs import DeviceSpec
+from dpar.core.pipeline_program import Op
 from dpar.inspect.pipeline import PipelineReport, explain_pipeline
 
 MODELS = Path(__file__).resolve().parent / "pipeline_models.py"
@@ -153,3 +154,46 @@ def test_cli_refuses_flags_of_the_data_parallel_report_and_a_missing_world_size(
         main(["inspect", f"{MODELS}:stack", "--strategy", "pipeline", "--stages", "2", "--html", "x.html"])
     with pytest.raises(SystemExit, match="needs --world-size"):
         main(["inspect", f"{MODELS}:stack"])
+
+
+def test_tensor_parallel_stages_show_the_collectives_their_graphs_hold():
+    """(pp 2, tp 2) x dp 2 of HF Llama: each stage's tp collectives are the ones dpar.pipeline's tp pass put in its
+    graphs (two all-reduces per layer in F, the last stage's logits gathered; B's are I's and W's together), priced
+    on the tp link and added to the actions' time, and each rank holds 1/tp of its stages' state."""
+    from collections import Counter
+
+    from pipeline_training import ROWS_PER_RANK, batch, build, token_loss
+
+    x, y = batch(0, ROWS_PER_RANK)
+    # The same pipeline without tp, at the same micro-batch rows (the tp ranks' slices join the pipeline's batch).
+    plain = dpar.explain(build("llama", 4), (x, y), world_size=4, strategy="pipeline", stages=2, micro_batches=4,
+                         schedule="zb_h1", loss_fn=token_loss, device="h100")
+    split = dpar.explain(build("llama", 4), (x, y), world_size=8, strategy="pipeline", stages=2, micro_batches=8,
+                         schedule="zb_h1", loss_fn=token_loss, device="h100", tensor_parallel=2)
+    assert split.tp.degree == 2 and split.tp.read_off_graphs and split.data_parallel == 2
+    found = [{op.value: Counter(kind for kind, _ in kinds) for op, kinds in split.tp.collectives[s].items()}
+             for s in range(2)]
+    assert found[0]["F"] == {"all_reduce": 4} and found[1]["F"] == {"all_reduce": 4, "all_gather": 1}
+    assert found[0]["I"] == {}  # the first stage's input is token ids: no input gradient, its backward is all W
+    for stage in range(2):
+        assert found[stage]["I"] + found[stage]["W"] == found[stage]["B"] == {"all_reduce": found[stage]["B"]["all_reduce"]}
+        seconds = split.tp.seconds[stage]
+        assert seconds[Op.BACKWARD_INPUT] + seconds[Op.BACKWARD_WEIGHT] == pytest.approx(seconds[Op.BACKWARD])
+        assert seconds[Op.FORWARD] > 0
+    # The simulator replays each action as its half of the stage's compute plus its graph's tp collectives.
+    for rank in range(2):
+        ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+        busy = 8 * sum(split.stages[rank].action_s(op) / 2 + split.tp.seconds[rank][op] for op in ops)
+        assert split.timeline.busy[rank] == pytest.approx(busy)
+    for rank in range(2):  # half of each stage's state and activations on each tp rank
+        assert split.rank_memory(rank) == pytest.approx(plain.rank_memory(rank) / 2, abs=2)
+    assert plain.tp.degree == 1 and not any(plain.tp.collectives)
+    report = "\n".join(str(t) for t in split.tables())
+    assert "each split over 2 tp ranks, its tp collectives read off its graphs" in report
+    assert "F 4 all_reduce 0.008 ms; I none 0.000 ms; W 12 all_reduce 0.024 ms" in report
+
+
+def test_tensor_parallel_inspection_refuses_what_the_pipeline_refuses(capsys):
+    """The example GPT's fused qkv does not split over tp inside stages: dpar.pipeline's own error, before a graph."""
+    assert main(["inspect", "examples/gpt.py", "--strategy", "pipeline", "--stages", "2", "--tp", "2", "-n", "4"]) == 2
+    assert "does not divide the units a view cuts the output of blocks.0.attn.qkv.weight" in capsys.readouterr().out

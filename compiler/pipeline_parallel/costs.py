@@ -37,10 +37,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpar.core.pipeline_program import Action, Op, Stage, StageSplit
+from dpar.core.pipeline_program import Action, Op, Stage, StageGraphs, StageSplit
 from dpar.compiler.pipeline_parallel.split import capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import trace_stage
-from dpar.compiler.costs import DeviceSpec, node_cost
+from dpar.compiler.collectives import COLLECTIVE_KINDS
+from dpar.compiler.costs import DeviceSpec, link_time, node_cost, payload_bytes
 from dpar.compiler.memory import OPTIMIZER_STATES, Live, liveness, storages_of
 from dpar.core.errors import OptionsError
 
@@ -195,9 +196,55 @@ def cut_and_price(split: StageSplit, model: nn.Module, micro_batch: Sequence[tor
     return tuple(costs)
 
 
-def action_cost(costs: Sequence[StageCost]) -> Callable[[Action], float]:
-    """Seconds of each compute action of a schedule over these stages, for ``simulate``."""
-    return lambda action: costs[action.stage].action_s(action.op)
+def action_cost(costs: Sequence[StageCost], tp: TensorParallelCost | None = None) -> Callable[[Action], float]:
+    """Seconds of each compute action of a schedule over these stages, for ``simulate``; under ``tp``, its
+    share of the stage's compute plus the tp collectives of that action's graph."""
+    if tp is None:
+        return lambda action: costs[action.stage].action_s(action.op)
+    return lambda a: costs[a.stage].action_s(a.op) / tp.degree + tp.seconds[a.stage].get(a.op, 0.0)
+
+
+Collectives = dict[Op, tuple[tuple[str, int], ...]]  # per compute op of a stage: (kind, payload bytes) of each
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelCost:
+    """The tp collectives each stage's actions run when its layers are split over ``degree`` ranks, and
+    their seconds on the tp link (not overlapped with compute). ``read_off_graphs``: counted in the stage
+    graphs ``dpar.pipeline``'s tp pass built (``dpar inspect``), or modelled as Megatron (the 3-D planner)."""
+
+    degree: int
+    collectives: tuple[Collectives, ...]  # per stage
+    seconds: tuple[dict[Op, float], ...]  # per stage and op
+    read_off_graphs: bool
+
+
+def tp_link(spec: DeviceSpec, tp: int) -> tuple[float, float]:
+    """The intra-node link where ``tp`` fits in a node (``DeviceSpec.links``), else the inter-node one."""
+    return spec.links((tp,))[0] if spec.mesh_links is None else (spec.alpha, spec.beta)
+
+
+def tensor_parallel_cost(per_stage: Sequence[Collectives], tp: int, spec: DeviceSpec, read_off_graphs: bool) -> TensorParallelCost:
+    link = tp_link(spec, tp)
+    seconds = tuple({op: sum(link_time(kind, size, tp, link) for kind, size in found) for op, found in stage.items()}
+                    for stage in per_stage)
+    return TensorParallelCost(tp, tuple(per_stage), seconds, read_off_graphs)
+
+
+def megatron_collectives(costs: Sequence[StageCost], block_bytes: int) -> list[Collectives]:
+    """The planner's model of a stage's tp collectives: per block, two of its activation's bytes in F and two in
+    B (or I), W none (see [Note: choosing the pipeline degree] in planner/pipeline.py)."""
+    return [{op: (("all_reduce", block_bytes),) * (2 * len(c.blocks)) for op in
+             (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT)} for c in costs]
+
+
+def graph_collectives(graphs: StageGraphs) -> Collectives:
+    """The collectives in a stage's F, B, I and W graphs, each at its payload (full-buffer) bytes."""
+    graph_of = {Op.FORWARD: graphs.forward, Op.BACKWARD: graphs.backward, Op.BACKWARD_INPUT: graphs.backward_input,
+                Op.BACKWARD_WEIGHT: graphs.backward_weight}
+    return {op: tuple((COLLECTIVE_KINDS[n.target], payload_bytes(n)) for n in gm.graph.nodes
+                      if n.op == "call_function" and n.target in COLLECTIVE_KINDS)
+            for op, gm in graph_of.items()}
 
 
 def hop_latency(costs: Sequence[StageCost]) -> float:

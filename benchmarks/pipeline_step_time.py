@@ -280,6 +280,9 @@ def run_group(config: GPTConfig, m: int, baselines: bool, args: argparse.Namespa
     """Every mode for one model and micro-batch count, warmed up, then measured in turns.
 
     ``baselines``: floor and ddp too (they do not depend on m: measured in the first group only)."""
+    # Each group compiles afresh: torch's compiled modes share code objects (StageModule.forward, AdamW.step) across
+    # groups, and past Dynamo's recompile limit they would silently run eagerly.
+    torch.compiler.reset()
     batches = batches_for(config, args, args.warmup + args.steps)
     trainers: dict[str, Trainer] = {"floor": build_floor(config, args), "ddp": build_ddp(config, args)} if baselines else {}
     for trainer in trainers.values():

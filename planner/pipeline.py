@@ -3,8 +3,8 @@
 [Note: choosing the pipeline degree]
 A candidate is ``(pp, tp, dp, dp_strategy)`` with ``pp x tp x dp = world``: ``pp`` a divisor of the
 world with enough blocks for its stages (``pp`` stages, ``2 pp`` in a V for zbv), ``tp`` a power of
-two up to ``tp_max`` that divides the attention and key/value heads (read off the model's
-``config``; without one, the hidden size: the last dimension of what a block hands on), and each
+two up to ``tp_max`` that divides the units a view cuts each column Linear's output into (attention
+and key/value heads, a fused projection's q/k/v parts: ``megatron_plan``, as ``dpar.pipeline`` splits), and each
 of ``dp_strategies`` (fsdp only where dp > 1: with one pipeline it is ddp plus a copy). The
 global batch is cut into micro-batches of ``micro_batch_rows`` rows; the ``tp`` ranks of a stage
 share a micro-batch, so a pipeline runs ``m = rows / (dp x micro_batch_rows)`` of them.
@@ -65,6 +65,7 @@ import torch
 import torch.nn as nn
 
 from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
+from dpar.compiler.megatron import megatron_plan
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.compiler.pipeline_parallel.costs import (
     LossFn, StageCost, TensorParallelCost, action_cost, cut_and_price, megatron_collectives, micro_batch_of,
@@ -74,7 +75,7 @@ from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_sche
 from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
 from dpar.compiler.pipeline_parallel.split import balanced_cuts, capture, find_blocks, split_stages
 from dpar.core.errors import OptionsError, PipelineMemoryError
-from dpar.core.pipeline_program import Op, PipelineSchedule, StageSplit
+from dpar.core.pipeline_program import Op, PipelineSchedule
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zbv")
 """One stage per rank, or zbv's two in a V; interleaved_1f1b's virtual stages are not searched."""
@@ -214,7 +215,7 @@ def plan_pipeline(
     split = split_stages(graph, model, len(blocks))
     per_block = cut_and_price(split, model, micro_batch, spec)
     block_bytes = max((c.send_bytes for c in per_block), default=0)
-    divides = _tp_must_divide(model, split)
+    divides = _tp_must_divide(model, micro_batch[:-1])
     v = stages_per_rank(schedule)
     candidates = []
     for pp in (d for d in range(1, len(blocks) // v + 1) if world_size % d == 0):
@@ -280,16 +281,15 @@ def _stages(per_block: Sequence[StageCost], stages: int, model: nn.Module) -> tu
     return tuple(merged)
 
 
-def _tp_must_divide(model: nn.Module, split: StageSplit) -> dict[str, int]:
-    """What tp must divide: the attention and key/value heads of a model with a ``config`` that names
-    them (Hugging Face's), else the hidden size (the last dimension of what a block hands on)."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        heads = getattr(config, "num_attention_heads", None)
-        if isinstance(heads, int):
-            return {"attention heads": heads, "key/value heads": getattr(config, "num_key_value_heads", None) or heads}
-    sent = [v for stage in split.stages for v in stage.carried_out if v.shape]
-    return {"hidden size": max(sent, key=lambda v: v.shape[-1]).shape[-1]} if sent else {}
+def _tp_must_divide(model: nn.Module, model_inputs: Sequence[torch.Tensor]) -> dict[str, int]:
+    """What tp must divide: the units (attention heads, a fused projection's q/k/v parts) a view cuts each
+    column Linear's output into, as ``dpar.pipeline``'s tp split reads them (``megatron_plan``), so that the
+    planner proposes no tp degree the pipeline refuses. One entry per distinct count."""
+    by_count: dict[int, list[str]] = {}
+    for name, count in megatron_plan(model, model_inputs).units.items():
+        by_count.setdefault(count, []).append(name)
+    return {(f"units of {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")): count
+            for count, names in sorted(by_count.items())}
 
 
 def _sizes(divides: dict[str, int]) -> str:

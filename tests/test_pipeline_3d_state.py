@@ -18,7 +18,7 @@ import torch.nn as nn
 import dpar
 from distributed import run_ranks
 from test_pipeline_born_sharded import (LAYERS, TOLERANCE, _diff, _exact, _init_rotary, _optimizer_state, _slice,
-                                        _torch_ddp, _train, _weights)
+                                        _torch_ddp, _train, _weights, fsdp_loaded_from)
 from pipeline_training import build, optimizer, token_loss
 
 
@@ -97,14 +97,7 @@ def _state_in_and_out(rank: int, world_size: int, dirs: dict[str, str], weights:
     found["ddp 4 -> 3d -> ddp 4 optimizer"] = _exact(_optimizer_state(plain, plain_opt), _optimizer_state(want, want_opt))
 
     # (pp 2, tp 2) -> fsdp 4 (dpar.parallelize on meta).
-    torch._dynamo.reset()
-    with torch.device("meta"):
-        fsdp = build("llama", LAYERS)
-    dpar.parallelize(fsdp, strategy="fsdp", example_inputs=(_slice(0, rank, world_size)[0],))
-    fsdp.to_empty(device="cpu")
-    _init_rotary(fsdp)
-    fsdp_opt = optimizer("adamw", fsdp.parameters())
-    dpar.checkpoint.load(fsdp, fsdp_opt, dirs["3d"])
+    fsdp, _ = fsdp_loaded_from(dirs["3d"], rank, world_size)
     got = dpar.checkpoint.full_state_dict(fsdp)
     if rank == 0:
         found["3d -> fsdp 4"] = _exact(got, trained)

@@ -131,6 +131,19 @@ def _exact(a: dict, b: dict) -> bool:
     return all(_exact(a[k], b[k]) if isinstance(a[k], dict) else torch.equal(a[k], b[k]) for k in a)
 
 
+def fsdp_loaded_from(checkpoint: str, rank: int, world_size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A Llama sharded by ``dpar.parallelize(strategy="fsdp")`` on meta, then ``checkpoint`` loaded into it and AdamW."""
+    torch._dynamo.reset()
+    with torch.device("meta"):
+        fsdp = build("llama", LAYERS)
+    dpar.parallelize(fsdp, strategy="fsdp", example_inputs=(_slice(0, rank, world_size)[0],))
+    fsdp.to_empty(device="cpu")
+    _init_rotary(fsdp)
+    fsdp_opt = optimizer("adamw", fsdp.parameters())
+    dpar.checkpoint.load(fsdp, fsdp_opt, checkpoint)
+    return fsdp, fsdp_opt
+
+
 def _loaded_trained_saved(rank: int, world_size: int, mesh: tuple[int, int] | None, weights: dict,
                           checkpoint: str, safetensors: str) -> tuple[dict, nn.Module, Any, Any, Any]:
     """Born on meta, rank 0's weights broadcast, 5 AdamW steps against torch DDP, saved (DCP and safetensors)."""
@@ -211,14 +224,7 @@ def _two(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init: 
         found["ddp 2 -> pp 2"] = _exact(got, want.state_dict())
 
     # pp 2 x dp 2 (fsdp) -> fsdp 2 (dpar.parallelize), optimizer state too.
-    torch._dynamo.reset()
-    with torch.device("meta"):
-        fsdp = build("llama", LAYERS)
-    dpar.parallelize(fsdp, strategy="fsdp", example_inputs=(_slice(0, rank, world_size)[0],))
-    fsdp.to_empty(device="cpu")
-    _init_rotary(fsdp)
-    fsdp_opt = optimizer("adamw", fsdp.parameters())
-    dpar.checkpoint.load(fsdp, fsdp_opt, dirs["pp_fsdp"])
+    fsdp, fsdp_opt = fsdp_loaded_from(dirs["pp_fsdp"], rank, world_size)
     got = dpar.checkpoint.full_state_dict(fsdp)
     mine = _optimizer_state(fsdp, fsdp_opt)
     found["pp 2 x dp 2 -> fsdp 2 optimizer"] = _exact(mine, four["optimizer"])

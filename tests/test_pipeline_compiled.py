@@ -1,13 +1,14 @@
 """Compiled pipeline stages (``dpar.pipeline(..., compiler="inductor")``): every stage graph lowered by Inductor,
 under every schedule (the zero-bubble ones, which torch.distributed.pipelining cannot compile, included), and the
-optimizer's step compiled, against one process on the global batch and against the same pipeline as Python."""
+optimizer's step compiled, against one process on the global batch and against the same pipeline as Python.
+With fsdp across pipelines: test_pipeline_parallel's dp x pp zbv test; with tp inside stages:
+test_pipeline_tensor_parallel's GPT-2 sequence-parallel test."""
 
 from __future__ import annotations
 
 import warnings
 
 import pytest
-import torch
 
 import dpar
 from distributed import run_ranks
@@ -15,24 +16,20 @@ from pipeline_training import STEPS, ROWS_PER_RANK, batch, build, one_process, o
 from training import max_abs_diff
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+LAYERS = 4  # interleaved_1f1b and zbv run 4 stages of one layer on 2 ranks
 GRAPHS = {"gpipe": ("forward", "backward"), "1f1b": ("forward", "backward"),
           "interleaved_1f1b": ("forward", "backward"), "zb_h1": ("forward", "backward_input", "backward_weight"),
           "zbv": ("forward", "backward_input", "backward_weight")}
 
 
-def _train(rank: int, world_size: int, schedule: str, compiler: str, mesh_shape: tuple[int, ...] | None = None,
-           dp_strategy: str = "ddp") -> dict:
+def _train(rank: int, world_size: int, schedule: str, compiler: str) -> dict:
     from dpar.compiler import registry
-    from torch.distributed.device_mesh import init_device_mesh
 
-    model = build("llama", 4)
-    mesh = None if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp"))
-    pp = world_size if mesh_shape is None else mesh_shape[1]
-    stages = {"interleaved_1f1b": 2 * pp, "zbv": 2 * pp}.get(schedule, pp)
+    model = build("llama", LAYERS)
+    stages = {"interleaved_1f1b": 2 * world_size, "zbv": 2 * world_size}.get(schedule, world_size)
     x, y = batch(0, ROWS_PER_RANK * world_size)
     step = dpar.pipeline(model, token_loss, example_inputs=(x.chunk(world_size)[rank], y.chunk(world_size)[rank]),
-                         stages=stages, micro_batches=4, schedule=schedule, mesh=mesh, dp_strategy=dp_strategy,
-                         compiler=compiler)
+                         stages=stages, micro_batches=4, schedule=schedule, compiler=compiler)
     opt = optimizer("adamw", model.parameters())
     losses = []
     with registry.recording() as recorded:
@@ -56,7 +53,7 @@ def _every_schedule(rank: int, world_size: int) -> dict[str, dict]:
 
 
 def test_compiled_stages_match_one_process_under_every_schedule() -> None:
-    reference, reference_losses = one_process("llama", 4, "adamw", 2)
+    reference, reference_losses = one_process("llama", LAYERS, "adamw", 2)
     results = run_ranks(_every_schedule, 2, timeout_s=900)
     for schedule in SCHEDULES:
         for rank, result in enumerate(results):
@@ -70,24 +67,6 @@ def test_compiled_stages_match_one_process_under_every_schedule() -> None:
         assert max_abs_diff(reference, results[0][schedule]["state"]) < 1e-4, schedule
         assert max_abs_diff(results[0]["python"]["state"], results[0][schedule]["state"]) < 1e-4, schedule
     assert results[0]["python"]["lowered_count"] == 0 and results[0]["python"]["step_graphs"] == 0
-
-
-def _fsdp_across_pipelines(rank: int, world_size: int) -> dict:
-    warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
-    return _train(rank, world_size, "zb_h1", "inductor", mesh_shape=(2, 2), dp_strategy="fsdp")
-
-
-def test_compiled_zero_bubble_stages_with_fsdp_across_pipelines_match_one_process() -> None:
-    """(dp 2, pp 2): the fsdp gather graph and the last W's reduce-scatter variant lowered with the stages."""
-    reference, reference_losses = one_process("llama", 4, "adamw", 4)
-    results = run_ranks(_fsdp_across_pipelines, 4, timeout_s=900)
-    for result in results:
-        # F (its first run as the variant that gathers the shards), I, W (its last run as the variant that
-        # reduce-scatters): five graphs, each lowered once.
-        assert result["lowered_count"] == 5
-        assert result["step_graphs"] == 1  # the optimizer's step over the DTensor shards, compiled
-        assert result["losses"] == pytest.approx(reference_losses, rel=1e-5)
-    assert max_abs_diff(reference, results[0]["state"]) < 1e-4
 
 
 def test_an_unknown_compiler_is_refused_with_the_choices(world_of_two) -> None:

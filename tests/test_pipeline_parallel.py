@@ -94,17 +94,19 @@ def test_zbv_matches_one_process_and_torch_ddp(name, layers, optim, world_size, 
 DP_CASES = (("ddp", "1f1b"), ("ddp", "zb_h1"), ("fsdp", "1f1b"), ("fsdp", "zb_h1"))  # sync in the last B, or W
 
 
-def _dp_pp(rank: int, world_size: int, cases: tuple[tuple[str, str], ...]) -> dict[tuple[str, str], tuple]:
+def _dp_pp(rank: int, world_size: int, cases: tuple[tuple[str, ...], ...]) -> dict[tuple[str, ...], tuple]:
+    """Each case: (dp_strategy, schedule), or with the stage compiler third (default aot_eager)."""
     results = {}
-    for dp_strategy, schedule in cases:
+    for dp_strategy, schedule, *compiler in cases:
         stages = 4 if schedule == "zbv" else 2  # two stages on each of the pipeline's 2 ranks in a V
         model_state, losses, _, _ = pipelined(rank, world_size, "llama", 4, "adamw", schedule, stages, 4,
-                                              mesh_shape=(2, 2), dp_strategy=dp_strategy)
-        results[dp_strategy, schedule] = (model_state, losses)
+                                              mesh_shape=(2, 2), dp_strategy=dp_strategy,
+                                              compiler=compiler[0] if compiler else "aot_eager")
+        results[(dp_strategy, schedule, *compiler)] = (model_state, losses)
     return results
 
 
-def _assert_dp_pp_matches_one_process(cases: tuple[tuple[str, str], ...]) -> None:
+def _assert_dp_pp_matches_one_process(cases: tuple[tuple[str, ...], ...]) -> None:
     reference, reference_losses = one_process("llama", 4, "adamw", 4)
     results = run_ranks(_dp_pp, 4, cases, timeout_s=400)
     for case in cases:
@@ -119,8 +121,10 @@ def test_dp_by_pp_mesh_matches_one_process():
 
 
 def test_zbv_over_a_dp_by_pp_mesh_matches_one_process():
-    """(dp=2, pp=2) with 4 stages in a V: each rank syncs both its stages over dp in their last W."""
-    _assert_dp_pp_matches_one_process((("ddp", "zbv"), ("fsdp", "zbv")))
+    """(dp=2, pp=2) with 4 stages in a V: each rank syncs both its stages over dp in their last W. fsdp also with
+    compiled stages: the gather variant of each stage's first F and the reduce-scatter variant of its last W
+    lowered by Inductor with the stage graphs ([Note: compiled pipeline stages])."""
+    _assert_dp_pp_matches_one_process((("ddp", "zbv"), ("fsdp", "zbv"), ("fsdp", "zbv", "inductor")))
 
 
 def test_dp_all_reduce_is_in_the_last_backward_graph(world_of_four):

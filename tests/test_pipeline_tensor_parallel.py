@@ -26,7 +26,7 @@ def _stages(schedule: str, pp: int) -> int:
     return 2 * pp if schedule in ("interleaved_1f1b", "zbv") else pp
 
 
-Case = tuple[str, str]  # (dp_strategy, schedule)
+Case = tuple[str, ...]  # (dp_strategy, schedule), or with the stage compiler third (default aot_eager)
 
 
 def _cases_and_torch_ddp(rank: int, world_size: int, name: str, layers: int, mesh_shape: tuple[int, ...],
@@ -35,11 +35,11 @@ def _cases_and_torch_ddp(rank: int, world_size: int, name: str, layers: int, mes
     warnings.simplefilter("ignore", UserWarning)  # DTensor's note on gathering a ("tp", "dp") shard in two steps
     pp = mesh_shape[mesh_names.index("pp")]
     results = {}
-    for dp_strategy, schedule in cases:
+    for dp_strategy, schedule, *compiler in cases:
         state, losses, _, _ = pipelined(rank, world_size, name, layers, "adamw", schedule, _stages(schedule, pp), 4,
                                         mesh_shape=mesh_shape, mesh_names=mesh_names, dp_strategy=dp_strategy,
-                                        **options)
-        results[dp_strategy, schedule] = (state, losses)
+                                        compiler=compiler[0] if compiler else "aot_eager", **options)
+        results[(dp_strategy, schedule, *compiler)] = (state, losses)
     results["torch_ddp"] = torch_ddp(rank, world_size, name, layers, "adamw")
     return results
 
@@ -68,9 +68,12 @@ def test_pp_by_tp_matches_one_process_and_torch_ddp_on_every_schedule():
 
 def test_tied_embedding_and_sequence_parallel_over_pp_by_tp():
     """GPT-2's tied embedding and head on the first and last stage, split by vocabulary rows over tp and summed
-    over pp; sequence parallel between the split layers."""
-    _assert_matches_one_process_and_torch_ddp("gpt2", 4, (2, 2), ("pp", "tp"), (("ddp", "1f1b"), ("ddp", "zbv")),
-                                              timeout_s=600, sequence_parallel=True)
+    over pp; sequence parallel between the split layers. ZBV also with every stage graph lowered by Inductor, the
+    tp collectives (the sequence-parallel gathers and reduce-scatters) with them ([Note: compiled pipeline
+    stages]); the optimizer's step compiled there too."""
+    cases = (("ddp", "1f1b"), ("ddp", "zbv"), ("ddp", "zbv", "inductor"))
+    _assert_matches_one_process_and_torch_ddp("gpt2", 4, (2, 2), ("pp", "tp"), cases, timeout_s=900,
+                                              sequence_parallel=True)
 
 
 def test_dp_by_pp_by_tp_matches_one_process_and_torch_ddp():
@@ -172,9 +175,3 @@ def test_fsdp_beside_tp_holds_a_dp_shard_of_each_block():
         o = "inner.model.layers.0.self_attn.o_proj.weight"
         assert tuple(held[o].to_local().shape) == (16, 16) and list(state[o].placements) == [Shard(1), Shard(0)]
 
-
-def test_compiled_zero_bubble_stages_with_sequence_parallel_over_pp_by_tp():
-    """The same run as above under ZBV with every stage graph lowered by Inductor, their tp collectives (the
-    sequence-parallel gathers and reduce-scatters) lowered with them; see [Note: compiled pipeline stages]."""
-    _assert_matches_one_process_and_torch_ddp("gpt2", 4, (2, 2), ("pp", "tp"), (("ddp", "zbv"),),
-                                              timeout_s=900, sequence_parallel=True, compiler="inductor")

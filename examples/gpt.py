@@ -369,6 +369,7 @@ def main() -> None:
             model, lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten()),
             example_inputs=(x.to(device), y.to(device)), stages=stages, schedule=args.schedule,
             micro_batches=args.micro_batches or 4 * stages,
+            compiler="inductor" if args.compiler == "inductor" else "aot_eager",  # stage graphs as Python otherwise
         )
         if rank == 0:
             print(pipelined.split)

@@ -26,9 +26,11 @@ class RankFailed(AssertionError):
 class RankCrashRetried(UserWarning):
     """A rank process died of a signal (a native crash, not a Python error or a wrong number) and the
     ranks were run once more. Heap corruption (glibc's "malloc(): unaligned tcache chunk detected",
-    SIGABRT) has killed a rank in about one full CI run in three, in tensor-parallel runs on 2 and 4
-    ranks (titan_llama3, the example GPT), never twice in a row and never reproduced alone; the
-    warning carries the dying rank's Python stacks (faulthandler) for finding it."""
+    SIGABRT; once SIGSEGV) has killed a rank in about one full CI run in three, in tensor-parallel
+    runs on 2 and 4 ranks (titan_llama3, the example GPT, the HF 2-D strategies), never twice in a row
+    and never reproduced alone. The stacks caught so far end in a ``_c10d_functional`` op (a wait_tensor,
+    a collective) inside a dpar backward graph; the warning carries the dying rank's Python stacks
+    (faulthandler) for finding it."""
 
 
 def _free_port() -> int:

@@ -15,9 +15,10 @@ from distributed import run_ranks
 from pipeline_training import STEPS, ROWS_PER_RANK, batch, build, one_process, optimizer, token_loss
 from training import max_abs_diff
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+# GPipe runs 1F1B's graphs in another order (test_pipeline_parallel runs it as Python): left out for the suite's time.
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 LAYERS = 4  # interleaved_1f1b and zbv run 4 stages of one layer on 2 ranks
-GRAPHS = {"gpipe": ("forward", "backward"), "1f1b": ("forward", "backward"),
+GRAPHS = {"1f1b": ("forward", "backward"),
           "interleaved_1f1b": ("forward", "backward"), "zb_h1": ("forward", "backward_input", "backward_weight"),
           "zbv": ("forward", "backward_input", "backward_weight")}
 

@@ -9,6 +9,7 @@ all-reduce each stage's gradients.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -100,8 +101,8 @@ class PipelineReport:
         title = f"Stages (per micro-batch of {self.micro_batch_rows} rows)"
         if tp.degree > 1:
             title += f"; each split over {tp.degree} tp ranks, its tp collectives read off its graphs"
-        ops = sorted({a.op for actions in self.schedule.actions for a in actions if a.op.is_compute},
-                     key=lambda op: _OP_ORDER.index(op))
+        used = {a.op for actions in self.schedule.actions for a in actions}
+        ops = [op for op in Op if op.is_compute and op in used]  # F, B, I, W: the enum's order
         return Table(
             title,
             ("stage", "rank", "blocks", "parameters", "parameter bytes", "forward FLOPs", "forward time",
@@ -151,7 +152,7 @@ class PipelineReport:
 
     def summary(self) -> str:
         hop = hop_latency(self.stages)
-        tp = (f"; each compute action / {self.tp.degree} plus its stage's tp collectives (W: none)"
+        tp = (f"; each compute action / {self.tp.degree} plus the tp collectives its graph holds"
               if self.tp.degree > 1 else "")
         return (f"step time {_time(self.step_time)} = span {_time(self.timeline.span)} + dp all-reduce "
                 f"{_time(max(self.dp_all_reduce_s))}; backward = 2 x forward (zb_h1, zbv: I = W = forward), "
@@ -162,16 +163,11 @@ class PipelineReport:
         return write_schedule_trace(self.timeline, path)
 
 
-_OP_ORDER = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
-
-
 def _tp_cell(tp: TensorParallelCost, stage: int, ops: Sequence[Op]) -> str:
     """``F 4 all_reduce 0.009 ms; B 12 all_reduce 0.027 ms``: each action's collectives, by kind, and their time."""
     parts = []
     for op in ops:
-        kinds: dict[str, int] = {}
-        for kind, _ in tp.collectives[stage].get(op, ()):
-            kinds[kind] = kinds.get(kind, 0) + 1
+        kinds = collections.Counter(kind for kind, _ in tp.collectives[stage].get(op, ()))
         listed = ", ".join(f"{n} {kind}" for kind, n in kinds.items()) or "none"
         parts.append(f"{op.value} {listed} {_time(tp.seconds[stage].get(op, 0.0))}")
     return "; ".join(parts)

@@ -51,7 +51,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -166,6 +165,12 @@ class StageModule(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x)) if self.is_last else x
+
+
+def mode_names(schedule: str, compiler: str) -> tuple[str, str]:
+    """(dpar's mode, torch's mode) of ``schedule`` with stage graphs as Python (aot_eager) or compiled (inductor)."""
+    compiled = compiler == "inductor"
+    return f"dpar_{'inductor_' if compiled else ''}{schedule}", f"torch_{'compiled_' if compiled else ''}{schedule}"
 
 
 def build_dpar(config: GPTConfig, schedule: str, m: int, args: argparse.Namespace, example: Batch,
@@ -293,12 +298,11 @@ def run_group(config: GPTConfig, m: int, baselines: bool, args: argparse.Namespa
         if schedule == "interleaved_1f1b" and (m % dist.get_world_size() or 2 * dist.get_world_size() > config.n_layer):
             continue
         for compiler in args.compilers:
-            ours = "dpar_" + ("inductor_" if compiler == "inductor" else "") + schedule
+            ours, theirs = mode_names(schedule, compiler)
             start = time.perf_counter()
             trainers[ours], starts = build_dpar(config, schedule, m, args, batches[0][0], compiler)
             trainers[ours].train(batches[:1], measured=False)  # lowers the stage graphs: build time
             build_s[ours] = time.perf_counter() - start
-            theirs = "torch_" + ("compiled_" if compiler == "inductor" else "") + schedule
             try:
                 trainers[theirs] = build_torch(config, schedule, m, args, starts, compiled=compiler == "inductor")
                 trainers[theirs].train(batches[:1], measured=False)  # shape inference: fail here
@@ -378,8 +382,7 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
                     row["simulated"] = simulated(schedule, p, m, durations)
                 entry["modes"][mode] = row
             for schedule in args.schedules:
-                for ours_name, theirs_name in ((f"dpar_{schedule}", f"torch_{schedule}"),
-                                               (f"dpar_inductor_{schedule}", f"torch_compiled_{schedule}")):
+                for ours_name, theirs_name in (mode_names(schedule, c) for c in ("aot_eager", "inductor")):
                     ours, theirs = entry["modes"].get(ours_name), entry["modes"].get(theirs_name)
                     if ours and theirs:
                         ours["ratio_to_torch"] = ours["step_ms_rank0"]["median"] / theirs["step_ms_rank0"]["median"]
@@ -401,8 +404,8 @@ def print_table(groups: dict[str, Any], p: int) -> None:
     print("|---|---:|---|---:|---:|---:|---|---|---:|---|")
     for entry in groups.values():
         modes = entry["modes"]
-        pairs = [(f"dpar_{s}", f"torch_{s}", s) for s in SCHEDULES]
-        pairs += [(f"dpar_inductor_{s}", f"torch_compiled_{s}", f"{s}, compiled") for s in SCHEDULES]
+        pairs = [(*mode_names(s, c), s + (", compiled" if c == "inductor" else ""))
+                 for c in ("aot_eager", "inductor") for s in SCHEDULES]
         for ours_name, theirs_name, schedule in pairs:
             ours = modes.get(ours_name)
             if ours is None:
@@ -466,7 +469,6 @@ def main() -> None:
     args = parse_args()
     start = time.perf_counter()
     ranks = run_ranks(run_rank, args.world_size, args, timeout_s=args.timeout_s)
-    torch.save(ranks, Path(tempfile.gettempdir()) / "pipeline_step_time_ranks.pt")  # to summarise again
     groups = summarise(ranks, args)
     print(f"\n{args.world_size} gloo ranks x 1 thread ({os.cpu_count()} cores), batch {args.batch_size}/rank, "
           f"AdamW, {args.steps} measured steps in {args.rounds} turns after {args.warmup} warm-up; rank 0's step ms")

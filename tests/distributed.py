@@ -39,7 +39,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any, crash_dir: str) -> None:
+# Rank processes fork from one server that imported torch, dpar and the Hugging Face models once (a fresh
+# interpreter importing them costs 3-7 s a rank on these two cores, which every launch paid under "spawn").
+RANK_CONTEXT = mp.get_context(os.environ.get("DPAR_TEST_CTX", "forkserver"))
+if RANK_CONTEXT.get_start_method() == "forkserver":
+    RANK_CONTEXT.set_forkserver_preload(["rank_preload"])
+
+
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any, crash_dir: str, env: dict
+) -> None:
+    # The forkserver's environment is the one it started with: the caller's, at launch, is the rank's.
+    os.environ.clear()
+    os.environ.update(env)
     # On a fatal signal, every thread's Python stack goes to a file the parent reads (RankCrashRetried).
     faulthandler.enable(open(os.path.join(crash_dir, f"rank{rank}.txt"), "w"), all_threads=True)
     os.environ.update(
@@ -97,11 +109,11 @@ def _read(path: str) -> str:
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, crash_dir: str) -> tuple[int | None, Any]:
     """(None, results), or (the rank killed by a signal, minus its signal number), also when its peers
     reported the broken connection first."""
-    ctx = mp.get_context("spawn")
+    ctx = RANK_CONTEXT
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue, crash_dir), daemon=True)
+        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue, crash_dir, dict(os.environ)), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:

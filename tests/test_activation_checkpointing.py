@@ -27,10 +27,10 @@ WORLD = 2
 POLICIES = ("keep", "selective", "full")
 BUDGET = 50_000  # bytes per rank the forward may save: HF llama's 2 blocks under fsdp, between selective and full
 
-# (model, strategy, policies trained): every policy against the same strategy's "keep".
+# (model, strategy, policies trained): every policy against the same strategy's "keep" (zero2 on GPT-2 only,
+# for the suite's time).
 TRAINED = (
     ("llama", "ddp", POLICIES),
-    ("llama", "zero2", ("keep", "full")),
     ("llama", "fsdp", ("keep", "full")),
     ("llama", "tp", ("keep", "full")),
     ("nanogpt", "fsdp", ("keep", "full")),

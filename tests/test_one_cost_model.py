@@ -95,9 +95,12 @@ def small_llama():
     return model, rank_inputs, build_op_graph(model, global_batch(rank_inputs, WORLD))
 
 
-@pytest.mark.parametrize(("strategy", "recompute"), [("ddp", Recompute.KEEP), ("zero2", Recompute.KEEP),
+# Each strategy and each policy at least once by default; the rest of the grid by `-m extended`.
+@pytest.mark.parametrize(("strategy", "recompute"), [("ddp", Recompute.KEEP),
+                                                     pytest.param("zero2", Recompute.KEEP, marks=pytest.mark.extended),
                                                      ("fsdp", Recompute.KEEP), ("fsdp", Recompute.SELECTIVE),
-                                                     ("zero2", Recompute.FULL), ("ddp", Recompute.FULL)])
+                                                     ("zero2", Recompute.FULL),
+                                                     pytest.param("ddp", Recompute.FULL, marks=pytest.mark.extended)])
 def test_plan_and_inspect_agree_on_state_activations_and_compute(small_llama, strategy, recompute):
     model, rank_inputs, graph = small_llama
     assignment = strategy_assignment(graph, strategy, (WORLD,))

@@ -10,20 +10,25 @@ from distributed import run_ranks
 from tensor_parallel_training import single_process, train_parallel
 from training import TOLERANCE, Case, max_abs_diff
 
+EXTENDED = pytest.mark.extended
 CONFIGS = [
-    ("tp", 2, "mlp", "sgd"),
+    pytest.param("tp", 2, "mlp", "sgd", marks=EXTENDED),  # adamw's case below covers it
     ("tp", 2, "mlp", "adamw"),
     ("tp", 2, "gpt", "adamw"),
-    ("tp", 4, "mlp", "adamw"),
+    pytest.param("tp", 4, "mlp", "adamw", marks=EXTENDED),  # the GPT's 4-rank case covers it
     ("tp", 4, "gpt", "adamw"),  # 2 heads over 4 ranks: attention runs gathered, the rest split
-    ("fsdp+tp", 4, "mlp", "adamw"),
+    pytest.param("fsdp+tp", 4, "mlp", "adamw", marks=EXTENDED),
     ("fsdp+tp", 4, "gpt", "adamw"),
     ("ddp+tp", 4, "gpt", "adamw"),
-    ("zero2+tp", 4, "gpt", "sgd"),
+    pytest.param("zero2+tp", 4, "gpt", "sgd", marks=EXTENDED),  # titan_llama3's 2-D test trains zero2+tp
 ]
 
 
-@pytest.mark.parametrize("strategy,world,model,optimizer", CONFIGS, ids=["-".join(map(str, c)) for c in CONFIGS])
+def _ids(configs: list) -> list[str]:
+    return ["-".join(map(str, c.values if hasattr(c, "values") else c)) for c in configs]
+
+
+@pytest.mark.parametrize("strategy,world,model,optimizer", CONFIGS, ids=_ids(CONFIGS))
 def test_matches_one_process_on_the_whole_batch(strategy: str, world: int, model: str, optimizer: str) -> None:
     case = Case(model, optimizer)
     parallel = run_ranks(train_parallel, world, case, strategy)[0]
@@ -32,14 +37,14 @@ def test_matches_one_process_on_the_whole_batch(strategy: str, world: int, model
     assert diff <= TOLERANCE[optimizer]
 
 
-SEQUENCE_PARALLEL = [  # 4-rank zero2+tp + SP and tp + SP on Llama: tests/test_third_party_models.py
-    ("tp", 2, "adamw"),
+SEQUENCE_PARALLEL = [  # tp + SP on Llama: tests/test_third_party_models.py
+    pytest.param("tp", 2, "adamw", marks=EXTENDED),
     ("tp", 4, "adamw"),
     ("fsdp+tp", 4, "adamw"),
 ]
 
 
-@pytest.mark.parametrize("strategy,world,optimizer", SEQUENCE_PARALLEL, ids=["-".join(map(str, c)) for c in SEQUENCE_PARALLEL])
+@pytest.mark.parametrize("strategy,world,optimizer", SEQUENCE_PARALLEL, ids=_ids(SEQUENCE_PARALLEL))
 def test_sequence_parallel_matches_one_process(strategy: str, world: int, optimizer: str) -> None:
     case = Case("gpt", optimizer)
     parallel = run_ranks(functools.partial(train_parallel, sequence_parallel=True), world, case, strategy)[0]

@@ -174,7 +174,7 @@ def test_checkpointed_blocks_recompute_without_breaking_zero2_or_fsdp_gathers() 
         assert backward_mm >= forward_mm * 3 // 4, (strategy, forward_mm, backward_mm)
 
 
-HF_STRATEGIES = ("ddp", "zero2", "fsdp")
+HF_STRATEGIES = ("fsdp",)  # its gathers recomputed with the blocks; ddp and zero2 ran here too until the suite was cut to fit CI
 
 
 def hf_gpt2_rank(rank: int, world_size: int) -> dict:

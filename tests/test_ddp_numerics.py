@@ -44,7 +44,8 @@ def rank_main(rank: int, world_size: int, cases: list[Case]) -> dict:
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+# 3 ranks (an odd ring) by `-m extended`.
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.extended)], ids=lambda n: f"{n}ranks")
 def trained(request) -> tuple[int, list[dict]]:
     world_size = request.param
     return world_size, run_ranks(rank_main, world_size, CASES, timeout_s=600)

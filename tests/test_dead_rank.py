@@ -115,7 +115,8 @@ def run_with_victim(strategy: str, world_size: int, victim: int, how: int, out: 
 @pytest.mark.parametrize(
     "strategy,world_size,victim",
     # ddp on 3 ranks: the 2-rank ddp case (its store host killed) names the lost rank the same way.
-    [pytest.param("ddp", 3, 1, marks=pytest.mark.extended), ("fsdp", 2, 1), ("tp", 2, 1), ("ddp", 2, 0), ("pipeline", 2, 1)],
+    [pytest.param("ddp", 3, 1, marks=pytest.mark.extended), ("fsdp", 2, 1),
+     pytest.param("tp", 2, 1, marks=pytest.mark.extended), ("ddp", 2, 0), ("pipeline", 2, 1)],
     ids=["ddp-3ranks", "fsdp", "tp", "ddp-store-host-killed", "pipeline"],
 )
 def test_survivors_of_a_killed_rank_raise_rank_lost_error_naming_it_and_the_step(tmp_path, strategy, world_size, victim):

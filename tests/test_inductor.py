@@ -56,7 +56,9 @@ def test_inductor_with_no_sync_matches_one_process_on_the_whole_batch(strategy: 
             torch.testing.assert_close(got[name], want, rtol=0, atol=1e-5, msg=f"rank {rank} {name}")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "hsdp", "fsdp+tp"])
+# zero2's and hsdp's inserted ops are ddp's and fsdp's: `-m extended`.
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero2", marks=pytest.mark.extended), "fsdp",
+                                      pytest.param("hsdp", marks=pytest.mark.extended), "fsdp+tp"])
 def test_every_op_dpars_passes_insert_has_an_inductor_lowering(strategy: str) -> None:
     """Inductor gets dpar's graphs after AOTAutograd decomposed them: an op a pass inserts must have a
     lowering of its own (aten.zeros, say, has only a decomposition, and Inductor refuses the graph).

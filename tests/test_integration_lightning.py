@@ -285,6 +285,7 @@ class LlamaLM(pl.LightningModule):
         return torch.utils.data.DataLoader(self._data(), batch_size=BATCH, shuffle=True)
 
 
+@pytest.mark.extended  # the Trainer's strategy path is the small model's above; HF Llama under tp: DparTrainer's tests
 def test_trainer_trains_hf_llama_as_lightning_ddp() -> None:
     pytest.importorskip("transformers")
     assert_figures(_trainer_ddp_anchor(("fsdp", "tp"), LlamaLM), "max |diff| from Lightning's DDPStrategy", 1e-5, 2)

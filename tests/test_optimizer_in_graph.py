@@ -72,7 +72,7 @@ def references() -> dict[str, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("zero1", marks=pytest.mark.extended)])
 def test_captured_step_gives_torch_compiled_steps_numbers(strategy: str, references: dict[str, dict]) -> None:
     per_rank = run_ranks(train_dpar, 2, strategy, timeout_s=600)
     for rank, got in enumerate(per_rank):

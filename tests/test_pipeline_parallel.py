@@ -121,11 +121,12 @@ def test_dp_by_pp_mesh_matches_one_process():
     _assert_dp_pp_matches_one_process(DP_CASES)
 
 
-def test_zbv_over_a_dp_by_pp_mesh_matches_one_process():
-    """(dp=2, pp=2) with 4 stages in a V: each rank syncs both its stages over dp in their last W. fsdp also with
-    compiled stages: the gather variant of each stage's first F and the reduce-scatter variant of its last W
-    lowered by Inductor with the stage graphs ([Note: compiled pipeline stages])."""
-    _assert_dp_pp_matches_one_process((("fsdp", "zbv"), ("fsdp", "zbv", "inductor")))  # ddp: the 8-rank 3-D test
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.extended)])
+def test_zbv_over_a_dp_by_pp_mesh_matches_one_process(compiler: str):
+    """(dp=2, pp=2) with 4 stages in a V: each rank syncs both its stages over dp in their last W (ddp: the 8-rank
+    3-D test). With Inductor (`-m extended`): the gather variant of each stage's first F and the reduce-scatter
+    variant of its last W lowered with the stage graphs ([Note: compiled pipeline stages])."""
+    _assert_dp_pp_matches_one_process((("fsdp", "zbv", compiler),))
 
 
 def test_dp_all_reduce_is_in_the_last_backward_graph(world_of_four):

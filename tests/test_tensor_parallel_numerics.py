@@ -18,7 +18,7 @@ CONFIGS = [
     pytest.param("tp", 4, "mlp", "adamw", marks=EXTENDED),  # the GPT's 4-rank case covers it
     ("tp", 4, "gpt", "adamw"),  # 2 heads over 4 ranks: attention runs gathered, the rest split
     pytest.param("fsdp+tp", 4, "mlp", "adamw", marks=EXTENDED),
-    ("fsdp+tp", 4, "gpt", "adamw"),
+    pytest.param("fsdp+tp", 4, "gpt", "adamw", marks=EXTENDED),  # with sequence parallel below
     ("ddp+tp", 4, "gpt", "adamw"),
     pytest.param("zero2+tp", 4, "gpt", "sgd", marks=EXTENDED),  # titan_llama3's 2-D test trains zero2+tp
 ]
@@ -37,9 +37,9 @@ def test_matches_one_process_on_the_whole_batch(strategy: str, world: int, model
     assert diff <= TOLERANCE[optimizer]
 
 
-SEQUENCE_PARALLEL = [  # tp + SP on Llama: tests/test_third_party_models.py
+SEQUENCE_PARALLEL = [  # tp + SP on 4 ranks of HF Llama: tests/test_third_party_models.py
     pytest.param("tp", 2, "adamw", marks=EXTENDED),
-    ("tp", 4, "adamw"),
+    pytest.param("tp", 4, "adamw", marks=EXTENDED),
     ("fsdp+tp", 4, "adamw"),
 ]
 

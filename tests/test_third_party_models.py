@@ -22,7 +22,7 @@ ADAMW_TOLERANCE = 1e-4
 # Mixtral's routed experts are not split by tensor parallel. The cases left out of the default run (the
 # same code paths on another model) run under `-m extended`.
 TWO_RANKS = {
-    "llama": ("ddp", "zero1", "zero2", "fsdp", "tp", "auto"),
+    "llama": ("ddp", "zero1", "fsdp", "tp"),
     "bert": ("ddp", "zero1", "fsdp", "tp"),
     "t5": ("fsdp", "tp"),
     "gpt2": ("fsdp", "tp"),
@@ -32,6 +32,7 @@ TWO_RANKS = {
     "titan_deepseek": ("fsdp",),  # routed experts
 }
 TWO_RANKS_EXTENDED = {
+    "llama": ("zero2", "auto"),
     "bert": ("zero2", "auto"),
     "t5": ("ddp", "zero2"),
     "gpt2": ("ddp", "auto"),

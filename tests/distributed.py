@@ -41,9 +41,8 @@ def _free_port() -> int:
 
 # Rank processes fork from one server that imported torch, dpar and the Hugging Face models once (a fresh
 # interpreter importing them costs 3-7 s a rank on these two cores, which every launch paid under "spawn").
-RANK_CONTEXT = mp.get_context(os.environ.get("DPAR_TEST_CTX", "forkserver"))
-if RANK_CONTEXT.get_start_method() == "forkserver":
-    RANK_CONTEXT.set_forkserver_preload(["rank_preload"])
+RANK_CONTEXT = mp.get_context("forkserver")
+RANK_CONTEXT.set_forkserver_preload(["rank_preload"])
 
 
 def _entry(

@@ -20,7 +20,7 @@ CONFIGS = [
     pytest.param("fsdp+tp", 4, "mlp", "adamw", marks=EXTENDED),
     pytest.param("fsdp+tp", 4, "gpt", "adamw", marks=EXTENDED),  # with sequence parallel below
     ("ddp+tp", 4, "gpt", "adamw"),
-    pytest.param("zero2+tp", 4, "gpt", "sgd", marks=EXTENDED),  # titan_llama3's 2-D test trains zero2+tp
+    pytest.param("zero2+tp", 4, "gpt", "sgd", marks=EXTENDED),  # test_fsdp_tp_models' odd-vocabulary Llama trains zero2+tp
 ]
 
 

@@ -18,7 +18,8 @@ from distributed import run_ranks
 # ~lr = 1e-3 at the first step.
 ADAMW_TOLERANCE = 1e-4
 
-# Two ranks: every 1-D strategy on some model, each model under fsdp and the strategies its layers stress.
+# Two ranks: every 1-D strategy on some model, each model under fsdp and the strategies its layers stress ("auto",
+# the planner's choice, by default in test_planner_data_contract and test_tensor_parallel_numerics).
 # Mixtral's routed experts are not split by tensor parallel. The cases left out of the default run (the
 # same code paths on another model) run under `-m extended`.
 TWO_RANKS = {
@@ -42,8 +43,8 @@ TWO_RANKS_EXTENDED = {
 # strategies must give torch DDP's parameters exactly. (zero1 once stepped through a captured graph,
 # whose rounding AdamW amplified to 7.8e-4 on BERT's unused embedding rows, 2.2e-2 on a resnet18.)
 EXACT_ON_TWO_RANKS = ("ddp", "zero1", "zero2", "fsdp")
-# Four ranks, 2-D meshes (and sequence parallel) on Llama; ddp+tp and zero2+tp are titan_llama3's and the
-# GPT's 2-D cases (tests/test_fsdp_tp_torchtitan.py, tests/test_tensor_parallel_numerics.py).
+# Four ranks, 2-D meshes (and sequence parallel) on Llama; by default ddp+tp is the GPT's and the odd-vocabulary
+# Llama's 2-D case and zero2+tp the latter's (tests/test_tensor_parallel_numerics.py, tests/test_fsdp_tp_models.py).
 FOUR_RANKS = (
     ("hsdp", (2, 2), ()),
     ("fsdp+tp", (2, 2), ()),

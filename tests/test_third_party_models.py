@@ -44,13 +44,14 @@ TWO_RANKS_EXTENDED = {
 # whose rounding AdamW amplified to 7.8e-4 on BERT's unused embedding rows, 2.2e-2 on a resnet18.)
 EXACT_ON_TWO_RANKS = ("ddp", "zero1", "zero2", "fsdp")
 # Four ranks, 2-D meshes (and sequence parallel) on Llama; by default ddp+tp is the GPT's and the odd-vocabulary
-# Llama's 2-D case and zero2+tp the latter's (tests/test_tensor_parallel_numerics.py, tests/test_fsdp_tp_models.py).
+# Llama's 2-D case, zero2+tp the latter's and fsdp+tp this Llama's fed its tp group's rows and titan's Llama 3's
+# (tests/test_tensor_parallel_numerics.py, tests/test_fsdp_tp_models.py, tests/test_fsdp_tp_torchtitan.py).
 FOUR_RANKS = (
     ("hsdp", (2, 2), ()),
-    ("fsdp+tp", (2, 2), ()),
     ("tp", None, (("sequence_parallel", True),)),
 )
 FOUR_RANKS_EXTENDED = (
+    ("fsdp+tp", (2, 2), ()),
     ("ddp+tp", (2, 2), ()),
     ("zero2+tp", (2, 2), ()),
 )

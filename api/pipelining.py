@@ -78,13 +78,18 @@ def _groups(mesh: DeviceMesh | None) -> PipelineGroups:
 # parameter is a ``Shard(0)`` DTensor over the mesh's ``dp`` dimension (torch's convention, as under
 # ``dpar.parallelize``'s fsdp), so DCP, ``set_model_state_dict`` and ``dpar.checkpoint`` reshard it to and from
 # any strategy. A root load-state-dict pre-hook drops the entries of released parameters (a full state dict
-# loads on every rank, each keeping its stages) and cuts a full tensor given for a shard to this rank's rows.
+# loads on every rank, each keeping its stages); a pre-hook on each module holding a DTensor cuts a full tensor
+# given for it to this rank's rows (there, after a parent's own hooks have built the entry). A module's state-dict
+# hooks may name entries after no parameter: torchtitan's fused ``wqkv`` is saved as ``wq``, ``wk`` and ``wv``
+# (and loaded back through its pre-hook). Such an entry belongs to the parameters of the deepest module its name
+# is under: it is held where they are, and dropped on load where they are released.
 # The executor looks the parameters up by name at every step. ``to_empty`` unties a tied weight (each module gets a
 # parameter of its own, as HF's ``tie_weights()`` after it is there to undo): the step, the loads, ``init_weights``
 # and ``full_state_dict`` tie the names ``dpar.pipeline`` found tied again first (``PipelineStep.retie``).
 _WHOLE = "pipeline_whole"  # state-dict name -> (shape, dtype), for the whole model
 _TIED = "pipeline_tied"  # state-dict name -> the first name of the same parameter or buffer
-_HOLDER = "pipeline_holder"  # parameter name -> the pipeline rank of the first stage that reads it
+_HOLDER = "pipeline_holder"  # state-dict name -> the pipeline rank of the first stage reading its parameters
+_MADE_OF = "pipeline_made_of"  # a state-dict name no parameter or buffer has -> the parameters it is made of
 RELEASED = "pipeline_released"  # parameter name -> (shape, dtype): another rank's stage holds it
 
 
@@ -240,14 +245,39 @@ def _record_whole_model(model: nn.Module, holders: dict[str, int]) -> None:
     """[Note: a pipelined model's state]: the whole model's names, shapes, dtypes, ties and holders, by name."""
     state = state_of(model, create=True)
     first: dict[int, str] = {}
+    parameters = [name for name, _ in model.named_parameters(remove_duplicate=False)]
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     for name, value in model.state_dict(keep_vars=True).items():
-        if isinstance(value, torch.Tensor):
-            state.set_fact(_WHOLE, name, (value.shape, value.dtype))
-            state.set_fact(_TIED, name, first.setdefault(id(tensors.get(name, value)), name))
-    for name, rank in holders.items():
-        state.set_fact(_HOLDER, name, rank)
+        if not isinstance(value, torch.Tensor):
+            continue
+        state.set_fact(_WHOLE, name, (value.shape, value.dtype))
+        state.set_fact(_TIED, name, first.setdefault(id(tensors.get(name, value)), name))
+        if name in holders:
+            state.set_fact(_HOLDER, name, holders[name])
+        elif name not in tensors:  # made by a module's state-dict hook
+            made_of = _parameters_under(_owning_module(model, name), parameters)
+            ranks = {holders[p] for p in made_of if p in holders}
+            if len(ranks) > 1:
+                raise OptionsError(
+                    f"pipeline: state-dict entry {name!r} is made by a state_dict hook from parameters that stages on "
+                    f"different pipeline ranks read ({', '.join(made_of)}): no rank holds all of it. Cut the stages "
+                    "so that one stage reads them all, or remove the hook."
+                )
+            state.set_fact(_MADE_OF, name, made_of)
+            if ranks:
+                state.set_fact(_HOLDER, name, ranks.pop())
+
+
+def _owning_module(model: nn.Module, name: str) -> str:
+    """The deepest module whose name ``name`` is under ('' for the root)."""
+    module_names = {m for m, _ in model.named_modules(remove_duplicate=False)}
+    parts = name.split(".")
+    return next((p for i in range(len(parts) - 1, 0, -1) if (p := ".".join(parts[:i])) in module_names), "")
+
+
+def _parameters_under(module_name: str, parameters: list[str]) -> tuple[str, ...]:
+    return tuple(p for p in parameters if not module_name or p.startswith(module_name + "."))
 
 
 def _release(model: nn.Module, names: set[str]) -> None:
@@ -268,9 +298,17 @@ def _accept_pipeline_state(module: nn.Module, state_dict: dict, prefix: str, *_)
     if state is None:
         return
     module.__dict__[_ATTRIBUTE].retie()
-    for name in state.facts(RELEASED):
+    released = state.facts(RELEASED)
+    for name in released:
         state_dict.pop(prefix + name, None)
-    for name, param in module.named_parameters():
+    for name, made_of in state.facts(_MADE_OF).items():
+        if made_of and all(p in released for p in made_of):
+            state_dict.pop(prefix + name, None)
+
+
+def _cut_full_tensors_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:  # noqa: ANN002
+    """``load_state_dict`` pre-hook of a module holding DTensors: see [Note: a pipelined model's state]."""
+    for name, param in module.named_parameters(recurse=False):
         value = state_dict.get(prefix + name)
         if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
                 and value.shape == param.shape:
@@ -515,5 +553,8 @@ def pipeline(
     step = PipelineStep(model, split, graphs, executor, groups, tuple(tuple(x.shape) for x in example_inputs),
                         born_on_meta=on_meta)
     model.register_load_state_dict_pre_hook(_accept_pipeline_state)
+    for module in model.modules():
+        if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            module.register_load_state_dict_pre_hook(_cut_full_tensors_to_shards)
     object.__setattr__(model, _ATTRIBUTE, step)
     return step

@@ -53,8 +53,24 @@ class TinyGPT(nn.Module):
         return self.inner(ids)
 
 
+class TorchtitanLogits(nn.Module):
+    """torchtitan's Llama 3 debug model (its own layer count) returning logits. Its fused ``wqkv`` is saved as
+    ``wq``/``wk``/``wv`` by its own state-dict hooks: entries named after no parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import third_party
+
+        self.inner = third_party.build("titan_llama3").inner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids)
+
+
 def build(name: str, layers: int) -> nn.Module:
     torch.manual_seed(0)
+    if name == "titan_llama3":
+        return TorchtitanLogits()
     return TinyGPT(layers) if name == "gpt" else HuggingFaceLogits(name, layers)
 
 

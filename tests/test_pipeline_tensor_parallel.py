@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dpar
+import third_party
 from distributed import run_ranks
 from pipeline_training import ROWS_PER_RANK, batch, build, one_process, pipelined, token_loss, torch_ddp
 from training import max_abs_diff
@@ -86,6 +87,68 @@ def test_dp_by_pp_by_tp_matches_one_process_and_torch_ddp():
     schedule's pipeline order being covered over (pp, tp) on 4 ranks above."""
     cases = (("ddp", "zbv"), ("fsdp", "1f1b"), ("fsdp", "zbv"))
     _assert_matches_one_process_and_torch_ddp("llama", 8, (2, 2, 2), ("dp", "pp", "tp"), cases, timeout_s=1200)
+
+
+def _titan_trained_saved_and_loaded(rank: int, world_size: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline_training import STEPS, optimizer
+
+    warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
+    warnings.simplefilter("ignore", UserWarning)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    own = lambda step: tuple(t.chunk(world_size)[rank] for t in batch(step, ROWS_PER_RANK * world_size))  # noqa: E731
+
+    def pipeline() -> tuple[torch.nn.Module, dpar.PipelineStep]:
+        model = build("titan_llama3", 0)
+        return model, dpar.pipeline(model, token_loss, example_inputs=own(0), stages=2, micro_batches=4, mesh=mesh)
+
+    model, step = pipeline()
+    opt = optimizer("adamw", model.parameters())
+    losses = []
+    for i in range(STEPS):
+        losses.append(step(*own(i)).item())
+        opt.step()
+        opt.zero_grad()
+    found = {"losses": losses, "trained": dpar.checkpoint.full_state_dict(model)}
+    dpar.checkpoint.save(model, opt, root)
+    resumed, _ = pipeline()
+    dpar.checkpoint.load(resumed, optimizer("adamw", resumed.parameters()), root)
+    found["dcp resumed"] = dpar.checkpoint.full_state_dict(resumed)
+    given, _ = pipeline()  # the whole state dict on every rank, each keeping its stages
+    whole = [found["trained"]]
+    torch.distributed.broadcast_object_list(whole, src=0)
+    given.load_state_dict(whole[0])
+    found["load_state_dict"] = dpar.checkpoint.full_state_dict(given)
+    if rank == 0:
+        plain = build("titan_llama3", 0)
+        plain.load_state_dict(found["trained"])
+        found["plain model"] = dict(plain.state_dict())
+    found["torch_ddp"] = torch_ddp(rank, world_size, "titan_llama3", 0, "adamw")
+    return found
+
+
+def test_torchtitan_llama3_over_pp_by_tp_trains_saves_and_loads(tmp_path):
+    """torchtitan's own Llama 3 (debug model) over (pp 2, tp 2), 1F1B: trains as one process and torch DDP, and its
+    state goes out and back in (dpar.checkpoint, load_state_dict of the whole model on every rank, into a plain
+    model) under the names torchtitan's state-dict hooks give its fused ``wqkv`` (``wq``, ``wk``, ``wv``: no
+    parameter has them; each belongs to the rank holding the module's parameter). torch's
+    ``set_model_state_dict(broadcast_from_rank0=True)`` keys what it broadcasts by parameter names and misses
+    such entries on ranks other than 0 (a plain model too)."""
+    third_party.needs_torchtitan("titan_llama3")
+    reference, reference_losses = one_process("titan_llama3", 0, "adamw", 4)
+    found = run_ranks(_titan_trained_saved_and_loaded, 4, str(tmp_path), timeout_s=600)
+    first = found[0]
+    trained = first["trained"]
+    assert trained.keys() == reference.keys()
+    assert any(k.endswith("qkv_linear.wq.weight") for k in trained)
+    assert max_abs_diff(reference, trained) < TOLERANCE
+    assert max_abs_diff(first["torch_ddp"], trained) < TOLERANCE
+    for result in found:
+        assert result["losses"] == pytest.approx(reference_losses, rel=1e-5)
+    for way in ("dcp resumed", "load_state_dict", "plain model"):
+        assert first[way].keys() == trained.keys(), way
+        assert all(torch.equal(first[way][k], trained[k]) for k in trained), way
 
 
 def _slice() -> tuple[torch.Tensor, torch.Tensor]:

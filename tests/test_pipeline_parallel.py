@@ -204,6 +204,69 @@ class _BatchNormStack(nn.Module):
         return x
 
 
+class _CountingStack(nn.Module):
+    """Blocks that count, under ``torch.no_grad()``, how many of their outputs are positive (as torchtitan's MoE
+    counts the tokens each expert gets), or (``average``) keep a running mean of them in a buffer instead."""
+
+    def __init__(self, average: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        for layer in self.layers:
+            layer.register_buffer("seen", torch.zeros(8), persistent=False)
+        self.average = average
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            with torch.no_grad():
+                if self.average:
+                    layer.seen.mul_(0.9).add_(x.mean(0), alpha=0.1)
+                else:
+                    layer.seen.add_((x > 0).sum(0))
+        return x
+
+
+def _counted(rank: int, world_size: int) -> tuple[dict | None, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _CountingStack()
+    x = torch.randn(8 * world_size, 8, generator=torch.Generator().manual_seed(1))
+    step = dpar.pipeline(model, nn.functional.mse_loss, example_inputs=(x.chunk(world_size)[rank],) * 2, stages=2,
+                         micro_batches=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        step(x.chunk(world_size)[rank], x.chunk(world_size)[rank])
+        opt.step()
+        opt.zero_grad()
+    return dpar.checkpoint.full_state_dict(model), [layer.seen.clone() for layer in model.layers]
+
+
+def test_a_buffer_the_forward_accumulates_into_holds_the_batchs_sum():
+    """[Note: a buffer a stage's forward accumulates into]: each stage's counts over its micro-batches are one
+    forward of the pipeline's batch's; the parameters are one process's."""
+    torch.manual_seed(0)
+    model = _CountingStack()
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        nn.functional.mse_loss(model(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+    results = run_ranks(_counted, 2, timeout_s=120)
+    state, _ = results[0]
+    assert max_abs_diff(model.state_dict(), state) < 1e-6
+    for rank, (_, seen) in enumerate(results):  # each rank's stage holds its block's counts
+        assert torch.equal(seen[rank], model.layers[rank].seen), rank
+        assert seen[rank].sum() > 0
+
+
+def test_a_buffer_the_forward_writes_otherwise_is_refused(world_of_two):
+    x = torch.randn(4, 8)
+    with pytest.raises(dpar.OptionsError, match=r"writes buffer layers\.0\.seen in place with aten\.mul_.*\(not an "
+                                                 r"accumulation"):
+        dpar.pipeline(_CountingStack(average=True), nn.functional.mse_loss, example_inputs=(x, x), stages=2,
+                      micro_batches=2)
+
+
 def _slice() -> tuple[torch.Tensor, torch.Tensor]:
     x, y = batch(0, ROWS_PER_RANK)
     return x, y

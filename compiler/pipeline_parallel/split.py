@@ -62,7 +62,8 @@ def capture(model: nn.Module, loss_fn, micro_batch: Sequence[torch.Tensor]) -> f
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and not node.users:  # export's input guard: shapes are fixed here
             gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    writers = _buffer_writing_regions(gm)
+    gm.graph.eliminate_dead_code(is_impure_node=lambda node: node in writers or node.is_impure())
     gm.recompile()
     value = _loss_node(gm).meta.get("val")
     if value is None or value.dim() != 0:
@@ -76,6 +77,45 @@ def capture(model: nn.Module, loss_fn, micro_batch: Sequence[torch.Tensor]) -> f
 def _mutated_buffers(gm: fx.GraphModule) -> set[str]:
     """Buffers the training graph writes in place (it is not functionalized): schema writes, and the
     running statistics of a training-mode batch norm, whose composite op does not declare them."""
+    written = _written_nodes(gm)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) is torch.ops.aten.batch_norm \
+                and len(node.args) > 5 and node.args[5]:
+            written.update(a for a in node.args[3:5] if isinstance(a, fx.Node))
+    return {n.target for n in written if n.op == "get_attr"}
+
+
+def _buffer_writing_regions(gm: fx.GraphModule) -> set[fx.Node]:
+    """The calls of a subgraph (export's ``torch.no_grad()`` region: ``wrap_with_set_grad_enabled``) that write
+    a buffer passed to them in place. Their results are read by no one: kept for the write, which a stage's F
+    then runs ([Note: a buffer a stage's forward accumulates into] in stage_graphs.py, which checks the kind)."""
+    buffers = {n for n in gm.graph.nodes if n.op == "get_attr" and _is_buffer(gm, n.target)}
+    writers = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], bool):
+            continue
+        body = next((a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
+                     and isinstance(getattr(gm, a.target, None), fx.GraphModule)), None)
+        if body is None:
+            continue
+        operands = node.args[node.args.index(body) + 1:]
+        inner = [n for n in getattr(gm, body.target).graph.nodes if n.op == "placeholder"]
+        written = {operands[inner.index(n)] for n in _written_nodes(getattr(gm, body.target)) if n in inner}
+        if written & buffers:
+            writers.add(node)
+    return writers
+
+
+def _is_buffer(gm: fx.GraphModule, target: str) -> bool:
+    module_name, _, leaf = target.rpartition(".")
+    try:
+        return leaf in gm.get_submodule(module_name)._buffers
+    except AttributeError:
+        return False
+
+
+def _written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes ``gm``'s ops write in place (their schema says so)."""
     written = set()
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None)
@@ -84,9 +124,7 @@ def _mutated_buffers(gm: fx.GraphModule) -> set[str]:
         for argument, value in zip(schema.arguments, node.args):
             if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
                 written.add(value)
-        if node.target.overloadpacket is torch.ops.aten.batch_norm and len(node.args) > 5 and node.args[5]:
-            written.update(a for a in node.args[3:5] if isinstance(a, fx.Node))
-    return {n.target for n in written if n.op == "get_attr"}
+    return written
 
 
 def _loss_node(gm: fx.GraphModule) -> fx.Node:

@@ -17,6 +17,14 @@ So I is exactly the critical path between stages and W is work no other rank wai
 zero-bubble schedule moves W into what would otherwise be bubbles. I and W together compute
 each node once, the same nodes as B.
 
+[Note: a buffer a stage's forward accumulates into]
+A forward may count into a buffer under ``torch.no_grad()`` (torchtitan's MoE: ``tokens_per_expert.add_(...)``,
+read by its trainer to balance the experts). The write is no ancestor of the outputs, so a cut by data dependence
+alone would drop it: F keeps every in-place ``add_`` into a buffer and what it reads, and runs it once per
+micro-batch, so the buffer ends the step holding the sum over the stage's micro-batches, which is the sum over its
+pipeline's batch, as one forward of that batch would leave it. Any other in-place write into a buffer (``copy_``,
+``mul_``, a running average) gives a different value per micro-batch than per batch: refused by name.
+
 [Note: tensor parallel inside a pipeline stage]
 Under a mesh with a ``tp`` dimension the stage's split parameters arrive as this rank's blocks, and the
 joint graph reads each through ``dpar::tensor_parallel_weight`` (the marker ``dpar.parallelize``'s
@@ -41,6 +49,7 @@ from torch.func import functional_call
 
 from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
 from dpar.compiler.propagation.propagate import MeshDim
+from dpar.core.errors import OptionsError
 from dpar.core.facts import TensorParallelSpec
 from dpar.core.pipeline_program import Stage, StageGraphs
 from dpar.runtime.tensor_parallel import whole_parameter
@@ -66,10 +75,13 @@ def _with_items(region: set[fx.Node]) -> set[fx.Node]:
     return region | {u for n in region for u in n.users if u.op == "call_function" and u.target is operator.getitem}
 
 
-def extract_graph(joint: fx.GraphModule, inputs: Sequence[fx.Node], outputs: Sequence[fx.Node | None]) -> fx.GraphModule:
-    """The part of ``joint`` that computes ``outputs`` from ``inputs``, as its own graph module."""
+def extract_graph(
+    joint: fx.GraphModule, inputs: Sequence[fx.Node], outputs: Sequence[fx.Node | None], effects: Sequence[fx.Node] = (),
+) -> fx.GraphModule:
+    """The part of ``joint`` that computes ``outputs`` (and runs the in-place writes ``effects``) from ``inputs``,
+    as its own graph module."""
     stop = set(inputs)
-    needed = _ancestors([o for o in outputs if o is not None], stop)
+    needed = _ancestors([*(o for o in outputs if o is not None), *effects], stop)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in inputs:
@@ -150,7 +162,8 @@ def trace_stage(
     param_grads = grads[len(grad_inputs):]
 
     inputs = set(placeholders)
-    forward_region = _with_items(_ancestors(outs, inputs) - inputs)
+    accumulations = _buffer_accumulations(traced, dict(zip(p_nodes[len(params):], buffer_names)))
+    forward_region = _with_items(_ancestors([*outs, *accumulations], inputs) - inputs)
     present = [g for g in grads if g is not None]
     grad_region = _ancestors(present, inputs) - inputs - forward_region
     input_region = _with_items(_ancestors([g for g in input_grads if g is not None], inputs) - inputs - forward_region)
@@ -166,7 +179,7 @@ def trace_stage(
     ]
     stash = [n for n in traced.graph.nodes if n in input_region and read_by(n, weight_region, param_grads)]
 
-    forward = extract_graph(traced, p_nodes + x_nodes, outs + saved)
+    forward = extract_graph(traced, p_nodes + x_nodes, outs + saved, effects=accumulations)
     backward = extract_graph(traced, p_nodes + saved + t_nodes, input_grads + param_grads)
     backward_input = extract_graph(traced, p_nodes + saved + t_nodes, input_grads + stash)
     backward_weight = extract_graph(traced, p_nodes + saved + t_nodes + stash, param_grads)
@@ -184,6 +197,28 @@ def trace_stage(
         backward_input=backward_input,
         backward_weight=backward_weight,
     )
+
+
+def _buffer_accumulations(traced: fx.GraphModule, buffers: dict[fx.Node, str]) -> list[fx.Node]:
+    """The in-place ``add_`` nodes into a buffer placeholder: [Note: a buffer a stage's forward accumulates into]."""
+    accumulations = []
+    for node in traced.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            if value not in buffers or argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            if node.target is torch.ops.aten.add_.Tensor and node.kwargs.get("alpha", 1) == 1:
+                accumulations.append(node)
+                continue
+            raise OptionsError(
+                f"pipeline: the forward writes buffer {buffers[value]} in place with {node.target} (not an "
+                "accumulation buffer.add_(...)): run once per micro-batch, it would end the step with another value "
+                "than one forward of the batch gives. Update it outside the model's forward, or use "
+                "parallelize(strategy='ddp')."
+            )
+    return accumulations
 
 
 def retarget_device_pass(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:

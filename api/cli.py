@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import math
@@ -143,6 +144,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _plan_pipeline(args: argparse.Namespace, model: Any, example_inputs: Any, console: Any) -> int:
     """``dpar plan --pipeline``: the pp x tp x dp layout for the mesh's ranks under the budget."""
+    from dpar.inspect.pipeline import block_collectives
+    from dpar.pipelining import pipeline
     from dpar.planner.pipeline import DP_STRATEGIES, plan_pipeline
     from dpar.core.errors import OptionsError
 
@@ -152,6 +155,7 @@ def _plan_pipeline(args: argparse.Namespace, model: Any, example_inputs: Any, co
             micro_batch_rows=args.micro_batch_rows, schedule=args.schedule,
             loss_fn=load_target(args.loss) if args.loss else None, device=args.device, tp_max=args.tp_max,
             dp_strategies=(args.dp_strategy,) if args.dp_strategy else DP_STRATEGIES,
+            read_tp_collectives=functools.partial(block_collectives, model, pipeline=pipeline),
         )
     except OptionsError as error:
         console.print(f"dpar plan: {error}", markup=False, highlight=False)

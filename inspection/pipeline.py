@@ -26,8 +26,8 @@ from dpar.core.pipeline_program import Op, PipelineSchedule, StageSplit
 from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.compiler.pipeline_parallel.costs import (
-    Collectives, LossFn, StageCost, TensorParallelCost, action_cost, hop_latency, micro_batch_of, price_stages,
-    graph_collectives, tensor_parallel_cost, with_loss,
+    BlockCollectives, Collectives, LossFn, StageCost, TensorParallelCost, action_cost, hop_latency, micro_batch_of,
+    price_stages, graph_collectives, tensor_parallel_cost, with_loss,
 )
 from dpar.inspect.report import Table, _mib, _time
 from dpar.inspect.trace import write_schedule_trace
@@ -269,6 +269,26 @@ def _stage_collectives(
                             micro_batches=micro_batches, schedule=schedule, mesh=mesh, split_points=split_points)
             found.update({s: graph_collectives(g) for s, g in step.graphs.items()})
     return [found[s] for s in range(stages)]
+
+
+def block_collectives(
+    model: nn.Module, prefix: str, micro_batch: Sequence[torch.Tensor], loss: LossFn, *, pipeline: PipelineBuilder,
+) -> BlockCollectives:
+    """The tp collectives of the first, a middle and the last block (``BlockCollectives``), read off the graphs
+    ``pipeline`` (``dpar.pipeline``) builds at tp 2 on a copy of ``model`` whose block container ``prefix`` (as
+    ``find_blocks`` names it) is cut to three blocks, one a stage, each micro-batch ``micro_batch``. A block's
+    collectives carry its activations' bytes, which do not depend on the tp degree, nor does their count."""
+    path = prefix.removeprefix("model.")
+    dropped = list(model.get_submodule(path).children())[3:]
+    cut = copy.deepcopy(model, memo={id(block): None for block in dropped})  # never a copy of the whole model
+    container = cut.get_submodule(path)
+    for key in [k for k, block in container._modules.items() if block is None]:
+        del container._modules[key]
+    blocks = len(container)
+    # A stage a rank, split over tp 2; each rank's slice is one micro-batch.
+    found = _stage_collectives(cut, tuple(micro_batch), loss, pipeline, stages=blocks, micro_batches=2 * blocks,
+                               schedule="1f1b", split_points=None, ranks=blocks, tp=2)
+    return BlockCollectives(first=found[0], middle=found[min(1, blocks - 1)], last=found[-1])
 
 
 def print_pipeline_report(report: PipelineReport, console: Console | None = None) -> None:

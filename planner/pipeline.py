@@ -28,6 +28,10 @@ Megatron-style with sequence parallelism:
   with sequence parallelism reduce-scatter + all-gather, the same bytes. They are priced
   ``link_time`` on the intra-node link where ``tp`` fits in a node (``DeviceSpec.links``: tp is
   the innermost mesh dimension), added to the actions' time (not overlapped with compute).
+  Given ``read_tp_collectives`` (``dpar plan --pipeline`` hands down ``dpar.inspect.pipeline.block_collectives``),
+  the collectives are instead the ones the stage graphs ``dpar.pipeline`` builds hold, read per block at tp 2
+  (``BlockCollectives``: their count and bytes do not depend on the degree), priced the same way. On a Llama
+  layer that is 2 all-reduces in F and 6 in B, where the model above says 2 and 2.
 
 Every candidate's schedule is replayed with those costs (``simulate``). Its modelled step:
 
@@ -59,7 +63,7 @@ and a tp group larger than a node beyond pricing it on the inter-node link.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -68,8 +72,8 @@ from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
 from dpar.compiler.megatron import megatron_plan
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.compiler.pipeline_parallel.costs import (
-    LossFn, StageCost, TensorParallelCost, action_cost, cut_and_price, megatron_collectives, micro_batch_of,
-    parameter_sizes, tensor_parallel_cost, with_loss,
+    BlockCollectives, LossFn, StageCost, TensorParallelCost, action_cost, cut_and_price, megatron_collectives,
+    micro_batch_of, parameter_sizes, tensor_parallel_cost, with_loss,
 )
 from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule, stages_per_rank
 from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
@@ -123,6 +127,7 @@ class PipelinePlan:
     optimizer: str
     candidates: tuple[PipelineCandidate, ...]
     choice: PipelineCandidate
+    tp_read_off_graphs: bool  # tp collectives counted in graphs dpar.pipeline built, else the Megatron model
 
     @property
     def pp(self) -> int:
@@ -156,7 +161,12 @@ class PipelinePlan:
                 f"{_ms(c.step_s)} {c.state_bytes / 1e9:>9.4f} {c.activation_bytes / 1e9:>9.4f} "
                 f"{'yes' if c.fits else 'no'}{mark}"
             )
-        if self.tp > 1:
+        if self.tp > 1 and self.tp_read_off_graphs:
+            lines.append(
+                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}); "
+                "its tp collectives are those of the stage graphs dpar.pipeline builds (per block, read at tp 2)"
+            )
+        elif self.tp > 1:
             lines.append(
                 f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}); "
                 "tp is priced as Megatron with sequence parallel, a model not yet checked against measured runs"
@@ -181,6 +191,7 @@ def plan_pipeline(
     optimizer: str = "adamw",
     tp_max: int = 8,
     dp_strategies: Sequence[str] = DP_STRATEGIES,
+    read_tp_collectives: Callable[[str, Sequence[torch.Tensor], LossFn], BlockCollectives] | None = None,
 ) -> PipelinePlan:
     """The (pp, tp, dp, dp strategy) with the least modelled step that fits the budget.
 
@@ -189,6 +200,9 @@ def plan_pipeline(
     without one next-token cross-entropy is priced). ``micro_batch_rows`` defaults to one rank's
     share of the batch (``rows / world_size``). ``tp_max=1`` and ``dp_strategies=("ddp",)`` search
     pp alone, what ``dpar.pipeline`` runs today. Raises ``PipelineMemoryError`` when nothing fits.
+    ``read_tp_collectives(prefix, micro_batch, loss)`` (``dpar.inspect.pipeline.block_collectives`` with
+    ``dpar.pipeline``, which the api hands down) gives each block's tp collectives as the pipeline's graphs hold
+    them; without it they are modelled as Megatron's (two per block in F and in B).
     """
     if schedule not in PLANNED_SCHEDULES:
         raise OptionsError(f"plan_pipeline: schedule {schedule!r} is not one of {list(PLANNED_SCHEDULES)} (one stage "
@@ -211,12 +225,13 @@ def plan_pipeline(
     spec = device_spec(device)
     micro_batch = micro_batch_of(inputs, mbr)
     graph = capture(model, loss, micro_batch)
-    _, blocks = find_blocks(graph)
+    prefix, blocks = find_blocks(graph)
     split = split_stages(graph, model, len(blocks))
     per_block = cut_and_price(split, model, micro_batch, spec)
     block_bytes = max((c.send_bytes for c in per_block), default=0)
     divides = _tp_must_divide(model, micro_batch[:-1])
     v = stages_per_rank(schedule)
+    read = read_tp_collectives(prefix, micro_batch, loss) if read_tp_collectives is not None and tp_max > 1 else None
     candidates = []
     for pp in (d for d in range(1, len(blocks) // v + 1) if world_size % d == 0):
         costs = _stages(per_block, pp * v, model)
@@ -228,7 +243,9 @@ def plan_pipeline(
                 continue  # the dp pipelines cannot each take whole micro-batches
             m = rows // (dp * mbr)
             plan = build_schedule(schedule, num_ranks=pp, micro_batches=m, checked=False)  # simulate checks it
-            tp_cost = tensor_parallel_cost(megatron_collectives(costs, block_bytes), tp, spec, read_off_graphs=False)
+            collectives = megatron_collectives(costs, block_bytes) if read is None \
+                else read.of_stages([len(c.blocks) for c in costs])
+            tp_cost = tensor_parallel_cost(collectives, tp, spec, read_off_graphs=read is not None)
             latency = max((spec.alpha + c.send_bytes / tp * spec.beta for c in costs if c.send_bytes), default=0.0)
             timeline = simulate(plan, action_cost(costs, tp_cost), latency=latency)
             for strategy in dp_strategies:
@@ -258,6 +275,7 @@ def plan_pipeline(
         world_size=world_size, schedule=schedule, micro_batch_rows=mbr,
         memory_budget_bytes=None if memory_budget_gb is None else memory_budget_gb * 1e9,
         device=spec.name, optimizer=optimizer, candidates=tuple(candidates), choice=choice,
+        tp_read_off_graphs=read is not None,
     )
 
 

@@ -7,6 +7,7 @@ a boundary carries 2 x 8 x 16 x 4 = 1,024 bytes.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -198,3 +199,50 @@ def test_tensor_parallel_inspection_refuses_what_the_pipeline_refuses(capsys):
     """The example GPT's fused qkv does not split over tp inside stages: dpar.pipeline's own error, before a graph."""
     assert main(["inspect", "examples/gpt.py", "--strategy", "pipeline", "--stages", "2", "--tp", "2", "-n", "4"]) == 2
     assert "does not divide the units a view cuts the output of blocks.0.attn.qkv.weight" in capsys.readouterr().out
+
+
+def test_the_planner_prices_tp_with_the_collectives_the_pipelines_graphs_hold():
+    """``block_collectives`` reads each block's tp collectives off a copy cut to three blocks; a stage's F and B are
+    its blocks' in order, the same (kind and bytes) as the whole pipeline's graphs hold, and ``plan_pipeline``
+    prices its tp candidates with them (a Llama layer's backward holds 6 all-reduces, not Megatron's 2)."""
+    from collections import Counter
+
+    from pipeline_training import ROWS_PER_RANK, batch, build, token_loss
+
+    from dpar.compiler.pipeline_parallel.split import capture, find_blocks
+    from dpar.inspect.pipeline import block_collectives
+    from dpar.planner import plan_pipeline
+
+    pytest.importorskip("transformers")
+    x, y = batch(0, ROWS_PER_RANK)
+    model = build("llama", 4)
+    micro_batch = (x[:2], y[:2])  # the inspected pipeline's: 4 ranks' slices of 4 rows in 8 micro-batches
+    prefix, _ = find_blocks(capture(model, token_loss, micro_batch))
+    read = block_collectives(model, prefix, micro_batch, token_loss, pipeline=dpar.pipeline)
+    assert len(list(model.get_submodule(prefix.removeprefix("model.")).children())) == 4  # the model is not cut
+    whole = dpar.explain(model, (x, y), world_size=4, strategy="pipeline", stages=2, micro_batches=8,
+                         schedule="zb_h1", loss_fn=token_loss, device="h100", tensor_parallel=2)
+    composed = read.of_stages([len(s.blocks) for s in whole.split.stages])
+    for stage in range(2):
+        for op in (Op.FORWARD, Op.BACKWARD):
+            assert Counter(composed[stage][op]) == Counter(whole.tp.collectives[stage][op]), (stage, op)
+        split = Counter(composed[stage][Op.BACKWARD_INPUT]) + Counter(composed[stage][Op.BACKWARD_WEIGHT])
+        assert split == Counter(composed[stage][Op.BACKWARD]), stage
+    # I and W apart are an estimate: a stage of two blocks puts 5 of its 14 on its input gradient's path, the two
+    # blocks alone 4 + 3. The first stage has no input gradient: its backward is all W.
+    assert len(composed[0][Op.BACKWARD_INPUT]) == len(whole.tp.collectives[0][Op.BACKWARD_INPUT]) == 0
+    assert (len(composed[1][Op.BACKWARD_INPUT]), len(whole.tp.collectives[1][Op.BACKWARD_INPUT])) == (7, 5)
+    assert Counter(k for k, _ in read.middle[Op.BACKWARD]) == {"all_reduce": 6}
+    assert Counter(k for k, _ in read.middle[Op.FORWARD]) == {"all_reduce": 2}
+
+    def planned(**kwargs):
+        return plan_pipeline(model, batch(0, 16), world_size=4, loss_fn=token_loss, micro_batch_rows=2,
+                             memory_budget_gb=None, dp_strategies=("ddp",), **kwargs)
+
+    megatron = planned()
+    graphs = planned(read_tp_collectives=functools.partial(block_collectives, model, pipeline=dpar.pipeline))
+    assert graphs.tp_read_off_graphs and not megatron.tp_read_off_graphs
+    tp_seconds = {(c.pp, c.tp): c.tp_s for c in megatron.candidates}
+    for c in graphs.candidates:
+        assert (c.tp_s > tp_seconds[c.pp, c.tp]) if c.tp > 1 else c.tp_s == 0, c.layout
+    assert "its tp collectives are those of the stage graphs dpar.pipeline builds" in str(graphs) or graphs.tp == 1

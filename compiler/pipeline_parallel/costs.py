@@ -238,10 +238,45 @@ def megatron_collectives(costs: Sequence[StageCost], block_bytes: int) -> list[C
              (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT)} for c in costs]
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockCollectives:
+    """The tp collectives of one block's share of the stage graphs, read off graphs ``dpar.pipeline`` built on a
+    copy of the model cut to (at most) three blocks, one a stage: the first block's stage (with what runs before
+    the blocks: the embedding), a middle one's, and the last's (with the head and the loss). A stage of
+    consecutive blocks runs the concatenation of its blocks' in F and in B (exactly, on HF Llama); how B's divide
+    into I and W is the blocks' split summed, an estimate (the tp pass places some differently in a longer
+    graph: 7 of a two-block Llama stage's 14 on I by the sum, 5 in its graphs). The planner prices its candidates
+    with them."""
+
+    first: Collectives
+    middle: Collectives
+    last: Collectives
+
+    def of_block(self, index: int, blocks: int) -> Collectives:
+        if index == 0:
+            return self.first
+        return self.last if index == blocks - 1 else self.middle
+
+    def of_stages(self, blocks_per_stage: Sequence[int]) -> list[Collectives]:
+        """Each stage's collectives, for stages holding ``blocks_per_stage`` consecutive blocks in order. The first
+        stage computes no input gradient (its input is the batch): its backward is all W, I has none."""
+        blocks, start, found = sum(blocks_per_stage), 0, []
+        for count in blocks_per_stage:
+            parts = [self.of_block(i, blocks) for i in range(start, start + count)]
+            stage = {op: tuple(c for part in parts for c in part.get(op, ())) for op in _TP_OPS}
+            if start == 0:
+                stage[Op.BACKWARD_INPUT], stage[Op.BACKWARD_WEIGHT] = (), stage[Op.BACKWARD]
+            found.append(stage)
+            start += count
+        return found
+
+
+_TP_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+
+
 def graph_collectives(graphs: StageGraphs) -> Collectives:
     """The collectives in a stage's F, B, I and W graphs, each at its payload (full-buffer) bytes."""
-    graph_of = {Op.FORWARD: graphs.forward, Op.BACKWARD: graphs.backward, Op.BACKWARD_INPUT: graphs.backward_input,
-                Op.BACKWARD_WEIGHT: graphs.backward_weight}
+    graph_of = dict(zip(_TP_OPS, (graphs.forward, graphs.backward, graphs.backward_input, graphs.backward_weight)))
     return {op: tuple((COLLECTIVE_KINDS[n.target], payload_bytes(n)) for n in gm.graph.nodes
                       if n.op == "call_function" and n.target in COLLECTIVE_KINDS)
             for op, gm in graph_of.items()}

@@ -162,16 +162,21 @@ def _collectives(gm: torch.fx.GraphModule) -> collections.Counter:
     )
 
 
-def test_each_rank_holds_blocks_and_the_stage_graphs_hold_the_tp_collectives(world_of_four):
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_each_rank_holds_blocks_and_the_stage_graphs_hold_the_tp_collectives(world_of_four, device):
     """Column Linears hold their rows, row Linears their columns, norms whole; each layer's two row-parallel
-    outputs are all-reduced in F, and the split layers' input gradients in the backward (B, or I and W)."""
+    outputs are all-reduced in F, and the split layers' input gradients in the backward (B, or I and W). Built
+    on meta, HF's attention gets an explicit causal mask and SDPA's math path a ``_safe_softmax``, which stays
+    split by heads (it once ran whole: an all-gather of every layer's attention scores). There micro-batches of one
+    row: at two, the math path's view of (batch, heads) as one dimension still gathers q, k and v."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    model = build("llama", 4)
+    with torch.device(device):
+        model = build("llama", 4)
     whole = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    step = dpar.pipeline(model, token_loss, example_inputs=_slice(), stages=2, micro_batches=8, mesh=mesh,
-                         schedule="zb_h1")
+    step = dpar.pipeline(model, token_loss, example_inputs=_slice(), stages=2, mesh=mesh, schedule="zb_h1",
+                         micro_batches=8 if device == "cpu" else 16)
     held = {n: tuple(p.shape) for n, p in model.named_parameters()}
     layer = "inner.model.layers.0."
     assert held[layer + "self_attn.q_proj.weight"] == (16, 32) and held[layer + "self_attn.k_proj.weight"] == (8, 32)

@@ -79,7 +79,8 @@ class Candidate:
 
 MATMUL = {aten.mm.default, aten.bmm.default}
 EMBEDDING = {aten.embedding.default}
-SOFTMAX = {aten._softmax.default, aten._log_softmax.default}
+# _safe_softmax: SDPA's math path under an explicit mask (a model captured on meta gets one from HF).
+SOFTMAX = {aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default}
 LAYER_NORM = {aten.native_layer_norm.default}
 ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu.default,

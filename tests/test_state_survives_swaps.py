@@ -31,8 +31,8 @@ WAYS = ("assign", "swap", "checkpoint")
 # ddp's and zero2's checkpoints into a meta-born model are test_born_sharded's and test_reshard's cases.
 CASES = [(s, w) for s in STRATEGIES for w in WAYS if not (w == "checkpoint" and s in ("ddp", "zero2"))]
 # zero2 holds its parameters as ddp does and its gradients as fsdp does, zero1 its optimizer state in ranges as
-# fsdp holds its shards: `-m extended`.
-EXTENDED = [c for c in CASES if c[0] in ("zero1", "zero2")]
+# fsdp holds its shards, ddp its parameters whole as tp does its unsplit ones: `-m extended`.
+EXTENDED = [c for c in CASES if c[0] in ("zero1", "zero2", "ddp")]
 BEFORE = 2  # steps before the parameters are replaced
 
 

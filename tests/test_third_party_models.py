@@ -24,7 +24,7 @@ ADAMW_TOLERANCE = 1e-4
 # same code paths on another model) run under `-m extended`.
 TWO_RANKS = {
     "llama": ("ddp", "zero1", "fsdp", "tp"),
-    "bert": ("ddp", "zero1", "fsdp", "tp"),
+    "bert": ("fsdp", "tp"),
     "t5": ("fsdp", "tp"),
     "gpt2": ("fsdp", "tp"),
     "mixtral": ("ddp", "fsdp"),
@@ -34,7 +34,7 @@ TWO_RANKS = {
 }
 TWO_RANKS_EXTENDED = {
     "llama": ("zero2", "auto"),
-    "bert": ("zero2", "auto"),
+    "bert": ("ddp", "zero1", "zero2", "auto"),
     "t5": ("ddp", "zero2"),
     "gpt2": ("ddp", "auto"),
     "titan_deepseek": ("zero1",),

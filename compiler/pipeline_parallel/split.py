@@ -86,13 +86,13 @@ def _mutated_buffers(gm: fx.GraphModule) -> set[str]:
 
 
 def _buffer_writing_regions(gm: fx.GraphModule) -> set[fx.Node]:
-    """The calls of a subgraph (export's ``torch.no_grad()`` region: ``wrap_with_set_grad_enabled``) that write
-    a buffer passed to them in place. Their results are read by no one: kept for the write, which a stage's F
+    """The calls of a subgraph (export's ``torch.no_grad()`` region: ``wrap_with_set_grad_enabled``; an autocast
+    region's ``wrap_with_autocast``) that write a buffer passed to them in place. Their results are read by no one: kept for the write, which a stage's F
     then runs ([Note: a buffer a stage's forward accumulates into] in stage_graphs.py, which checks the kind)."""
     buffers = {n for n in gm.graph.nodes if n.op == "get_attr" and _is_buffer(gm, n.target)}
     writers = set()
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not node.args or not isinstance(node.args[0], bool):
+        if node.op != "call_function":
             continue
         body = next((a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
                      and isinstance(getattr(gm, a.target, None), fx.GraphModule)), None)

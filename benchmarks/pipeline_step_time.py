@@ -222,9 +222,16 @@ def build_torch(config: GPTConfig, schedule: str, m: int, args: argparse.Namespa
     runner = cls(stages if len(stages) > 1 or cls.__name__.startswith("ScheduleInterleaved") else stages[0],
                  n_microbatches=m, loss_fn=token_loss)
     runner._compute_loss = timer.wrap(runner._compute_loss)
-    tied = model.tok_emb.weight  # the LM head's too: its gradient is summed over the stages holding it
-    holds_tied = any(mod.is_first or mod.is_last for mod in modules)
+    # The tied embedding and head, as Megatron and torchtitan run them across stages: the last stage holds its own
+    # copy, and the two gradients are summed into both before the step (equal from then on). One parameter read by
+    # two stages of one rank (zbv's V puts stages 0 and 2p - 1 on rank 0) got a wrong gradient from torch's ZBV.
     last_here = any(mod.is_last for mod in modules)
+    tied = [model.tok_emb.weight] if any(mod.is_first for mod in modules) else []
+    for mod in modules:
+        if mod.is_last:
+            mod.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            mod.lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
+            tied.append(mod.lm_head.weight)
     params = list(dict.fromkeys(q for mod in modules for q in mod.parameters()))
 
     def forward_backward(mine: Batch, whole: Batch) -> torch.Tensor | None:
@@ -233,10 +240,13 @@ def build_torch(config: GPTConfig, schedule: str, m: int, args: argparse.Namespa
         losses: list[torch.Tensor] = []
         inputs = (x,) if any(mod.is_first for mod in modules) else ()
         runner.step(*inputs, target=y if last_here else None, losses=losses, return_outputs=False)
-        grad = tied.grad if holds_tied and tied.grad is not None else torch.zeros_like(tied)
-        dist.all_reduce(grad)  # a rank without a stage reading the tied weight adds zeros
-        if holds_tied:
-            tied.grad = grad
+        grad = torch.zeros_like(model.tok_emb.weight)  # a rank without the embedding or the head adds zeros
+        for weight in tied:
+            if weight.grad is not None:
+                grad += weight.grad
+        dist.all_reduce(grad)
+        for weight in tied:
+            weight.grad = grad
         return torch.stack(losses).mean() if losses else None
 
     optimizer = torch.optim.AdamW(params, lr=args.lr)

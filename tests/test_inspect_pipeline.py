@@ -245,4 +245,3 @@ def test_the_planner_prices_tp_with_the_collectives_the_pipelines_graphs_hold():
     tp_seconds = {(c.pp, c.tp): c.tp_s for c in megatron.candidates}
     for c in graphs.candidates:
         assert (c.tp_s > tp_seconds[c.pp, c.tp]) if c.tp > 1 else c.tp_s == 0, c.layout
-    assert "its tp collectives are those of the stage graphs dpar.pipeline builds" in str(graphs) or graphs.tp == 1

@@ -231,12 +231,16 @@ def plan_pipeline(
     block_bytes = max((c.send_bytes for c in per_block), default=0)
     divides = _tp_must_divide(model, micro_batch[:-1])
     v = stages_per_rank(schedule)
-    read = read_tp_collectives(prefix, micro_batch, loss) if read_tp_collectives is not None and tp_max > 1 else None
+    tp_degrees = [tp for tp in (2 ** k for k in range(tp_max.bit_length()) if 2 ** k <= tp_max)
+                  if world_size % tp == 0 and not any(size % tp for size in divides.values())]
+    # Read only where a tp degree is searched: the pipeline refuses tp 2 where it does not divide the units.
+    read = read_tp_collectives(prefix, micro_batch, loss) \
+        if read_tp_collectives is not None and max(tp_degrees) > 1 else None
     candidates = []
     for pp in (d for d in range(1, len(blocks) // v + 1) if world_size % d == 0):
         costs = _stages(per_block, pp * v, model)
-        for tp in (2 ** k for k in range(tp_max.bit_length()) if 2 ** k <= tp_max):
-            if world_size % (pp * tp) or any(size % tp for size in divides.values()):
+        for tp in tp_degrees:
+            if world_size % (pp * tp):
                 continue
             dp = world_size // (pp * tp)
             if rows % (dp * mbr):

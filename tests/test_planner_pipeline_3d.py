@@ -160,3 +160,13 @@ def test_llama3_70b_at_512_ranks_fits_80_gb_with_tp_in_under_a_minute():
     assert p.choice.memory_bytes <= 80e9
     assert not any(c.fits for c in p.candidates if c.tp == 1)
     assert seconds < 120.0
+
+
+def test_the_cli_plans_a_model_whose_layers_tp_cannot_split_without_reading_tp_graphs(capsys):
+    """The example GPT's fused qkv is 3 parts: no tp degree is searched, so no tp graph is read (dpar.pipeline would
+    refuse tp 2 there); the README's command."""
+    code = main(["plan", "examples/gpt.py", "--mesh-shape", "8", "--per-rank", "--pipeline", "--memory-budget-gb",
+                 "0.012", "--micro-batch-rows", "2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "pipeline plan: pp=2 x tp=1 x dp=4 (ddp)" in out

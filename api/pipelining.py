@@ -245,9 +245,10 @@ def _record_whole_model(model: nn.Module, holders: dict[str, int]) -> None:
     """[Note: a pipelined model's state]: the whole model's names, shapes, dtypes, ties and holders, by name."""
     state = state_of(model, create=True)
     first: dict[int, str] = {}
-    parameters = [name for name, _ in model.named_parameters(remove_duplicate=False)]
     tensors = dict(model.named_parameters(remove_duplicate=False))
+    parameters = list(tensors)
     tensors.update(model.named_buffers(remove_duplicate=False))
+    module_names = {name for name, _ in model.named_modules(remove_duplicate=False)}
     for name, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
             continue
@@ -256,7 +257,7 @@ def _record_whole_model(model: nn.Module, holders: dict[str, int]) -> None:
         if name in holders:
             state.set_fact(_HOLDER, name, holders[name])
         elif name not in tensors:  # made by a module's state-dict hook
-            made_of = _parameters_under(_owning_module(model, name), parameters)
+            made_of = _parameters_under(_owning_module(module_names, name), parameters)
             ranks = {holders[p] for p in made_of if p in holders}
             if len(ranks) > 1:
                 raise OptionsError(
@@ -269,9 +270,8 @@ def _record_whole_model(model: nn.Module, holders: dict[str, int]) -> None:
                 state.set_fact(_HOLDER, name, ranks.pop())
 
 
-def _owning_module(model: nn.Module, name: str) -> str:
-    """The deepest module whose name ``name`` is under ('' for the root)."""
-    module_names = {m for m, _ in model.named_modules(remove_duplicate=False)}
+def _owning_module(module_names: set[str], name: str) -> str:
+    """The deepest of ``module_names`` that ``name`` is under ('' for the root)."""
     parts = name.split(".")
     return next((p for i in range(len(parts) - 1, 0, -1) if (p := ".".join(parts[:i])) in module_names), "")
 

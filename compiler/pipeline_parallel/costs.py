@@ -238,6 +238,9 @@ def megatron_collectives(costs: Sequence[StageCost], block_bytes: int) -> list[C
              (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT)} for c in costs]
 
 
+_TP_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockCollectives:
     """The tp collectives of one block's share of the stage graphs, read off graphs ``dpar.pipeline`` built on a
@@ -269,9 +272,6 @@ class BlockCollectives:
             found.append(stage)
             start += count
         return found
-
-
-_TP_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
 
 
 def graph_collectives(graphs: StageGraphs) -> Collectives:

@@ -87,9 +87,11 @@ def _mutated_buffers(gm: fx.GraphModule) -> set[str]:
 
 def _buffer_writing_regions(gm: fx.GraphModule) -> set[fx.Node]:
     """The calls of a subgraph (export's ``torch.no_grad()`` region: ``wrap_with_set_grad_enabled``; an autocast
-    region's ``wrap_with_autocast``) that write a buffer passed to them in place. Their results are read by no one: kept for the write, which a stage's F
-    then runs ([Note: a buffer a stage's forward accumulates into] in stage_graphs.py, which checks the kind)."""
-    buffers = {n for n in gm.graph.nodes if n.op == "get_attr" and _is_buffer(gm, n.target)}
+    region's ``wrap_with_autocast``) that write a buffer passed to them in place. Their results are read by no
+    one: kept for the write, which a stage's F then runs ([Note: a buffer a stage's forward accumulates into] in
+    stage_graphs.py, which checks the kind)."""
+    buffer_targets = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    buffers = {n for n in gm.graph.nodes if n.op == "get_attr" and n.target in buffer_targets}
     writers = set()
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -106,25 +108,18 @@ def _buffer_writing_regions(gm: fx.GraphModule) -> set[fx.Node]:
     return writers
 
 
-def _is_buffer(gm: fx.GraphModule, target: str) -> bool:
-    module_name, _, leaf = target.rpartition(".")
-    try:
-        return leaf in gm.get_submodule(module_name)._buffers
-    except AttributeError:
-        return False
+def written_in_place(node: fx.Node) -> list[fx.Node]:
+    """The arguments ``node``'s op writes in place (its schema says so)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    return [value for argument, value in zip(schema.arguments, node.args)
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node)]
 
 
 def _written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes ``gm``'s ops write in place (their schema says so)."""
-    written = set()
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        for argument, value in zip(schema.arguments, node.args):
-            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
-                written.add(value)
-    return written
+    """The nodes ``gm``'s ops write in place."""
+    return {value for node in gm.graph.nodes for value in written_in_place(node)}
 
 
 def _loss_node(gm: fx.GraphModule) -> fx.Node:

@@ -48,6 +48,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
 from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
+from dpar.compiler.pipeline_parallel.split import written_in_place
 from dpar.compiler.propagation.propagate import MeshDim
 from dpar.core.errors import OptionsError
 from dpar.core.facts import TensorParallelSpec
@@ -203,11 +204,8 @@ def _buffer_accumulations(traced: fx.GraphModule, buffers: dict[fx.Node, str]) -
     """The in-place ``add_`` nodes into a buffer placeholder: [Note: a buffer a stage's forward accumulates into]."""
     accumulations = []
     for node in traced.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        for argument, value in zip(schema.arguments, node.args):
-            if value not in buffers or argument.alias_info is None or not argument.alias_info.is_write:
+        for value in written_in_place(node):
+            if value not in buffers:
                 continue
             if node.target is torch.ops.aten.add_.Tensor and node.kwargs.get("alpha", 1) == 1:
                 accumulations.append(node)

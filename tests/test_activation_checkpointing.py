@@ -30,8 +30,7 @@ BUDGET = 50_000  # bytes per rank the forward may save: HF llama's 2 blocks unde
 # (model, strategy, policies trained): every policy against the same strategy's "keep" (zero2 on GPT-2 only,
 # for the suite's time).
 TRAINED = (
-    ("llama", "ddp", POLICIES),
-    ("llama", "fsdp", ("keep", "full")),
+    ("llama", "fsdp", POLICIES),
     ("llama", "tp", ("keep", "full")),
     ("nanogpt", "fsdp", ("keep", "full")),
     ("gpt2", "zero2", ("keep", "selective")),

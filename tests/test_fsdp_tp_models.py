@@ -186,9 +186,11 @@ def _every_case(rank: int, world_size: int, cases: tuple[tuple, ...]) -> dict[st
     return found if rank == 0 else None
 
 
-# Llama's 64 tokens a rank with each rank's own rows (same_batch_in_tp_group's case trains the same gathers), and
-# ddp+tp on the CNN and the MLP (the odd vocabulary's ddp+tp has the uneven buckets): `-m extended`.
-EXTENDED = (("hf_llama", "fsdp+tp", 8, False), ("cnn", "ddp+tp", 2, False), ("mlp_graph_break", "ddp+tp", 2, False))
+# Llama's 64 tokens a rank with each rank's own rows (same_batch_in_tp_group's case trains the same gathers),
+# ddp+tp on the CNN and the MLP (the odd vocabulary's ddp+tp has the uneven buckets), fsdp+tp on the odd vocabulary
+# (its zero2+tp shards the same uneven rows over dp): `-m extended`.
+EXTENDED = (("hf_llama", "fsdp+tp", 8, False), ("cnn", "ddp+tp", 2, False), ("mlp_graph_break", "ddp+tp", 2, False),
+            ("odd_vocabulary_llama", "fsdp+tp", 2, False))
 
 
 @pytest.mark.parametrize("cases", [tuple(c for c in CASES if c not in EXTENDED), pytest.param(EXTENDED, marks=pytest.mark.extended)],

@@ -68,7 +68,7 @@ def _every_strategy(rank: int, world_size: int, strategies: tuple[str, ...]) -> 
 
 
 # fsdp+tp by default; zero2+tp (the same reduce-scatter over dp, wrong by the same rule before the fix) and
-# ddp+tp (right even then; the GPT's 2-D case trains it, test_tensor_parallel_numerics.py) by `-m extended`.
+# ddp+tp (right even then; the odd-vocabulary Llama's 2-D case trains it, test_fsdp_tp_models.py) by `-m extended`.
 @pytest.mark.parametrize("strategies", [("fsdp+tp",), pytest.param(("zero2+tp", "ddp+tp"), marks=pytest.mark.extended)],
                          ids=["fsdp", "zero2_and_ddp"])
 def test_titan_llama3_two_dimensional_strategies_match_torch_ddp(strategies: tuple[str, ...]) -> None:

@@ -121,11 +121,13 @@ def test_dp_by_pp_mesh_matches_one_process():
     _assert_dp_pp_matches_one_process(DP_CASES)
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.extended)])
+# By default the 8-rank 3-D test trains fsdp under zbv over dp (with tp): `-m extended` both.
+@pytest.mark.extended
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_zbv_over_a_dp_by_pp_mesh_matches_one_process(compiler: str):
-    """(dp=2, pp=2) with 4 stages in a V: each rank syncs both its stages over dp in their last W (ddp: the 8-rank
-    3-D test). With Inductor (`-m extended`): the gather variant of each stage's first F and the reduce-scatter
-    variant of its last W lowered with the stage graphs ([Note: compiled pipeline stages])."""
+    """(dp=2, pp=2) with 4 stages in a V: each rank syncs both its stages over dp in their last W. With Inductor:
+    the gather variant of each stage's first F and the reduce-scatter variant of its last W lowered with the stage
+    graphs ([Note: compiled pipeline stages])."""
     _assert_dp_pp_matches_one_process((("fsdp", "zbv", compiler),))
 
 

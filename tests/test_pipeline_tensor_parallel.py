@@ -69,25 +69,25 @@ def test_pp_by_tp_matches_one_process_and_torch_ddp_on_every_schedule(schedules:
                                               timeout_s=600)
 
 
-def test_tied_embedding_and_sequence_parallel_over_pp_by_tp():
+# Compiled by Inductor (every stage graph lowered, the tp collectives with them, [Note: compiled pipeline stages];
+# the optimizer's step compiled too): `-m extended`, 97 s on 2 cores; compiled stages run by default in
+# test_pipeline_compiled, tp collectives under Inductor in test_inductor's fsdp+tp.
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.extended)])
+def test_tied_embedding_and_sequence_parallel_over_pp_by_tp(compiler: str):
     """GPT-2's tied embedding and head on the first and last stage, split by vocabulary rows over tp and summed
-    over pp; sequence parallel between the split layers. ZBV also with every stage graph lowered by Inductor, the
-    tp collectives (the sequence-parallel gathers and reduce-scatters) with them ([Note: compiled pipeline
-    stages]); the optimizer's step compiled there too."""
-    cases = (("ddp", "1f1b"), ("ddp", "zbv", "inductor"))  # zbv as Python: the 8-rank 3-D test
-    _assert_matches_one_process_and_torch_ddp("gpt2", 4, (2, 2), ("pp", "tp"), cases, timeout_s=900,
-                                              sequence_parallel=True)
+    over pp (1F1B: the two stages on two ranks); sequence parallel between the split layers."""
+    _assert_matches_one_process_and_torch_ddp("gpt2", 4, (2, 2), ("pp", "tp"), (("ddp", "1f1b", compiler),),
+                                              timeout_s=900, sequence_parallel=True)
 
 
 def test_dp_by_pp_by_tp_matches_one_process_and_torch_ddp():
-    """(dp 2, pp 2, tp 2) on 8 ranks, HF Llama of 8 layers: ddp over dp under zbv, and fsdp on the two
-    places its reduce-scatter goes (the last B, the last W of a V): gradients of each rank's blocks averaged, or
-    their shards reduce-scattered, over dp. One launch of the 8 ranks. Every schedule under ddp and fsdp under 1f1b
-    passed too (216 s for the 7 cases on 2 cores, when tp inside stages landed); the suite runs these two, each
-    schedule's pipeline order being covered over (pp, tp) on 4 ranks above and fsdp's reduce-scatter in the last B
-    over (dp, pp) in test_pipeline_parallel."""
-    cases = (("ddp", "zbv"), ("fsdp", "zbv"))
-    _assert_matches_one_process_and_torch_ddp("llama", 8, (2, 2, 2), ("dp", "pp", "tp"), cases, timeout_s=1200)
+    """(dp 2, pp 2, tp 2) on 8 ranks, HF Llama of 4 layers (one a stage): fsdp over dp under zbv, whose
+    reduce-scatter goes where a V's last W is. One launch of the 8 ranks. Every schedule under ddp and fsdp under 1f1b
+    passed too (216 s for the 7 cases on 2 cores, when tp inside stages landed); the suite runs this one: each
+    schedule's pipeline order is covered over (pp, tp) on 4 ranks above, ddp over dp and fsdp's reduce-scatter in
+    the last B over (dp, pp) in test_pipeline_parallel."""
+    _assert_matches_one_process_and_torch_ddp("llama", 4, (2, 2, 2), ("dp", "pp", "tp"), (("fsdp", "zbv"),),
+                                              timeout_s=900)
 
 
 def _titan_trained_saved_and_loaded(rank: int, world_size: int, root: str) -> dict:

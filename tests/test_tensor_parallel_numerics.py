@@ -19,7 +19,7 @@ CONFIGS = [
     ("tp", 4, "gpt", "adamw"),  # 2 heads over 4 ranks: attention runs gathered, the rest split
     pytest.param("fsdp+tp", 4, "mlp", "adamw", marks=EXTENDED),
     pytest.param("fsdp+tp", 4, "gpt", "adamw", marks=EXTENDED),  # with sequence parallel below
-    ("ddp+tp", 4, "gpt", "adamw"),
+    pytest.param("ddp+tp", 4, "gpt", "adamw", marks=EXTENDED),  # test_fsdp_tp_models' odd-vocabulary Llama trains ddp+tp
     pytest.param("zero2+tp", 4, "gpt", "sgd", marks=EXTENDED),  # test_fsdp_tp_models' odd-vocabulary Llama trains zero2+tp
 ]
 

@@ -6,9 +6,12 @@ repeated blocks).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,18 +19,17 @@ import torch.nn as nn
 
 from dpar.planner.capture import build_op_graph
 from dpar.planner.evaluate import Assignment, evaluate
-from dpar.planner.graphs import priced_on_graphs
 from dpar.compiler.costs import DeviceSpec, device_spec
 from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.activations import POLICIES
-from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
+from dpar.planner.plan import ON_GRAPHS, CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
 from dpar.planner.rules import candidates
 from dpar.core.errors import OptionsError
-from dpar.core.plan import Recompute
+from dpar.core.plan import KEEP_ACTIVATIONS, Recompute
 from dpar.core.torch_internals import pytree
 
-__all__ = ["CostBreakdown", "DeviceSpec", "ParameterPlan", "Plan", "global_batch", "plan"]
+__all__ = ["CostBreakdown", "DeviceSpec", "ParameterPlan", "Plan", "global_batch", "plan", "priced_on_graphs"]
 
 
 def plan(
@@ -60,10 +62,10 @@ def plan(
     the solver choose. ``device`` is a preset (``"h100"``, ``"h200"``, ``"cpu"``) or a ``DeviceSpec``:
     the one device description ``dpar inspect`` prices with too (``dpar.compiler.costs``); a preset's
     last mesh dimension is node-local (NVLink) when it fits in a node, the others cross nodes.
-    ``on_graphs``: the chosen plan's compute and saved activations counted on the graphs dpar compiles for
-    it, as ``dpar inspect`` counts them, at the price of compiling one rank's step (Llama-3-8B: about 30 s
-    of CPU; ``dpar plan`` does it unless ``--op-graph``); see [Note: the planner searches on its op graph and
-    reports on the graphs] in ``planner/graphs.py``. By default the search's own (op-graph) figures.
+    ``on_graphs``: the chosen plan priced by ``dpar inspect`` itself (compute, recomputation, the simulated step,
+    the memory at the step's peak), at the price of compiling its step for the mesh's ranks on a meta copy
+    (``dpar plan`` does it unless ``--op-graph``); see [Note: the planner searches on its op graph and reports
+    as inspect]. By default the search's own (op-graph) figures.
     """
     from dpar.planner.solver import solve_activations  # scipy.optimize: loaded when planning, not on import dpar
 
@@ -76,7 +78,77 @@ def plan(
     found = _usable_layouts(graph, shape, names)
     budget = device.memory_bytes if memory_budget_gb is None else memory_budget_gb * 1e9
     chosen = _fastest(graph, found, device, budget)
-    return priced_on_graphs(chosen, graph, model, inputs, device) if on_graphs else chosen
+    return priced_on_graphs(chosen, model, inputs, device) if on_graphs else chosen
+
+
+# [Note: the planner searches on its op graph and reports as inspect]
+# The search prices every layout and candidate per op (planner/costs.py): fast, and good enough to rank plans.
+# The plan it chooses is then, with ``on_graphs``, priced by ``dpar.explain`` on the plan itself: the step dpar
+# compiles for each rank of the mesh (a fake world), with its collectives, joint passes and partitioner, on a
+# meta copy of the model (nothing computed, the user's model untouched). Compute and recomputation are the
+# graphs' node costs, the step is the simulated streams', memory is the state a rank holds plus the live bytes
+# at the step's peak (gathered parameters and activations, ``Memory.total``): the figures ``dpar inspect``
+# prints for the same model, plan and device, to the byte and the nanosecond, because they are its figures. A
+# plan that recomputes is priced again keeping every activation, for the before/after table. The search's
+# op-graph figures stay where they differ from the graphs (the min-cut partitioner recomputes pointwise ops the
+# op graph counts as saved; Hugging Face's GQA copies K and V under torch.compile only) and for the tp/dp split
+# of the communication, which the report does not keep.
+
+
+def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[object] | torch.Tensor,
+                     device: str | DeviceSpec = "h100") -> Plan:
+    """``chosen`` with the figures ``dpar.explain`` reports for it on ``model`` fed ``example_inputs`` (the global
+    batch the plan was priced at): see the Note above."""
+    device = device_spec(device)
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    batch_size = chosen.batch_size
+    report = _inspected(chosen, model, inputs, batch_size, device)
+    timeline, memory = report.timeline, report.memory
+    cost = dataclasses.replace(
+        chosen.cost, compute_s=timeline.compute_time - report.recompute_time, recompute_s=report.recompute_time,
+        comm_s=timeline.comm_time, exposed_comm_s=timeline.exposed_comm, step_s=timeline.step_time,
+        memory_bytes_per_rank=memory.total, activation_bytes_per_rank=memory.activations,
+    )
+    if chosen.activations.recomputes:
+        kept = _inspected(dataclasses.replace(chosen, activations=KEEP_ACTIVATIONS), model, inputs, batch_size, device)
+        cost = dataclasses.replace(cost, memory_bytes_keep=kept.memory.total, activation_bytes_keep=kept.memory.activations)
+    return dataclasses.replace(chosen, cost=cost, priced_on=ON_GRAPHS)
+
+
+def _inspected(plan: Plan, model: nn.Module, inputs: tuple[object, ...], batch_size: int, device: DeviceSpec) -> Any:
+    """``dpar.explain``'s report of ``plan`` on a meta copy of ``model``, each rank fed its slice of the batch."""
+    from dpar.inspect.explain import explain
+    from dpar.placement import parallelize
+
+    world = math.prod(plan.mesh_shape)
+    if batch_size % world:
+        raise OptionsError(f"on_graphs: the global batch of {batch_size} rows does not split over {world} ranks; "
+                           "plan for a multiple of the world size")
+    work, rank_inputs = _meta_copy(model, _first_rows(inputs, batch_size, batch_size // world))
+    place = functools.partial(parallelize, plan=plan)
+    return explain(work, rank_inputs, world_size=world, strategy="auto", device=device, parallelize=place)
+
+
+def _first_rows(inputs: tuple[object, ...], batch_size: int, rows: int) -> tuple[object, ...]:
+    """One rank's rows of the global batch: the first ``rows`` of every tensor whose dim 0 is the batch."""
+    def first(x: object) -> object:
+        return x[:rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch_size else x
+
+    return tuple(pytree.tree_map(first, inputs))
+
+
+def _meta_copy(model: nn.Module, inputs: tuple[object, ...]) -> tuple[nn.Module, tuple[object, ...]]:
+    """A copy of ``model`` whose parameters and buffers are meta tensors shaped as its own (no data copied, ties
+    kept), and the inputs on meta: pricing runs the forward, which on shapes alone (the planner's contract: the
+    global batch may be uninitialised) must compute nothing, and must not touch the user's model."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    moved = pytree.tree_map(
+        lambda x: x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x, inputs)
+    return copy.deepcopy(model, memo), tuple(moved)
 
 
 def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None) -> Plan:

@@ -20,9 +20,9 @@ from dpar.compiler.costs import (
 )
 from dpar.inspect.fake_world import fake_world
 from dpar.compiler.logs import artifact
-from dpar.compiler.memory import saved_activations, step_peak
+from dpar.compiler.memory import step_peak
 from dpar.inspect.memory import per_rank_memory
-from dpar.compiler.step_costs import is_meta
+from dpar.compiler.step_costs import graph_costs, is_meta
 from dpar.inspect.meta import differentiable_on_meta
 from dpar.inspect.report import BucketRow, CollectiveRow, GraphView, Report, dtype_name
 from dpar.inspect.strategies import Parallelize, strategy as strategy_named
@@ -249,8 +249,7 @@ def _report(
     if world_size > 1:  # one rank has nothing to reduce
         _check_gradients_reduced(name, strategy, params, rows)
     memory = per_rank_memory(params, strategy_named(strategy), optimizer, step_peak(pairs), world_size)
-    # What the forwards hand their backwards (and the loss): the planner's activations (``Plan.cost``).
-    saved = saved_activations(pairs)
+    counted = graph_costs(pairs, spec)  # what the forwards hand their backwards, and the recomputation
     timeline = build_timeline(
         step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, group_sizes=group_sizes
     )
@@ -258,5 +257,6 @@ def _report(
         model=name, world_size=world_size, strategy=strategy, device=spec.name,
         options=tuple(sorted(dataclasses.asdict(options).items())),
         graphs=tuple(views), collectives=tuple(rows), buckets=tuple(buckets), memory=memory, timeline=timeline,
-        scales_in_n=not strategy_named(strategy).local_state, saved_activations=saved,
+        scales_in_n=not strategy_named(strategy).local_state, saved_activations=counted.saved_bytes,
+        recompute_time=counted.recompute_s,
     )

@@ -102,8 +102,10 @@ class Report:
     and memory are the simulated mesh's, and the formulas in N do not extrapolate."""
     saved_activations: int = 0
     """Bytes the forward graphs hand their backwards (the tensors the backward reads, and the loss), by
-    liveness: what ``dpar plan`` counts as activations. The peak (``memory.activations``) adds what lives
-    only at its moment (gradients before their reduction, bucket buffers, the loss's backward)."""
+    liveness: what ``dpar plan``'s search counts as activations. The peak (``memory.activations``) adds what
+    lives only at its moment (gradients before their reduction, bucket buffers, the loss's backward)."""
+    recompute_time: float = 0.0
+    """Of ``timeline.compute_time``, the forward ops an activation policy runs again in the backward."""
 
     @property
     def title(self) -> str:
@@ -143,7 +145,7 @@ class Report:
             ("optimizer state", m.optimizer), ("gathered parameters (at the peak)", m.gathered),
             ("activations (at the peak, estimate)", m.activations),
             ("total", m.total),
-            ("  activations saved for the backward (dpar plan's)", self.saved_activations),
+            ("  activations saved for the backward", self.saved_activations),
         ]
         return Table(
             f"Memory per rank (N = {self.world_size})",
@@ -155,7 +157,7 @@ class Report:
         t = self.timeline
         rows = [
             ("step time", _time(t.step_time)), ("compute", _time(t.compute_time)),
-            ("communication", _time(t.comm_time)), ("exposed communication", _time(t.exposed_comm)),
+            ("  of which recomputation", _time(self.recompute_time)), ("communication", _time(t.comm_time)), ("exposed communication", _time(t.exposed_comm)),
             ("overlap", f"{t.overlap:.1%}"),
         ]
         return Table(f"Simulated step ({t.device}, N = {t.world_size})", ("", "value"), tuple(rows))

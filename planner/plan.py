@@ -25,18 +25,24 @@ class ParameterPlan:
     memory_bytes: int  # per rank: parameter + gradient + optimizer state
 
 
+ON_GRAPHS = "compiled graphs"  # Plan.priced_on of a plan priced by dpar inspect (``dpar.plan(on_graphs=True)``)
+
+
 @dataclasses.dataclass(frozen=True)
 class CostBreakdown:
-    """Modelled seconds per training step (forward + backward) and bytes, on one rank."""
+    """Modelled seconds per training step (forward + backward) and bytes, on one rank. On the op graph (the
+    search): memory is the state, the gathered parameters and the saved activations, the step compute plus the
+    communication the phases do not hide. On the compiled graphs (``Plan.priced_on``): dpar inspect's figures,
+    the memory at the step's peak and the simulated step; the tp/dp split of the communication stays the search's."""
 
     compute_s: float  # roofline of every op's share, forward and backward
     comm_s: float  # every collective, hidden or not: tp_comm_s + dp_comm_s
     exposed_comm_s: float  # tp_comm_s + the dp communication compute does not hide
     step_s: float  # compute_s + recompute_s + exposed_comm_s
-    memory_bytes_per_rank: int  # parameter state + saved activations (under the plan's activation policy)
+    memory_bytes_per_rank: int  # parameter state + gathered parameters + activations (under the plan's policy)
     tp_comm_s: float = 0.0  # tensor-parallel collectives (critical path)
     dp_comm_s: float = 0.0  # data-parallel collectives (overlap with compute)
-    activation_bytes_per_rank: int = 0  # the saved-activation part of memory_bytes_per_rank
+    activation_bytes_per_rank: int = 0  # the activation part of memory_bytes_per_rank (saved, or live at the peak)
     recompute_s: float = 0.0  # forward ops run again in the backward (activation checkpointing)
     memory_bytes_keep: int | None = None  # memory_bytes_per_rank of the same placements keeping every activation
     activation_bytes_keep: int | None = None  # ... its activation part
@@ -101,7 +107,7 @@ class Plan:
     activations: ActivationPolicy = KEEP_ACTIVATIONS  # what each block saves; parallelize applies it with the plan
     policies: tuple[PolicyOption, ...] = ()  # each policy's best, as the solver compared them
     memory_budget_bytes: float | None = None  # the budget it was planned under
-    priced_on: str = "op graph"  # or "compiled graphs": where compute and activations were counted (planner/graphs.py)
+    priced_on: str = "op graph"  # or ON_GRAPHS: priced by dpar inspect (api/planning.py, ``on_graphs``)
 
     @property
     def data_axes(self) -> tuple[int, ...]:
@@ -255,15 +261,17 @@ def render(plan: Plan, console: Any) -> None:
     cost = Table(title=f"modelled cost per step, per rank (compute and activations counted on the {plan.priced_on})")
     cost.add_column("term")
     cost.add_column("value", justify="right")
+    inspected = plan.priced_on == ON_GRAPHS
+    comm = ((("comm (every collective, simulated)", _seconds(c.comm_s)),) if inspected else
+            (("tp comm (critical path)", _seconds(c.tp_comm_s)), ("dp comm (overlappable)", _seconds(c.dp_comm_s))))
     for term, value in (
         ("compute", _seconds(c.compute_s)),
         ("recompute (activation checkpointing)", _seconds(c.recompute_s)),
-        ("tp comm (critical path)", _seconds(c.tp_comm_s)),
-        ("dp comm (overlappable)", _seconds(c.dp_comm_s)),
+        *comm,
         ("exposed comm", _seconds(c.exposed_comm_s)),
-        ("step", _seconds(c.step_s)),
-        ("memory", _bytes(c.memory_bytes_per_rank)),
-        ("  of which activations", _bytes(c.activation_bytes_per_rank)),
+        ("step" + (" (simulated)" if inspected else ""), _seconds(c.step_s)),
+        ("memory" + (" at the step's peak" if inspected else ""), _bytes(c.memory_bytes_per_rank)),
+        ("  of which activations" + (" live at the peak" if inspected else " saved"), _bytes(c.activation_bytes_per_rank)),
     ):
         cost.add_row(term, value)
     console.print(cost)
@@ -314,7 +322,7 @@ def _render_activations(plan: Plan, console: Any) -> None:
         for column in ("", "keep", "chosen policy"):
             table.add_column(column, justify="right" if column else "left")
         state = c.memory_bytes_per_rank - c.activation_bytes_per_rank
-        table.add_row("parameters, gradients, optimizer state", _bytes(state), _bytes(state))
+        table.add_row("state" + (" and gathered parameters" if plan.priced_on == ON_GRAPHS else ""), _bytes(state), _bytes(state))
         table.add_row("activations", _bytes(c.activation_bytes_keep or 0), _bytes(c.activation_bytes_per_rank))
         table.add_row("total", _bytes(c.memory_bytes_keep), _bytes(c.memory_bytes_per_rank))
         table.add_row("recompute added to the step", "0", _seconds(c.recompute_s))

@@ -68,7 +68,7 @@ def _inspect(args: argparse.Namespace) -> int:
                        options=options, device=args.device, optimizer=args.optimizer)
         print_activations(activation_rows(policy, report, keep), console)
     if args.trace:
-        console.print(f"trace: {report.timeline.save(args.trace)} (open in ui.perfetto.dev)")
+        console.print(f"trace: {report.timeline.save(args.trace, report.memory_timeline)} (open in ui.perfetto.dev)")
     if args.png:
         console.print(f"timeline plot: {report.timeline.plot(args.png)}")
     if args.dot:

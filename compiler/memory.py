@@ -59,6 +59,16 @@ _KEEPS_GATHERED = {
 
 
 @dataclasses.dataclass(frozen=True)
+class MemoryPoint:
+    """The bytes a step holds above its state just after one node ran: the memory timeline."""
+
+    graph: int  # which (forward, backward) pair of the step
+    phase: str  # "forward" or "backward"
+    node: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Live:
     """Bytes of graph tensors alive at one moment: gathered parameters and everything else."""
 
@@ -67,6 +77,8 @@ class Live:
     step: int = 0
     """Set by ``step_peak`` only: the most bytes the step holds at once above its state, the gradients
     the backward has produced by then included (see [Note: gradients live to the optimizer])."""
+    timeline: tuple[MemoryPoint, ...] = ()
+    """Set by ``step_peak`` only: what ``step`` is the most of, after each node of the step."""
 
     @property
     def total(self) -> int:
@@ -118,6 +130,7 @@ class Liveness:
     peak: Live
     live_at_end: Live
     counted: dict[object, Live]  # storage -> bytes counted, by kind (nothing: parameter shard or input)
+    after_node: tuple[tuple[str, int], ...]  # (node, bytes alive once it ran, before what it last read is freed)
 
 
 def liveness(
@@ -158,6 +171,7 @@ def liveness(
     alive_until: dict[object, int] = {}
     staging = _staging_buffers(nodes) if staged_gathers else {}
     live = peak = Live()
+    after_node = []
     for i, node in enumerate(nodes):
         skip = node.op == "placeholder" and node.name not in counted_inputs
         for key, nbytes, end in staging.get(node, ()):  # see [Note: gloo stages every all-gather]
@@ -173,10 +187,11 @@ def liveness(
                 end = len(nodes) if key in kept else last_use.get(node, i)
                 alive_until[key] = max(alive_until.get(key, i), end)
         peak = _higher(peak, live)
+        after_node.append((node.name, live.total))
         for key in [k for k, end in alive_until.items() if end == i]:
             live -= counted[key]
             del alive_until[key]
-    return Liveness(peak, live, counted)
+    return Liveness(peak, live, counted, tuple(after_node))
 
 
 def _staging_buffers(nodes: list[fx.Node]) -> dict[fx.Node, list[tuple[object, int, int]]]:
@@ -237,13 +252,15 @@ def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]], sta
     """
     peak = saved = Live()
     forwards = []
-    for forward, _ in pairs:
+    timeline = []
+    for g, (forward, _) in enumerate(pairs):
         fw = liveness(forward, {}, set(), set(), exclude_outputs=False, staged_gathers=staged_gathers)
         peak = _higher(peak, saved + fw.peak)
+        timeline += [MemoryPoint(g, "forward", name, saved.total + nbytes) for name, nbytes in fw.after_node]
         saved += fw.live_at_end
         forwards.append(fw)
     step, produced = peak.total, 0  # see [Note: gradients live to the optimizer]
-    for (forward, backward), fw in reversed(list(zip(pairs, forwards))):
+    for g, ((forward, backward), fw) in reversed(list(enumerate(zip(pairs, forwards)))):
         saved -= fw.live_at_end
         if backward is None:
             continue
@@ -254,5 +271,6 @@ def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]], sta
         held = liveness(backward, inputs.same_as, inputs.counted, inputs.gathered, exclude_outputs=False,
                         staged_gathers=staged_gathers)
         step = max(step, saved.total + produced + held.peak.total)
+        timeline += [MemoryPoint(g, "backward", name, saved.total + produced + nbytes) for name, nbytes in held.after_node]
         produced += held.live_at_end.total
-    return dataclasses.replace(peak, step=max(step, peak.total))
+    return dataclasses.replace(peak, step=max(step, peak.total), timeline=tuple(timeline))

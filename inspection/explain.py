@@ -207,7 +207,7 @@ def _report(
 ) -> Report:
     many = len(captures) > 1
     views, rows, buckets, step, pairs = [], [], [], [], []
-    backward_steps = []
+    backward_steps, labels = [], []
     group_sizes = {name: size for cap in captures for name, size in cap.group_sizes.items()}
     for k, cap in enumerate(captures):
         prefix = f"graph {k}: " if many else ""
@@ -219,6 +219,7 @@ def _report(
             continue
         input_names, gradient_names = cap.flat_names(forward.graph)
         pairs.append((forward.graph, backward.graph if backward else None))
+        labels.append({"forward": prefix + forward.label, "backward": prefix + backward.label if backward else ""})
         step.append((prefix + forward.label, forward.graph))
         if backward is not None:
             backward_steps.append((prefix + backward.label, backward.graph))
@@ -248,7 +249,9 @@ def _report(
     params = list({id(p): p for p in model.parameters()}.values())
     if world_size > 1:  # one rank has nothing to reduce
         _check_gradients_reduced(name, strategy, params, rows)
-    memory = per_rank_memory(params, strategy_named(strategy), optimizer, step_peak(pairs), world_size)
+    peak = step_peak(pairs)
+    memory = per_rank_memory(params, strategy_named(strategy), optimizer, peak, world_size)
+    memory_timeline = tuple((labels[p.graph][p.phase], p.node, p.bytes) for p in peak.timeline)
     counted = graph_costs(pairs, spec)  # what the forwards hand their backwards, and the recomputation
     timeline = build_timeline(
         step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, group_sizes=group_sizes
@@ -258,5 +261,5 @@ def _report(
         options=tuple(sorted(dataclasses.asdict(options).items())),
         graphs=tuple(views), collectives=tuple(rows), buckets=tuple(buckets), memory=memory, timeline=timeline,
         scales_in_n=not strategy_named(strategy).local_state, saved_activations=counted.saved_bytes,
-        recompute_time=counted.recompute_s,
+        recompute_time=counted.recompute_s, memory_timeline=memory_timeline,
     )

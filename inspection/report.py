@@ -106,6 +106,9 @@ class Report:
     lives only at its moment (gradients before their reduction, bucket buffers, the loss's backward)."""
     recompute_time: float = 0.0
     """Of ``timeline.compute_time``, the forward ops an activation policy runs again in the backward."""
+    memory_timeline: tuple[tuple[str, str, int], ...] = ()
+    """(graph, node, bytes held above the state just after the node ran), over the step in the order it runs
+    (forwards, then backwards in reverse): ``memory.step_peak`` is its highest point."""
 
     @property
     def title(self) -> str:
@@ -153,6 +156,17 @@ class Report:
             tuple((name, f"{v:,}", _mib(v)) for name, v in rows),
         )
 
+    def memory_timeline_table(self) -> Table:
+        """Per graph, in the order the step runs them: the bytes above the state where it starts, at its
+        highest (and after which node), where it ends (the whole timeline: ``--trace``'s memory counter)."""
+        rows = []
+        for graph in dict.fromkeys(g for g, _, _ in self.memory_timeline):
+            points = [(node, nbytes) for g, node, nbytes in self.memory_timeline if g == graph]
+            node, highest = max(points, key=lambda p: p[1])
+            rows.append((graph, _mib(points[0][1]), f"{_mib(highest)} after {node}", _mib(points[-1][1])))
+        return Table("Memory timeline (above the state a rank holds between steps)",
+                     ("graph", "first node", "highest", "last node"), tuple(rows))
+
     def timeline_table(self) -> Table:
         t = self.timeline
         rows = [
@@ -171,7 +185,8 @@ class Report:
         )
 
     def tables(self) -> list[Table]:
-        tables = [self.collective_table(), self.bucket_table(), self.memory_table(), self.timeline_table()]
+        tables = [self.collective_table(), self.bucket_table(), self.memory_table(), self.memory_timeline_table(),
+                  self.timeline_table()]
         return tables + [self.scaling_table()] if self.scales_in_n else tables
 
     def fixed_mesh_note(self) -> str:

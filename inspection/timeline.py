@@ -93,11 +93,12 @@ class Timeline:
     def scaling(self, sizes: Sequence[int] = (2, 8, 64, 512, 1024)) -> list[tuple[int, float]]:
         return [(n, self.step_time_at(n)) for n in sizes]
 
-    def save(self, path: str | Path) -> Path:
-        """Chrome/Perfetto trace JSON: one process per rank, compute and comm threads."""
+    def save(self, path: str | Path, memory: Sequence[tuple[str, str, int]] = ()) -> Path:
+        """Chrome/Perfetto trace JSON: one process per rank, compute and comm threads; ``memory``
+        (``Report.memory_timeline``) as a counter on rank 0."""
         from dpar.inspect.trace import write_trace
 
-        return write_trace(self, Path(path))
+        return write_trace(self, Path(path), memory)
 
     def plot(self, path: str | Path) -> Path:
         from dpar.inspect.render_plot import plot_timeline

@@ -6,6 +6,7 @@ with per-action costs (``dpar.compiler.pipeline_parallel.simulate``), in the sam
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +32,22 @@ def trace_events(timeline: Timeline | SimulatedTimeline) -> list[dict[str, Any]]
     return events
 
 
-def write_trace(timeline: Timeline, path: Path) -> Path:
+def memory_counter(timeline: Timeline, memory: Sequence[tuple[str, str, int]]) -> list[dict[str, Any]]:
+    """Counter ("C") events on rank 0: the bytes above the state after each node (``Report.memory_timeline``),
+    at the end of the node's compute event; a node with none (a view, a collective's issue or wait) at the
+    time the one before it ended."""
+    ends = {(e.graph, e.name): e.end for e in timeline.events if e.rank == 0 and e.stream == "compute"}
+    events, now = [], 0.0
+    for graph, node, nbytes in memory:
+        now = ends.get((graph, node), now)
+        events.append({"ph": "C", "name": "memory above the state", "pid": 0, "ts": now * 1e6,
+                       "args": {"MiB": nbytes / 2**20}})
+    return events
+
+
+def write_trace(timeline: Timeline, path: Path, memory: Sequence[tuple[str, str, int]] = ()) -> Path:
     doc = {
-        "traceEvents": trace_events(timeline),
+        "traceEvents": trace_events(timeline) + memory_counter(timeline, memory),
         "displayTimeUnit": "ms",
         "otherData": {
             "world_size": timeline.world_size,

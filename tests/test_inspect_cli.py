@@ -61,7 +61,11 @@ def test_cli_writes_trace_png_dot_and_html(target_file, tmp_path, capsys):
     argv = ["inspect", str(target_file), "-n", "4", "--device", "cpu", "--trace", str(out / "t.json"),
             "--png", str(out / "t.png"), "--dot", str(out / "dot"), "--html", str(out / "r.html")]
     assert main(argv) == 0
-    assert json.loads((out / "t.json").read_text())["otherData"]["world_size"] == 4
+    trace = json.loads((out / "t.json").read_text())
+    assert trace["otherData"]["world_size"] == 4
+    memory = [e for e in trace["traceEvents"] if e["ph"] == "C"]  # the memory timeline, rank 0
+    assert memory and [e["ts"] for e in memory] == sorted(e["ts"] for e in memory)
+    assert memory[-1]["ts"] <= trace["otherData"]["step_time_s"] * 1e6
     assert (out / "t.png").read_bytes()[:4] == b"\x89PNG"
     dots = sorted(p.name for p in (out / "dot").iterdir())
     assert "backward_graph_sync.dot" in dots and "forward_graph.dot" in dots

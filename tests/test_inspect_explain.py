@@ -77,6 +77,23 @@ def test_per_rank_memory_is_replicated_under_ddp(report):
     assert m.total_at(1024) == m.total
 
 
+def test_memory_timeline_worked_out_by_hand():
+    """ddp on 2 ranks, one bucket. Forward: the first Linear's output (4 x 32 fp32, 512 B) and ReLU's (512 B)
+    both alive at its highest, 1024 B; it ends holding ReLU's output for the backward and the model's output
+    (4 x 4, 64 B): 576 B. Backward: at its highest the 2704 B of gradients (676 floats) beside the bucket they
+    are copied into (2704 B); it ends holding the gradients, which live to the optimizer."""
+    model, inputs = mlp()
+    report = explain(model, inputs, world_size=2)
+    forward = [b for graph, _, b in report.memory_timeline if graph == "forward graph"]
+    backward = [b for graph, _, b in report.memory_timeline if graph.startswith("backward")]
+    assert len(forward) + len(backward) == len(report.memory_timeline)
+    assert (max(forward), forward[-1]) == (1024, 576)
+    assert (backward[0], max(backward), backward[-1]) == (0, 2 * 2704, 2704)
+    assert report.memory.step_peak == 2 * 2704
+    table = report.memory_timeline_table()
+    assert [row[0] for row in table.rows] == ["forward graph", "backward graph (sync)"]
+
+
 def test_graphs_per_pass_and_op_count_diffs(report):
     labels = [g.label for g in report.graphs]
     assert labels == ["forward graph", "backward graph (sync)"]

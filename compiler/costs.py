@@ -21,7 +21,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import sympy
@@ -54,7 +54,10 @@ class DeviceSpec:
     the last dimension is node-local when it fits in a node, the others cross nodes, which is what
     lets the planner put data parallel on a slow dimension and tensor parallel on a fast one.
     ``mesh_links`` (one (α, β) per dimension) replaces that rule for a machine given by hand.
-    A collective over the whole world (what ``dpar inspect`` simulates) runs on the inter-node link.
+    A collective among given ranks (``link_among``: what ``dpar inspect`` prices a mesh dimension's group
+    with) runs on the node-local link when they all lie in one node of ``node_size`` consecutive ranks,
+    else on the inter-node link, the slowest hop of a ring across nodes; the whole world, what ``dpar
+    inspect`` simulates a 1-D strategy over, runs on the inter-node link.
     """
 
     name: str
@@ -88,6 +91,19 @@ class DeviceSpec:
             return self.flops_16bit
         return self.flops_tf32 or self.flops_fp32
 
+    @property
+    def intra_link(self) -> tuple[float, float]:
+        """(α, β) inside one node."""
+        return (self.alpha if self.intra_alpha is None else self.intra_alpha,
+                1.0 / (self.intra_link_bandwidth or self.link_bandwidth))
+
+    def link_among(self, ranks: Sequence[int]) -> tuple[float, float]:
+        """(α, β) of a ring among ``ranks`` (see [Note: the device's links]); a device given by hand
+        (``mesh_links``) names no node, so its inter-node link."""
+        if self.mesh_links is None and len({r // self.node_size for r in ranks}) == 1:
+            return self.intra_link
+        return (self.alpha, self.beta)
+
     def links(self, mesh_shape: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
         """One (α, β) per mesh dimension (see [Note: the device's links])."""
         if self.mesh_links is not None:
@@ -97,14 +113,9 @@ class DeviceSpec:
                     f"{mesh_shape} has {len(mesh_shape)}; give one (alpha, beta) per mesh dimension, or use a preset"
                 )
             return self.mesh_links
-        inter = (self.alpha, self.beta)
-        intra = (
-            self.alpha if self.intra_alpha is None else self.intra_alpha,
-            1.0 / (self.intra_link_bandwidth or self.link_bandwidth),
-        )
-        found = [inter] * len(mesh_shape)
+        found = [(self.alpha, self.beta)] * len(mesh_shape)
         if mesh_shape and mesh_shape[-1] <= self.node_size:
-            found[-1] = intra
+            found[-1] = self.intra_link
         return tuple(found)
 
 

@@ -16,7 +16,7 @@ from dpar.compiler.capture import GraphInput, classify_inputs
 from dpar.compiler.passes.buckets import BUCKET_REASON
 from dpar.inspect.buckets import bucket_of, graph_buckets
 from dpar.compiler.costs import (
-    DeviceSpec, assumed_device, attention_fused, comm_time, device_spec, moved_bytes, payload_bytes,
+    DeviceSpec, assumed_device, attention_fused, device_spec, link_time, moved_bytes, payload_bytes,
 )
 from dpar.inspect.fake_world import fake_world
 from dpar.compiler.logs import artifact
@@ -33,7 +33,7 @@ from dpar.compiler.sharded_data_parallel import flat_layout
 from dpar.compiler.registry import CompiledGraph, PassStage, record, recording
 from dpar.core.errors import InspectionError, OptionsError
 from dpar.core.torch_internals import functorch_config
-from dpar.core.world import group_size
+from dpar.core.world import group_ranks, group_size
 
 if TYPE_CHECKING:
     from dpar.inspect.pipeline import PipelineReport
@@ -46,7 +46,7 @@ class _Capture:
     inputs: tuple[GraphInput, ...]
     input_names: tuple[str, ...]
     graphs: tuple[CompiledGraph, ...]
-    group_sizes: dict[str, int]  # the sub-groups (a mesh dimension) its collectives use, by name
+    sub_groups: dict[str, tuple[int, ...]]  # the sub-groups (a mesh dimension) its collectives use: name -> ranks
 
     def role(self, prefix: str) -> CompiledGraph | None:
         return next((g for g in self.graphs if g.label.startswith(prefix)), None)
@@ -93,8 +93,8 @@ def _capture(
             else:
                 compiled = dpar_backend(gm, inputs, options=options)
         groups = {c.group for g in graphs for c in g.collectives}
-        sizes = {name: size for name in groups if (size := group_size(name)) != world_size}
-        captures.append(_Capture(graph_inputs, names, tuple(graphs), sizes))
+        sub_groups = {name: tuple(group_ranks(name)) for name in groups if group_size(name) != world_size}
+        captures.append(_Capture(graph_inputs, names, tuple(graphs), sub_groups))
         return compiled
 
     compiled = torch.compile(model, backend=backend)
@@ -208,7 +208,8 @@ def _report(
     many = len(captures) > 1
     views, rows, buckets, step, pairs = [], [], [], [], []
     backward_steps, labels = [], []
-    group_sizes = {name: size for cap in captures for name, size in cap.group_sizes.items()}
+    # A sub-group's ring is its own size, on its link (node-local when its ranks share a node).
+    sub_groups = {name: (len(ranks), spec.link_among(ranks)) for cap in captures for name, ranks in cap.sub_groups.items()}
     for k, cap in enumerate(captures):
         prefix = f"graph {k}: " if many else ""
         for g in cap.graphs:
@@ -240,11 +241,11 @@ def _report(
             for c in g.collectives:
                 local = bucket_of(found, c.issue_node)
                 nbytes = payload_bytes(nodes[c.issue_node])
-                ranks = group_sizes.get(c.group, world_size)  # a sub-group's ring is its own size
+                ranks, link = sub_groups.get(c.group, (world_size, (spec.alpha, spec.beta)))
                 rows.append(CollectiveRow(
                     prefix + g.label, c.kind, c.group, dtype_name(c.dtype), nbytes,
                     moved_bytes(c.kind, nbytes, ranks), None if local is None else first + local,
-                    c.issue_node, c.wait_node, c.compute_between, comm_time(c.kind, nbytes, ranks, spec),
+                    c.issue_node, c.wait_node, c.compute_between, link_time(c.kind, nbytes, ranks, link),
                 ))
     params = list({id(p): p for p in model.parameters()}.values())
     if world_size > 1:  # one rank has nothing to reduce
@@ -254,7 +255,7 @@ def _report(
     memory_timeline = tuple((labels[p.graph][p.phase], p.node, p.bytes) for p in peak.timeline)
     counted = graph_costs(pairs, spec)  # what the forwards hand their backwards, and the recomputation
     timeline = build_timeline(
-        step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, group_sizes=group_sizes
+        step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, sub_groups=sub_groups
     )
     return Report(
         model=name, world_size=world_size, strategy=strategy, device=spec.name,

@@ -15,21 +15,23 @@ from dpar.inspect.simulate import Event, Op, OpKind, PathTime, simulate
 
 
 def step_program(
-    graphs: Sequence[tuple[str, fx.GraphModule]], spec: DeviceSpec, group_sizes: Mapping[str, int] | None = None
+    graphs: Sequence[tuple[str, fx.GraphModule]], spec: DeviceSpec,
+    sub_groups: Mapping[str, tuple[int, tuple[float, float]]] | None = None,
 ) -> list[Op]:
     """The ops one rank runs in a step, graph after graph; comm durations are sympy in N.
 
-    A collective over a sub-group of fixed size (a tensor-parallel or 2-D mesh
-    dimension, in ``group_sizes``) costs that size's ring, a number, not N's."""
+    A collective over a sub-group of fixed size (a tensor-parallel or 2-D mesh dimension, in
+    ``sub_groups``: its size and (α, β) link) costs that size's ring on that link, a number, not N's."""
     program: list[Op] = []
     issued: dict[fx.Node, int] = {}
     for label, gm in graphs:
         for node in gm.graph.nodes:
             kind = COLLECTIVE_KINDS.get(node.target)
             if kind is not None:
-                size = (group_sizes or {}).get(str(node.args[-1]))
-                seconds = comm_time_expr(kind).subs({B: payload_bytes(node), ALPHA: spec.alpha, BETA: spec.beta})
-                seconds = seconds if size is None else seconds.subs(N, size)
+                group = (sub_groups or {}).get(str(node.args[-1]))
+                alpha, beta = (spec.alpha, spec.beta) if group is None else group[1]
+                seconds = comm_time_expr(kind).subs({B: payload_bytes(node), ALPHA: alpha, BETA: beta})
+                seconds = seconds if group is None else seconds.subs(N, group[0])
                 issued[node] = len(issued)
                 program.append(Op(OpKind.ISSUE, node.name, seconds, issued[node], label))
             elif node.target is WAIT:
@@ -112,9 +114,9 @@ def build_timeline(
     spec: DeviceSpec,
     *,
     ranks_shown: int = 4,
-    group_sizes: Mapping[str, int] | None = None,
+    sub_groups: Mapping[str, tuple[int, tuple[float, float]]] | None = None,
 ) -> Timeline:
-    program = step_program(graphs, spec, group_sizes)
+    program = step_program(graphs, spec, sub_groups)
     shown = max(1, min(world_size, ranks_shown))
     tracked = program_at(program, world_size, tracked=True)
     schedule = simulate({r: tracked for r in range(shown)})

@@ -13,9 +13,10 @@ it produces.
 Communication is the α-β ring model of ``dpar.compiler.costs`` per mesh dimension,
 each with its own α and β (``DeviceSpec.links``: node-local or across nodes). Data-parallel collectives run per bucket, one bucket per
 numbered block (``blocks.3``) and one for the rest, as dpar's sharded runtime buckets them:
-their α terms depend on the layout only, their β terms on each parameter's tp placement. A collective over several data-parallel dimensions runs
-hierarchically, innermost (last, fastest) dimension first on the whole payload, the next
-on what is left: all-reduce over (a, b) = all-reduce_b(B) + all-reduce_a(B / n_b).
+their α terms depend on the layout only, their β terms on each parameter's tp placement. A collective over several
+data-parallel dimensions runs as dpar runs it: one ring over all their ranks (``parallelize`` folds the dp axes into
+one group), on the slowest of their links (a ring across nodes is as fast as its inter-node hops), which is the
+link ``dpar inspect`` prices that group on (``DeviceSpec.link_among``).
 
 Memory and communication are in the model's own dtypes, as the step runs them and as ``dpar inspect``
 counts them (no mixed-precision convention the run does not use): a parameter of E bytes an element
@@ -163,20 +164,13 @@ class CostModel:
                 self.saved_output[e.src] = True
 
     def collective(self, kind: str, nbytes: float, axes: tuple[int, ...], alpha: bool = True) -> float:
-        """Hierarchical ring over ``axes``, innermost first (see the Note); ``alpha=False``: bandwidth term only."""
-        seconds, payload = 0.0, nbytes
-        for axis in sorted(axes, reverse=True):
-            n = self.layout.mesh_shape[axis]
-            seconds += _comm_time[kind](n, payload, self.links[axis][0] if alpha else 0.0, self.links[axis][1])
-            payload /= n
-        return seconds
+        """One ring over the ranks of ``axes`` on their slowest link (see the Note); ``alpha=False``: bandwidth term only."""
+        n = math.prod(self.layout.mesh_shape[a] for a in axes)
+        link_alpha, link_beta = max(self.links[a][0] for a in axes), max(self.links[a][1] for a in axes)
+        return _comm_time[kind](n, nbytes, link_alpha if alpha else 0.0, link_beta)
 
     def moved(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> float:
-        total, payload = 0.0, nbytes
-        for axis in sorted(axes, reverse=True):
-            total += _moved[kind](self.layout.mesh_shape[axis], payload)
-            payload /= self.layout.mesh_shape[axis]
-        return total
+        return _moved[kind](math.prod(self.layout.mesh_shape[a] for a in axes), nbytes)
 
     def dp_collectives(self) -> list[tuple[str, str, bool, bool, int]]:
         """(kind, phase, trained only, not the root's, buckets) of this layout's data-parallel collectives per step."""

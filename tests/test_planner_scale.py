@@ -51,7 +51,9 @@ def _llama3(size: str):
 @pytest.mark.parametrize(("size", "mesh_shape", "recomputes"), [("8b", (8, 8), False), ("70b", (64, 8), True)])
 def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, recomputes):
     """Llama 3 on 64 / 512 H100s, 80 GB each: 8B keeps its activations; 70B's keep 131 GB per rank at
-    best (fsdp, fp32 activations), so the plan recomputes instead of failing, the fastest policy that fits."""
+    best (fsdp, fp32 activations), so the plan recomputes instead of failing, the fastest policy that fits and,
+    of policies as fast (fsdp's gathers over 512 ranks outlast the compute, and recomputation hides under them),
+    the one that recomputes least."""
     model, rank_slice, global_batch = _llama3(size)
     start = time.perf_counter()
     p = plan(model, global_batch(rank_slice, math.prod(mesh_shape)), mesh_shape=mesh_shape, memory_budget_gb=80,
@@ -64,6 +66,8 @@ def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, recomputes):
     assert p.cost.memory_bytes_per_rank <= 80e9
     assert p.activations.recomputes is recomputes
     assert {o.policy: o.fits for o in p.policies}["keep"] is not recomputes
-    if recomputes:  # no policy that fits is faster; full recompute would be slower
-        assert p.cost.step_s == min(o.step_s for o in p.policies if o.fits)
-        assert p.cost.step_s < {o.policy: o.step_s for o in p.policies}["full"]
+    if recomputes:
+        fits = [o for o in p.policies if o.fits]
+        assert p.cost.step_s == min(o.step_s for o in fits)
+        assert p.cost.recompute_s == min(o.recompute_s for o in fits if o.step_s == p.cost.step_s)
+        assert p.cost.recompute_s < {o.policy: o.recompute_s for o in p.policies}["full"]

@@ -7,10 +7,12 @@ hands it the functions that place a model (``dpar.parallelize``) and cut it into
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dpar.core.errors import OptionsError
 from dpar.inspect.explain import explain as _explain
 from dpar.pipelining import pipeline
 from dpar.placement import parallelize
@@ -18,16 +20,26 @@ from dpar.placement import parallelize
 if TYPE_CHECKING:
     from dpar.inspect.pipeline import PipelineReport
     from dpar.inspect.report import Report
+    from dpar.planner.plan import Plan
 
 
 @functools.wraps(_explain)
 def explain(
-    model: torch.nn.Module, example_inputs: Any, *, activation_checkpointing: Any = None, **kwargs: Any
+    model: torch.nn.Module, example_inputs: Any, *, activation_checkpointing: Any = None, plan: Plan | None = None,
+    **kwargs: Any,
 ) -> Report | PipelineReport:
-    """``dpar.inspect``'s ``explain``; ``activation_checkpointing`` as ``dpar.parallelize`` takes it (ddp included)."""
+    """``dpar.inspect``'s ``explain``; ``activation_checkpointing`` as ``dpar.parallelize`` takes it (ddp included);
+    ``plan`` (from ``dpar.plan``) placed as ``parallelize(plan=plan)`` places it, on its mesh's ranks, instead of a
+    strategy by name (``example_inputs``: one rank's slice)."""
     place = parallelize
+    if plan is not None:
+        world = math.prod(plan.mesh_shape)
+        if kwargs.setdefault("world_size", world) != world or kwargs.setdefault("strategy", "auto") != "auto":
+            raise OptionsError(f"explain: plan= gives the strategy ({plan.strategy}) and the world ({world} ranks); "
+                               f"drop strategy= and world_size= (got {kwargs['strategy']!r}, {kwargs['world_size']})")
+        place = functools.partial(parallelize, plan=plan)
     if activation_checkpointing is not None:
-        place = functools.partial(parallelize, activation_checkpointing=activation_checkpointing)
+        place = functools.partial(place, activation_checkpointing=activation_checkpointing)
         place.places_ddp = True  # type: ignore[attr-defined]
     return _explain(model, example_inputs, parallelize=place, build_pipeline=pipeline, **kwargs)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -90,15 +89,20 @@ def plan(
 # at the step's peak (gathered parameters and activations, ``Memory.total``): the figures ``dpar inspect``
 # prints for the same model, plan and device, to the byte and the nanosecond, because they are its figures. A
 # plan that recomputes is priced again keeping every activation, for the before/after table. The search's
-# op-graph figures stay where they differ from the graphs (the min-cut partitioner recomputes pointwise ops the
-# op graph counts as saved; Hugging Face's GQA copies K and V under torch.compile only) and for the tp/dp split
-# of the communication, which the report does not keep.
+# op-graph figures differ where the graphs do (the min-cut partitioner recomputes pointwise ops the op graph
+# counts as saved; Hugging Face's GQA copies K and V under torch.compile only); the tp/dp split of the
+# communication stays the search's, which the report does not keep. Plans with a tensor-parallel axis keep the
+# search's figures: compiling tp's propagation for every rank's graphs costs minutes at real sizes (Llama-3-8B,
+# ddp+tp on 8 x 8: 611 s of CPU, where the search took 18 s); ``dpar.explain(model, inputs, plan=plan)``
+# prices one when asked.
 
 
 def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[object] | torch.Tensor,
                      device: str | DeviceSpec = "h100") -> Plan:
     """``chosen`` with the figures ``dpar.explain`` reports for it on ``model`` fed ``example_inputs`` (the global
     batch the plan was priced at): see the Note above."""
+    if "tp" in chosen.mesh_dim_names:  # see the Note
+        return chosen
     device = device_spec(device)
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     batch_size = chosen.batch_size
@@ -117,16 +121,14 @@ def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[ob
 
 def _inspected(plan: Plan, model: nn.Module, inputs: tuple[object, ...], batch_size: int, device: DeviceSpec) -> Any:
     """``dpar.explain``'s report of ``plan`` on a meta copy of ``model``, each rank fed its slice of the batch."""
-    from dpar.inspect.explain import explain
-    from dpar.placement import parallelize
+    from dpar.explaining import explain
 
     world = math.prod(plan.mesh_shape)
     if batch_size % world:
         raise OptionsError(f"on_graphs: the global batch of {batch_size} rows does not split over {world} ranks; "
                            "plan for a multiple of the world size")
     work, rank_inputs = _meta_copy(model, _first_rows(inputs, batch_size, batch_size // world))
-    place = functools.partial(parallelize, plan=plan)
-    return explain(work, rank_inputs, world_size=world, strategy="auto", device=device, parallelize=place)
+    return explain(work, rank_inputs, plan=plan, device=device)
 
 
 def _first_rows(inputs: tuple[object, ...], batch_size: int, rows: int) -> tuple[object, ...]:

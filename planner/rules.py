@@ -114,9 +114,9 @@ def _pointwise(op: Op, tp: int) -> list[Candidate]:
     last = op.output_shape[-1] if op.output_shape else 0
     if not last or last % tp or any(s[-1:] != (last,) for s in op.input_shapes):
         return []
-    if any(shape != (last,) for shape in op.param_shapes):  # a per-feature scale follows the shard
+    if op.params:  # a per-feature scale (a norm's weight) is read whole: the runtime's propagation keeps it so
         return []
-    return [_uniform("shard", op, "S", ("S(0)",) * len(op.params), True)]
+    return [_uniform("shard", op, "S", (), True)]
 
 
 def _matmul(op: Op, tp: int) -> list[Candidate]:

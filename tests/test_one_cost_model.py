@@ -149,3 +149,16 @@ def test_the_plan_dpar_plan_chooses_reports_inspects_figures(small_llama):
     assert chosen.cost.memory_bytes_per_rank == report.memory.total
     assert chosen.cost.step_s == pytest.approx(report.timeline.step_time, rel=1e-12)
     assert chosen.cost.compute_s == pytest.approx(report.timeline.compute_time, rel=1e-12)
+    as_planned = dpar.explain(model, rank_inputs, plan=chosen, device="h100")  # the plan itself, not its name
+    assert as_planned.memory.total == report.memory.total
+
+
+def test_a_tensor_parallel_plan_keeps_the_searchs_figures(small_llama):
+    """A plan with a tp axis keeps the search's figures under ``on_graphs`` (compiling tp's propagation at real sizes
+    costs minutes); ``dpar.explain(plan=...)`` takes the strategy and world from the plan."""
+    model, rank_inputs, _ = small_llama
+    chosen = dpar.plan(model, global_batch(rank_inputs, WORLD), mesh_shape=(4, 2), mesh_dim_names=("dp", "tp"),
+                       device="h100", on_graphs=True)
+    assert chosen.priced_on != ON_GRAPHS and "tp" in chosen.strategy
+    with pytest.raises(dpar.OptionsError, match="plan= gives the strategy"):
+        dpar.explain(model, rank_inputs, plan=chosen, strategy="fsdp")

@@ -38,7 +38,7 @@ def _init_rotary(model: nn.Module) -> None:
             model.inner._init_weights(module)
 
 
-def _born_on_meta(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, float | str]:
+def _born_on_meta(rank: int, world_size: int, checkpoint_dir: str, cases: tuple) -> dict[str, float | str]:
     import torch._dynamo
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -56,7 +56,7 @@ def _born_on_meta(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, 
     plain.load_state_dict(full)
     dcp.save(plain.state_dict(), checkpoint_id=checkpoint_dir)  # a plain (torch) model's checkpoint
     found: dict[str, float | str] = {}
-    for strategy, mesh_shape, load in CASES:
+    for strategy, mesh_shape, load in cases:
         torch._dynamo.reset()
         label = f"{strategy} mesh {mesh_shape} via {load}"
         started = time.perf_counter()
@@ -102,11 +102,18 @@ def _born_on_meta(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, 
     return found
 
 
-def test_a_model_born_on_meta_trains_as_torch_ddp_under_every_strategy(tmp_path) -> None:
+# zero1 and zero2 (replicated and sharded as ddp and fsdp are), ddp+tp and zero2+tp (fsdp+tp's 2-D load, which
+# set_model_state_dict's cases of test_reshard take too) and local SGD: `-m extended`.
+EXTENDED = tuple(c for c in CASES if c[0] in ("zero1", "zero2", "ddp+tp", "zero2+tp", "local_sgd"))
+
+
+@pytest.mark.parametrize("cases", [tuple(c for c in CASES if c not in EXTENDED), pytest.param(EXTENDED, marks=pytest.mark.extended)],
+                         ids=["default", "extended"])
+def test_a_model_born_on_meta_trains_as_torch_ddp_under_every_strategy(tmp_path, cases: tuple) -> None:
     import third_party as tp
 
-    found = run_ranks(_born_on_meta, 2, str(tmp_path / "plain"), timeout_s=900)[0]
-    tp.assert_figures(found, "born on meta", TOLERANCE, len(CASES))
+    found = run_ranks(_born_on_meta, 2, str(tmp_path / "plain"), cases, timeout_s=900)[0]
+    tp.assert_figures(found, "born on meta", TOLERANCE, len(cases))
 
 
 class _Tiny(nn.Module):

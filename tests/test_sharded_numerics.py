@@ -101,10 +101,11 @@ def cases_for(world_size: int) -> list[Case]:
 
 
 CONFIGS = [("fsdp", 2), ("fsdp", 4), ("zero2", 2), ("zero2", 4), ("hsdp", 4)]
-# zero2 on 4 ranks shards as fsdp on 4 does and reduce-scatters as zero2 on 2 does; hsdp's 2x2 against torch's HSDP
-# (hsdp on 4 ranks trains against torch DDP by default: test_third_party_models' Llama, test_fuzz_strategies):
-# `-m extended`.
-EXTENDED_CONFIGS = {("zero2", 4), ("hsdp", 4)}
+# zero2 against FSDP2 (zero2 differs from fsdp in how long gathered parameters live; it trains against torch DDP
+# by default in test_fuzz_strategies, test_third_party_models' ResNet, test_activation_checkpointing's GPT-2); hsdp's
+# 2x2 against torch's HSDP (hsdp on 4 ranks trains against torch DDP by default: test_third_party_models' Llama,
+# test_fuzz_strategies): `-m extended`.
+EXTENDED_CONFIGS = {("zero2", 2), ("zero2", 4), ("hsdp", 4)}
 
 
 @functools.cache

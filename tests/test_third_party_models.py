@@ -43,15 +43,15 @@ TWO_RANKS_EXTENDED = {
 # strategies must give torch DDP's parameters exactly. (zero1 once stepped through a captured graph,
 # whose rounding AdamW amplified to 7.8e-4 on BERT's unused embedding rows, 2.2e-2 on a resnet18.)
 EXACT_ON_TWO_RANKS = ("ddp", "zero1", "zero2", "fsdp")
-# Four ranks, 2-D meshes (and sequence parallel) on Llama; by default ddp+tp and zero2+tp are the odd-vocabulary
+# Four ranks, 2-D meshes (and sequence parallel) on Llama, hsdp by default; ddp+tp and zero2+tp are the odd-vocabulary
 # Llama's 2-D cases, fsdp+tp this Llama's fed its tp group's rows and titan's Llama 3's, sequence parallel under
 # fsdp+tp the GPT's (tests/test_fsdp_tp_models.py, tests/test_fsdp_tp_torchtitan.py,
 # tests/test_tensor_parallel_numerics.py).
 FOUR_RANKS = (
     ("hsdp", (2, 2), ()),
-    ("tp", None, (("sequence_parallel", True),)),
 )
 FOUR_RANKS_EXTENDED = (
+    ("tp", None, (("sequence_parallel", True),)),  # SP on 4 ranks: the GPT's fsdp+tp in test_tensor_parallel_numerics
     ("fsdp+tp", (2, 2), ()),
     ("ddp+tp", (2, 2), ()),
     ("zero2+tp", (2, 2), ()),

@@ -276,8 +276,10 @@ def report(wrong: list[tuple[FuzzCase, list[tuple[str, str]]]], world_size: int)
     return "\n".join(f"{case!r} at world size {world_size}:\n  " + "\n  ".join(m for _, m in found) for case, found in wrong)
 
 
-# 3 ranks (uneven shards) runs by `-m extended`: 4 ranks with odd widths splits unevenly too.
-@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.extended), 4], ids=lambda n: f"{n}ranks")
+# 3 and 4 ranks (uneven shards, hsdp's 2x2) run by `-m extended`: uneven shards train by default in test_zero1's and
+# test_sharded_numerics' 4-rank cases, hsdp in test_third_party_models' 4-rank Llama.
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.extended),
+                                        pytest.param(4, marks=pytest.mark.extended)], ids=lambda n: f"{n}ranks")
 def test_every_strategy_trains_random_models_as_torch_ddp(world_size: int) -> None:
     cases = drawn_cases(world_size)
     print(f"{len(cases)} models x {len(strategies_for(world_size))} strategies at world size {world_size}")

@@ -158,7 +158,10 @@ def _trainer_against_ddp(rank: int, world_size: int, strategy: str, root: str) -
 # The Trainer's whole loop under the three ways a gradient reaches the optimizer (reduced whole, sharded, split by
 # tp); zero1 and zero2 go through it alike and are trained by tests/test_integration_accelerate.py and Lightning's
 # (each full Trainer run here costs 1-2 minutes of the suite on two cores).
-@pytest.mark.parametrize("strategy", ("ddp", "fsdp", pytest.param("tp", marks=pytest.mark.extended)))
+# fsdp's sharded save and resume under the Trainer: test_load_best_model_at_end below by default; this case's fsdp
+# and tp by `-m extended`.
+@pytest.mark.parametrize("strategy", ("ddp", pytest.param("fsdp", marks=pytest.mark.extended),
+                                      pytest.param("tp", marks=pytest.mark.extended)))
 def test_trainer_with_accumulation_evaluation_and_resume_equals_the_ddp_trainer(strategy: str) -> None:
     with tempfile.TemporaryDirectory() as root:
         found = run_ranks(_trainer_against_ddp, 2, strategy, root, timeout_s=300)[0]

@@ -136,8 +136,10 @@ def _sharded_rank0_evaluation(rank: int, world_size: int, strategy: str) -> dict
     return {"error": None}
 
 
-# zero2 gathers nothing in the forward: fsdp's and tp's graphs are the ones a lone rank would block in.
-@pytest.mark.parametrize("strategy", [pytest.param("zero2", marks=pytest.mark.extended), "fsdp", "tp"])
+# zero2 gathers nothing in the forward: fsdp's and tp's graphs are the ones a lone rank would block in (tp's by
+# `-m extended`: the check that names the diverged rank is the same).
+@pytest.mark.parametrize("strategy", [pytest.param("zero2", marks=pytest.mark.extended), "fsdp",
+                                      pytest.param("tp", marks=pytest.mark.extended)])
 def test_rank0_evaluation_under_sharding_raises_a_named_error_within_seconds(strategy: str) -> None:
     rank0, rank1 = run_ranks(_sharded_rank0_evaluation, 2, strategy, timeout_s=180)
     assert rank0["error"] == "DivergedRanksError", rank0

@@ -105,8 +105,7 @@ def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[ob
         return chosen
     device = device_spec(device)
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    batch_size = chosen.batch_size
-    report = _inspected(chosen, model, inputs, batch_size, device)
+    report = _inspected(chosen, model, inputs, device)
     timeline, memory = report.timeline, report.memory
     cost = dataclasses.replace(
         chosen.cost, compute_s=timeline.compute_time - report.recompute_time, recompute_s=report.recompute_time,
@@ -114,16 +113,16 @@ def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[ob
         memory_bytes_per_rank=memory.total, activation_bytes_per_rank=memory.activations,
     )
     if chosen.activations.recomputes:
-        kept = _inspected(dataclasses.replace(chosen, activations=KEEP_ACTIVATIONS), model, inputs, batch_size, device)
+        kept = _inspected(dataclasses.replace(chosen, activations=KEEP_ACTIVATIONS), model, inputs, device)
         cost = dataclasses.replace(cost, memory_bytes_keep=kept.memory.total, activation_bytes_keep=kept.memory.activations)
     return dataclasses.replace(chosen, cost=cost, priced_on=ON_GRAPHS)
 
 
-def _inspected(plan: Plan, model: nn.Module, inputs: tuple[object, ...], batch_size: int, device: DeviceSpec) -> Any:
+def _inspected(plan: Plan, model: nn.Module, inputs: tuple[object, ...], device: DeviceSpec) -> Any:
     """``dpar.explain``'s report of ``plan`` on a meta copy of ``model``, each rank fed its slice of the batch."""
     from dpar.explaining import explain
 
-    world = math.prod(plan.mesh_shape)
+    world, batch_size = math.prod(plan.mesh_shape), plan.batch_size
     if batch_size % world:
         raise OptionsError(f"on_graphs: the global batch of {batch_size} rows does not split over {world} ranks; "
                            "plan for a multiple of the world size")

@@ -92,6 +92,11 @@ class DeviceSpec:
         return self.flops_tf32 or self.flops_fp32
 
     @property
+    def inter_link(self) -> tuple[float, float]:
+        """(α, β) between nodes."""
+        return (self.alpha, self.beta)
+
+    @property
     def intra_link(self) -> tuple[float, float]:
         """(α, β) inside one node."""
         return (self.alpha if self.intra_alpha is None else self.intra_alpha,
@@ -102,7 +107,7 @@ class DeviceSpec:
         (``mesh_links``) names no node, so its inter-node link."""
         if self.mesh_links is None and len({r // self.node_size for r in ranks}) == 1:
             return self.intra_link
-        return (self.alpha, self.beta)
+        return self.inter_link
 
     def links(self, mesh_shape: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
         """One (α, β) per mesh dimension (see [Note: the device's links])."""
@@ -113,7 +118,7 @@ class DeviceSpec:
                     f"{mesh_shape} has {len(mesh_shape)}; give one (alpha, beta) per mesh dimension, or use a preset"
                 )
             return self.mesh_links
-        found = [(self.alpha, self.beta)] * len(mesh_shape)
+        found = [self.inter_link] * len(mesh_shape)
         if mesh_shape and mesh_shape[-1] <= self.node_size:
             found[-1] = self.intra_link
         return tuple(found)
@@ -216,7 +221,7 @@ def _comm_time_function(kind: str) -> Callable[[int, int, float, float], float]:
 
 def comm_time(kind: str, nbytes: int, world_size: int, spec: DeviceSpec) -> float:
     """One collective over the world on the inter-node link (see [Note: the device's links])."""
-    return link_time(kind, nbytes, world_size, (spec.alpha, spec.beta))
+    return link_time(kind, nbytes, world_size, spec.inter_link)
 
 
 def link_time(kind: str, nbytes: float, world_size: int, link: tuple[float, float]) -> float:

@@ -220,8 +220,8 @@ class TensorParallelCost:
 
 
 def tp_link(spec: DeviceSpec, tp: int) -> tuple[float, float]:
-    """The intra-node link where ``tp`` fits in a node (``DeviceSpec.links``), else the inter-node one."""
-    return spec.links((tp,))[0] if spec.mesh_links is None else (spec.alpha, spec.beta)
+    """The link of a tp group of consecutive ranks: intra-node where ``tp`` fits in a node, else inter-node."""
+    return spec.link_among(range(tp))
 
 
 def tensor_parallel_cost(per_stage: Sequence[Collectives], tp: int, spec: DeviceSpec, read_off_graphs: bool) -> TensorParallelCost:

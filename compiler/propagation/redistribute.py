@@ -92,12 +92,41 @@ def _dim_first(graph: fx.Graph, value: fx.Node, dim: int, ndim: int) -> tuple[fx
     return dense, order
 
 
-def _dim_back(graph: fx.Graph, value: fx.Node, order: list[int]) -> fx.Node:
-    """Undo ``_dim_first``, dense again: consumers traced with a dense value may need one."""
-    if order == sorted(order):
+def _dim_back(graph: fx.Graph, value: fx.Node, order: list[int], layout: list[int] | None) -> fx.Node:
+    """Undo ``_dim_first``, dense again, with the dimensions in memory in ``layout``'s order (outermost first;
+    ``None``: contiguous): consumers were traced with the value's own strides (a view after a transpose needs them)."""
+    if order == sorted(order) and layout is None:
         return value
-    back = graph.call_function(aten.permute.default, (value, [order.index(d) for d in range(len(order))]))
-    return graph.call_function(aten.clone.default, (back,), {"memory_format": torch.contiguous_format})
+    back = graph.call_function(aten.permute.default, (value, _inverse(order)))
+    return _dense_in(graph, back, layout)
+
+
+def _dense_in(graph: fx.Graph, value: fx.Node, layout: list[int] | None) -> fx.Node:
+    """A dense copy of ``value`` laid out in memory in ``layout``'s order (``None``: contiguous)."""
+    if layout is None:
+        return graph.call_function(aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
+    physical = graph.call_function(aten.permute.default, (value, layout))
+    dense = graph.call_function(aten.clone.default, (physical,), {"memory_format": torch.contiguous_format})
+    return graph.call_function(aten.permute.default, (dense, _inverse(layout)))
+
+
+def _inverse(order: list[int]) -> list[int]:
+    return [order.index(d) for d in range(len(order))]
+
+
+def _memory_layout(val: torch.Tensor) -> list[int] | None:
+    """The dimensions of a dense, non-contiguous value from outermost to innermost in memory (a transposed
+    activation's); ``None`` for a contiguous value or one that is not dense (an expanded one), which the
+    collectives' contiguous outputs stand in for as they did at trace time."""
+    if val.is_contiguous():
+        return None
+    order = sorted(range(val.ndim), key=lambda d: -val.stride(d))
+    expected = 1
+    for d in reversed(order):
+        if val.shape[d] != 1 and val.stride(d) != expected:
+            return None
+        expected *= val.shape[d]
+    return order
 
 
 def redistribute(
@@ -167,7 +196,8 @@ def _all_to_all(graph: fx.Graph, value: fx.Node, src: int, dst: int, tp: int, gr
     beside = graph.call_function(aten.permute.default, (by_rank, [1, *range(2, at), 0, *range(at, len(dims) + 1)]))
     merged = [rows, *dims[1:]]
     merged[at - 1] *= tp
-    result = _dim_back(graph, graph.call_function(aten.reshape.default, (beside, merged)), order)
+    result = _dim_back(graph, graph.call_function(aten.reshape.default, (beside, merged)), order,
+                       _memory_layout(value.meta["val"]))
     # Sizes here are local already: an alias keeps localize from dividing them again.
     return _call(graph, aten.alias.default, (result,), Shard(dst))
 
@@ -196,16 +226,21 @@ def _redistribute(
     ndim = len(shape)
     if isinstance(src, Shard) and isinstance(dst, Shard) and shape[src.dim] % tp == 0 and shape[dst.dim] % tp == 0:
         return _all_to_all(graph, value, src.dim, dst.dim, tp, group_name)
+    layout = _memory_layout(value.meta["val"])
     if isinstance(src, Partial) and isinstance(dst, Replicate):
+        # The reduced value comes back contiguous: reduced in its memory order, it keeps its strides.
+        if layout is not None:
+            value = graph.call_function(aten.permute.default, (value, layout))
         reduced = _collective(graph, c10d.all_reduce.default, (value, "sum", group_name))
-        return _call(graph, c10d.wait_tensor.default, (reduced,), dst)
+        waited = _call(graph, c10d.wait_tensor.default, (reduced,), dst)
+        return waited if layout is None else _call(graph, aten.permute.default, (waited, _inverse(layout)), dst)
     if isinstance(src, Partial) and isinstance(dst, Shard):
         longest, length = local_block(shape[dst.dim], tp, 0)[1], local_block(shape[dst.dim], tp, rank)[1]
         dense, order = _dim_first(graph, value, dst.dim, ndim)
         dense = _padded(graph, dense, ndim, longest * tp - shape[dst.dim])
         scattered = _collective(graph, c10d.reduce_scatter_tensor.default, (dense, "sum", tp, group_name))
         waited = graph.call_function(c10d.wait_tensor.default, (scattered,))
-        result = _dim_back(graph, _rows(graph, waited, 0, length, longest), order)
+        result = _dim_back(graph, _rows(graph, waited, 0, length, longest), order, layout)
         result.meta["placement"] = dst
         return result
     if isinstance(src, Shard):
@@ -215,7 +250,7 @@ def _redistribute(
             graph, c10d.all_gather_into_tensor.default, (_padded(graph, dense, ndim, longest - length), tp, group_name)
         )
         waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
-        full = _dim_back(graph, _rows(graph, waited, 0, shape[src.dim], longest * tp), order)
+        full = _dim_back(graph, _rows(graph, waited, 0, shape[src.dim], longest * tp), order, layout)
         full.meta["placement"] = Replicate()
         if isinstance(dst, Replicate):
             return full

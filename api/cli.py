@@ -160,7 +160,7 @@ def _plan_pipeline(args: argparse.Namespace, model: Any, example_inputs: Any, co
     except OptionsError as error:
         console.print(f"dpar plan: {error}", markup=False, highlight=False)
         return 2
-    console.print(str(result), markup=False, highlight=False)
+    console.print(str(result), markup=False, highlight=False, soft_wrap=True)  # a table: one line a candidate
     return 0
 
 

@@ -15,7 +15,7 @@ import torch
 from dpar.core.errors import OptionsError
 from dpar.inspect.explain import explain as _explain
 from dpar.pipelining import pipeline
-from dpar.placement import parallelize
+from dpar.placement import activation_policy, parallelize
 
 if TYPE_CHECKING:
     from dpar.inspect.pipeline import PipelineReport
@@ -28,7 +28,8 @@ def explain(
     model: torch.nn.Module, example_inputs: Any, *, activation_checkpointing: Any = None, plan: Plan | None = None,
     **kwargs: Any,
 ) -> Report | PipelineReport:
-    """``dpar.inspect``'s ``explain``; ``activation_checkpointing`` as ``dpar.parallelize`` takes it (ddp included);
+    """``dpar.inspect``'s ``explain``; ``activation_checkpointing`` as ``dpar.parallelize`` takes it (ddp included;
+    under ``strategy="pipeline"`` as ``dpar.pipeline`` does);
     ``plan`` (from ``dpar.plan``) placed as ``parallelize(plan=plan)`` places it, on its mesh's ranks, instead of a
     strategy by name (``example_inputs``: one rank's slice)."""
     place = parallelize
@@ -38,7 +39,9 @@ def explain(
             raise OptionsError(f"explain: plan= gives the strategy ({plan.strategy}) and the world ({world} ranks); "
                                f"drop strategy= and world_size= (got {kwargs['strategy']!r}, {kwargs['world_size']})")
         place = functools.partial(parallelize, plan=plan)
-    if activation_checkpointing is not None:
+    if kwargs.get("strategy") == "pipeline":  # the stages' blocks recompute as dpar.pipeline runs them
+        kwargs["activations"] = activation_policy(model, activation_checkpointing)
+    elif activation_checkpointing is not None:
         place = functools.partial(place, activation_checkpointing=activation_checkpointing)
         place.places_ddp = True  # type: ignore[attr-defined]
     return _explain(model, example_inputs, parallelize=place, build_pipeline=pipeline, **kwargs)

@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from dpar.placement import activation_policy
 from dpar.compiler.lowering import STAGE_COMPILERS, lower_stage_graph
 from dpar.compiler.megatron import megatron_plan
 from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
@@ -23,9 +24,9 @@ from dpar.compiler.pipeline_parallel.split import capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import retarget_device_pass, trace_stage
 from dpar.core.pipeline_program import StageGraphs, StageSplit, SyncVariant
 from dpar.runtime.agreement import agree
-from dpar.core.errors import ActivationPolicyError, OptionsError, TensorParallelPlanError, UnmaterializedStateError
+from dpar.core.errors import OptionsError, TensorParallelPlanError, UnmaterializedStateError
 from dpar.core.facts import TensorParallelSpec
-from dpar.core.plan import ActivationPolicy, DataParallel, Recompute
+from dpar.core.plan import DataParallel
 from dpar.core.model_state import check_materialized, local_part, record_meta_buffers, state_of
 from dpar.core.torch_internals import compute_local_shape_and_global_offset
 from dpar.runtime.liveness import PIPELINE_STEP, watching
@@ -405,21 +406,6 @@ def _split_over_tp(
     return specs, tp
 
 
-def _refuse_checkpointing(given: Any) -> None:
-    """A stage's backward is cut from its joint graph by data dependence (pipeline_parallel/stage_graphs.py),
-    not by the partitioner that honours recompute tags: a policy that recomputes would be ignored, so it is
-    refused by name."""
-    keeps = given is None or given == "keep" or given is Recompute.KEEP or (
-        isinstance(given, ActivationPolicy) and not given.recomputes) or (
-        isinstance(given, dict) and all(v in ("keep", Recompute.KEEP) for v in given.values()))
-    if not keeps:
-        raise ActivationPolicyError(
-            f"pipeline: activation_checkpointing={given!r} is not supported inside pipeline stages yet (a stage's "
-            "backward is cut from its joint graph without the partitioner that recomputes); drop it, or use "
-            "torch.utils.checkpoint inside the model's blocks, or dpar.parallelize(..., activation_checkpointing=...) "
-            "without a pipeline")
-
-
 def pipeline(
     model: nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -458,6 +444,11 @@ def pipeline(
     ``model.state_dict()`` holds its stages' tensors (DTensors under ``"fsdp"``). See ``[Note: a pipeline born on
     meta]`` and ``[Note: a pipelined model's state]``.
 
+    ``activation_checkpointing``: as ``dpar.parallelize`` takes it (``keep``, ``selective``, ``full``, or
+    ``{block: name}``; a budget is refused here): each stage's backward computes again what its blocks' policy
+    recomputes; see [Note: activation checkpointing inside a pipeline stage] in
+    ``compiler/pipeline_parallel/stage_graphs.py``.
+
     ``compiler``: ``"aot_eager"`` runs the stage graphs as Python ATen calls; ``"inductor"`` lowers each one with
     Inductor at its first run (every schedule, zero-bubble ones included) and compiles the step of every optimizer
     over the model's parameters from its second step, as ``dpar.parallelize`` does; see [Note: compiled pipeline
@@ -465,7 +456,7 @@ def pipeline(
     """
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise OptionsError("pipeline: this model is already cut into stages; call dpar.pipeline once per model.")
-    _refuse_checkpointing(activation_checkpointing)
+    activations = activation_policy(model, activation_checkpointing)
     check_name(schedule)
     if compiler not in STAGE_COMPILERS:
         raise OptionsError(
@@ -529,7 +520,7 @@ def pipeline(
     parameters = dict(model.named_parameters(remove_duplicate=False))
     state = parameters | dict(model.named_buffers(remove_duplicate=False))
     mine = plan.stages_of(groups.pp_rank)
-    graphs = {s: trace_stage(split.stages[s], state, s == stages - 1, micro_batch, specs, tp) for s in mine}
+    graphs = {s: trace_stage(split.stages[s], state, s == stages - 1, micro_batch, specs, tp, activations) for s in mine}
     holders = _holders(split, parameters, plan)
     _record_whole_model(model, holders)
     held = {id(parameters[n]) for s in mine for n in split.stages[s].parameters}  # this call only

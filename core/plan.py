@@ -232,6 +232,11 @@ class ActivationPolicy:
         return self.budget_bytes is not None or any(
             r is not Recompute.KEEP for r in (self.default, *(r for _, r in self.blocks)))
 
+    def __str__(self) -> str:
+        if self.budget_bytes is not None:
+            return f"a budget of {self.budget_bytes:,} saved bytes per rank"
+        return ", ".join([self.default.value, *(f"{block} {r.value}" for block, r in self.blocks)])
+
 
 KEEP_ACTIVATIONS = ActivationPolicy()
 

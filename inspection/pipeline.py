@@ -32,6 +32,7 @@ from dpar.compiler.pipeline_parallel.costs import (
 from dpar.inspect.report import Table, _mib, _time
 from dpar.inspect.trace import write_schedule_trace
 from dpar.core.errors import OptionsError
+from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy
 from dpar.inspect.fake_world import fake_world
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class PipelineReport:
     timeline: SimulatedTimeline
     dp_all_reduce_s: tuple[float, ...]  # per rank: its stages' gradients over the data-parallel ranks
     tp: TensorParallelCost  # each stage split over tp ranks (degree 1: none)
+    activations: ActivationPolicy = KEEP_ACTIVATIONS  # what each stage's blocks recompute in the backward
 
     @property
     def ranks(self) -> int:
@@ -101,15 +103,19 @@ class PipelineReport:
         title = f"Stages (per micro-batch of {self.micro_batch_rows} rows)"
         if tp.degree > 1:
             title += f"; each split over {tp.degree} tp ranks, its tp collectives read off its graphs"
+        if self.activations.recomputes:
+            title += f"; activations {self.activations}, recomputed in B (I + W)"
         used = {a.op for actions in self.schedule.actions for a in actions}
         ops = [op for op in Op if op.is_compute and op in used]  # F, B, I, W: the enum's order
         return Table(
             title,
             ("stage", "rank", "blocks", "parameters", "parameter bytes", "forward FLOPs", "forward time",
-             "saved activations", "sends to next", "tp collectives per action (one tp rank)"),
+             "recomputed", "saved activations", "sends to next", "tp collectives per action (one tp rank)"),
             tuple(
                 (str(c.index), str(self.schedule.stage_rank(c.index)), _blocks(c.blocks), f"{c.parameter_numel:,}",
-                 f"{c.parameter_bytes:,}", f"{c.flops / 1e6:,.2f} M", _time(c.forward_s), f"{c.activation_bytes:,}",
+                 f"{c.parameter_bytes:,}", f"{c.flops / 1e6:,.2f} M", _time(c.forward_s),
+                 f"{_time(c.recompute_s)} ({_time(c.recompute_input_s)} in I)" if c.recompute_s else "-",
+                 f"{c.activation_bytes:,}",
                  f"{c.send_bytes:,} B in {_time(c.send_s)}" if c.send_bytes else "-",
                  _tp_cell(tp, c.index, ops) if tp.degree > 1 else "-")
                 for c in self.stages
@@ -192,6 +198,7 @@ def explain_pipeline(
     optimizer: str = "adamw",
     tensor_parallel: int = 1,
     pipeline: PipelineBuilder | None = None,
+    activations: ActivationPolicy = KEEP_ACTIVATIONS,
 ) -> PipelineReport:
     """Report on ``model`` cut into ``stages`` pipeline stages, without running it.
 
@@ -204,7 +211,9 @@ def explain_pipeline(
     ``tensor_parallel`` splits each stage over that many ranks (``dpar.pipeline`` over a ``("dp", "pp", "tp")``
     mesh; ``world_size`` then counts them too): ``pipeline`` (``dpar.pipeline``, which ``dpar.explain`` and ``dpar
     inspect`` hand down: inspection does not import the api) builds each stage's graphs on a copy under a fake
-    world, and the tp collectives the pass put in them are counted and priced on the tp link.
+    world, and the tp collectives the pass put in them are counted and priced on the tp link. ``activations``: the
+    blocks' policy, priced as ``dpar.pipeline(activation_checkpointing=...)`` runs it ([Note: the pipeline cost
+    model]).
     """
     v = stages_per_rank(schedule, virtual_stages)
     if not isinstance(stages, int) or stages < 1 or stages % v:
@@ -232,7 +241,7 @@ def explain_pipeline(
     rows = total // micro_batches
     spec = device_spec(device)
     split, costs = price_stages(model, loss, micro_batch_of(inputs, rows), stages, spec, split_points, ranks=ranks,
-                                schedule=schedule)
+                                schedule=schedule, activations=activations)
     collectives = [{} for _ in costs]
     if tensor_parallel > 1:
         if pipeline is None:
@@ -251,7 +260,7 @@ def explain_pipeline(
     return PipelineReport(
         model=type(model).__name__, world_size=world_size, data_parallel=dp, device=spec.name, optimizer=optimizer,
         micro_batch_rows=rows, split=split, stages=costs, schedule=plan, timeline=timeline, dp_all_reduce_s=all_reduce,
-        tp=tp,
+        tp=tp, activations=activations,
     )
 
 

@@ -1,11 +1,12 @@
 """``plan_pipeline``: the pipeline (pp), tensor (tp) and data-parallel (dp, ddp or fsdp) degrees together.
 
 [Note: choosing the pipeline degree]
-A candidate is ``(pp, tp, dp, dp_strategy)`` with ``pp x tp x dp = world``: ``pp`` a divisor of the
+A candidate is ``(pp, tp, dp, dp_strategy, activations)`` with ``pp x tp x dp = world``: ``pp`` a divisor of the
 world with enough blocks for its stages (``pp`` stages, ``2 pp`` in a V for zbv), ``tp`` a power of
 two up to ``tp_max`` that divides the units a view cuts each column Linear's output into (attention
 and key/value heads, a fused projection's q/k/v parts: ``megatron_plan``, as ``dpar.pipeline`` splits), and each
-of ``dp_strategies`` (fsdp only where dp > 1: with one pipeline it is ddp plus a copy). The
+of ``dp_strategies`` (fsdp only where dp > 1: with one pipeline it is ddp plus a copy), under each
+activation policy (``keep``, ``selective``, ``full``, the same for every block). The
 global batch is cut into micro-batches of ``micro_batch_rows`` rows; the ``tp`` ranks of a stage
 share a micro-batch, so a pipeline runs ``m = rows / (dp x micro_batch_rows)`` of them.
 
@@ -52,9 +53,13 @@ dtype, / tp, and under fsdp / dp plus the gathered parameters and their unreduce
 (1F1B: ``p - r`` on rank ``r``; GPipe: all ``m``; ZB-H1: ``p``; zbv: the simulator's count for
 each of the rank's two chunks, summed), / tp. The largest rank's
 is checked against the budget. The fastest candidate that fits wins; ties go to the smaller pp,
-then the smaller tp, then ddp.
+then the smaller tp, then ddp, then the policy that recomputes less.
 
-Not modelled: activation checkpointing, the vocabulary-parallel embedding and loss, overlap of
+An activation policy is priced as ``dpar.pipeline`` runs it: each block is traced under it
+(``trace_stage``'s recomputing cut), so a stage saves what its forward then returns for the backward
+and its B, I and W also cost the forward ops they compute again ([Note: the pipeline cost model]).
+
+Not modelled: the vocabulary-parallel embedding and loss, overlap of
 the tp, dp or send collectives with compute, a dp or pp group that fits in one node (NVLink),
 mixed precision (state is the model's own dtype: 4 bytes a parameter per tensor in fp32, 2 in bf16),
 and a tp group larger than a node beyond pricing it on the inter-node link.
@@ -72,7 +77,7 @@ from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
 from dpar.compiler.megatron import megatron_plan
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.compiler.pipeline_parallel.costs import (
-    BlockCollectives, LossFn, StageCost, TensorParallelCost, action_cost, cut_and_price, megatron_collectives,
+    BlockCollectives, LossFn, StageCost, TensorParallelCost, action_cost, cut_and_price_under, megatron_collectives,
     micro_batch_of, parameter_sizes, tensor_parallel_cost, with_loss,
 )
 from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule, stages_per_rank
@@ -80,11 +85,15 @@ from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
 from dpar.compiler.pipeline_parallel.split import balanced_cuts, capture, find_blocks, split_stages
 from dpar.core.errors import OptionsError, PipelineMemoryError
 from dpar.core.pipeline_program import Op, PipelineSchedule
+from dpar.core.plan import ActivationPolicy, Recompute
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zbv")
 """One stage per rank, or zbv's two in a V; interleaved_1f1b's virtual stages are not searched."""
 
 DP_STRATEGIES = ("ddp", "fsdp")
+
+ACTIVATION_POLICIES = (Recompute.KEEP, Recompute.SELECTIVE, Recompute.FULL)
+"""Searched for every block at once, least recomputation first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +116,8 @@ class PipelineCandidate:
     state_bytes: int  # the fullest rank's parameters + gradients + optimizer state (+ fsdp's gathered ones)
     activation_bytes: int  # the fullest rank's activations held at its peak
     fits: bool
+    activations: str = "keep"  # the activation policy of every block
+    recompute_s: float = 0.0  # of compute_s, the forward ops the busiest rank's backwards compute again
 
     @property
     def memory_bytes(self) -> int:
@@ -114,7 +125,8 @@ class PipelineCandidate:
 
     @property
     def layout(self) -> str:
-        return f"pp={self.pp} x tp={self.tp} x dp={self.dp} ({self.dp_strategy})"
+        policy = "" if self.activations == "keep" else f", {self.activations} recomputation"
+        return f"pp={self.pp} x tp={self.tp} x dp={self.dp} ({self.dp_strategy}{policy})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +163,8 @@ class PipelinePlan:
             f"pipeline plan: {self.choice.layout} on {self.world_size} ranks ({self.schedule}, micro-batches of "
             f"{self.micro_batch_rows} rows, {budget}, {self.device}, {self.optimizer})",
             f"{'pp':>3} {'tp':>3} {'dp':>4} {'dp by':>5} {'m':>4} {'compute':>11} {'of it tp':>11} {'bubble':>17} "
-            f"{'send':>10} {'span':>11} {'dp comm':>11} {'step':>11} {'state GB':>9} {'act. GB':>9} fits",
+            f"{'send':>10} {'span':>11} {'dp comm':>11} {'step':>11} {'state GB':>9} {'act. GB':>9} "
+            f"{'activations':>11} {'recompute':>11} fits",
         ]
         for c in self.candidates:
             mark = " <- chosen" if c is self.choice else ""
@@ -159,19 +172,29 @@ class PipelinePlan:
                 f"{c.pp:>3} {c.tp:>3} {c.dp:>4} {c.dp_strategy:>5} {c.micro_batches:>4} {_ms(c.compute_s)} {_ms(c.tp_s)} "
                 f"{c.bubble:>5.1%} {_ms(c.bubble_s)} {_ms(c.send_s, 10)} {_ms(c.pipeline_s)} {_ms(c.dp_comm_s)} "
                 f"{_ms(c.step_s)} {c.state_bytes / 1e9:>9.4f} {c.activation_bytes / 1e9:>9.4f} "
-                f"{'yes' if c.fits else 'no'}{mark}"
+                f"{c.activations:>11} {_ms(c.recompute_s)} {'yes' if c.fits else 'no'}{mark}"
             )
         if self.tp > 1 and self.tp_read_off_graphs:
             lines.append(
-                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}); "
-                "its tp collectives are those of the stage graphs dpar.pipeline builds (per block, read at tp 2)"
+                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp})"
+                f"{self._checkpointing}; its tp collectives are those of the stage graphs dpar.pipeline builds (per block, read at tp 2)"
             )
         elif self.tp > 1:
             lines.append(
-                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}); "
-                "tp is priced as Megatron with sequence parallel, a model not yet checked against measured runs"
+                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp})"
+                f"{self._checkpointing}; tp is priced as Megatron with sequence parallel, a model not yet checked against measured runs"
+            )
+        elif self.pp > 1 or self.choice.activations != "keep":
+            lines.append(
+                f"note: run it with dpar.pipeline over a ('dp', 'pp') mesh of shape ({self.dp}, {self.pp}), "
+                f"dp_strategy={self.dp_strategy!r}{self._checkpointing}"
             )
         return "\n".join(lines)
+
+    @property
+    def _checkpointing(self) -> str:
+        policy = self.choice.activations
+        return "" if policy == "keep" else f", activation_checkpointing={policy!r}"
 
 
 def _ms(seconds: float, width: int = 11) -> str:
@@ -227,8 +250,9 @@ def plan_pipeline(
     graph = capture(model, loss, micro_batch)
     prefix, blocks = find_blocks(graph)
     split = split_stages(graph, model, len(blocks))
-    per_block = cut_and_price(split, model, micro_batch, spec)
-    block_bytes = max((c.send_bytes for c in per_block), default=0)
+    priced = cut_and_price_under(split, model, micro_batch, spec, [ActivationPolicy(r) for r in ACTIVATION_POLICIES])
+    per_block = {policy.default: costs for policy, costs in priced.items()}
+    block_bytes = max((c.send_bytes for c in per_block[Recompute.KEEP]), default=0)
     divides = _tp_must_divide(model, micro_batch[:-1])
     v = stages_per_rank(schedule)
     tp_degrees = [tp for tp in (2 ** k for k in range(tp_max.bit_length()) if 2 ** k <= tp_max)
@@ -237,8 +261,9 @@ def plan_pipeline(
     read = read_tp_collectives(prefix, micro_batch, loss) \
         if read_tp_collectives is not None and max(tp_degrees) > 1 else None
     candidates = []
-    for pp in (d for d in range(1, len(blocks) // v + 1) if world_size % d == 0):
-        costs = _stages(per_block, pp * v, model)
+    for pp, policy in ((d, r) for d in range(1, len(blocks) // v + 1) if world_size % d == 0
+                       for r in ACTIVATION_POLICIES):
+        costs = _stages(per_block[policy], pp * v, model)
         for tp in tp_degrees:
             if world_size % (pp * tp):
                 continue
@@ -256,7 +281,8 @@ def plan_pipeline(
                 if strategy == "fsdp" and dp == 1:
                     continue  # one pipeline: fsdp would be ddp plus a gathered copy
                 candidates.append(_price(plan, timeline, costs, tp_cost, dp, strategy, latency, spec, optimizer,
-                                         memory_budget_gb))
+                                         memory_budget_gb, policy))
+    candidates = _worth_recomputing(candidates)
     if not candidates:
         raise OptionsError(
             f"plan_pipeline: no pp x tp x dp = {world_size} (tp up to {tp_max} dividing {_sizes(divides)}, "
@@ -270,17 +296,32 @@ def plan_pipeline(
             f"plan_pipeline: no layout fits {memory_budget_gb:g} GB per rank; the least memory is {least.layout} "
             f"with {least.memory_bytes / 1e9:.4g} GB ({least.state_bytes / 1e9:.4g} GB parameters, gradients and "
             f"optimizer state, {least.activation_bytes / 1e9:.4g} GB activations). Raise memory_budget_gb to at least "
-            f"{least.memory_bytes / 1e9:.4g}, or cut the activations (smaller micro_batch_rows, shorter sequences; "
-            f"activation checkpointing is not modelled here) or the state (more ranks, a larger tp_max, dp_strategy "
+            f"{least.memory_bytes / 1e9:.4g}, or cut the activations (smaller micro_batch_rows, shorter sequences) "
+            f"or the state (more ranks, a larger tp_max, dp_strategy "
             f"fsdp, an optimizer with less state)"
         )
-    choice = min(fitting, key=lambda c: (c.step_s, c.pp, c.tp, DP_STRATEGIES.index(c.dp_strategy)))
+    choice = min(fitting, key=lambda c: (c.step_s, c.pp, c.tp, DP_STRATEGIES.index(c.dp_strategy),
+                                         [r.value for r in ACTIVATION_POLICIES].index(c.activations)))
     return PipelinePlan(
         world_size=world_size, schedule=schedule, micro_batch_rows=mbr,
         memory_budget_bytes=None if memory_budget_gb is None else memory_budget_gb * 1e9,
         device=spec.name, optimizer=optimizer, candidates=tuple(candidates), choice=choice,
         tp_read_off_graphs=read is not None,
     )
+
+
+def _worth_recomputing(candidates: list[PipelineCandidate]) -> list[PipelineCandidate]:
+    """Every candidate keeping activations, and one recomputing only where it holds less memory than each
+    policy recomputing less on the same layout (a stack of Linears saves the same under every policy)."""
+    held: dict[tuple, list[int]] = {}
+    kept = []
+    for c in sorted(candidates, key=lambda c: [r.value for r in ACTIVATION_POLICIES].index(c.activations)):
+        before = held.setdefault((c.pp, c.tp, c.dp, c.dp_strategy), [])
+        if all(c.memory_bytes < m for m in before):
+            kept.append(c)
+        before.append(c.memory_bytes)
+    order = {id(c): i for i, c in enumerate(candidates)}
+    return sorted(kept, key=lambda c: order[id(c)])
 
 
 def _stages(per_block: Sequence[StageCost], stages: int, model: nn.Module) -> tuple[StageCost, ...]:
@@ -299,6 +340,7 @@ def _stages(per_block: Sequence[StageCost], stages: int, model: nn.Module) -> tu
             flops=sum(c.flops for c in run), forward_s=sum(c.forward_s for c in run),
             activation_bytes=sum(c.activation_bytes - c.free_activation_bytes for c in run) + free,
             free_activation_bytes=free, send_bytes=run[-1].send_bytes, send_s=run[-1].send_s,
+            recompute_s=sum(c.recompute_s for c in run), recompute_input_s=sum(c.recompute_input_s for c in run),
         ))
     return tuple(merged)
 
@@ -321,6 +363,7 @@ def _sizes(divides: dict[str, int]) -> str:
 def _price(
     plan: PipelineSchedule, timeline: SimulatedTimeline, costs: Sequence[StageCost], tp_cost: TensorParallelCost,
     dp: int, strategy: str, latency: float, spec: DeviceSpec, optimizer: str, memory_budget_gb: float | None,
+    policy: Recompute,
 ) -> PipelineCandidate:
     pp, m, fsdp, tp = plan.num_ranks, plan.micro_batches, strategy == "fsdp", tp_cost.degree
     compute = max(timeline.busy)
@@ -343,4 +386,5 @@ def _price(
         send_s=latency, pipeline_s=timeline.span, dp_comm_s=max(dp_comm), step_s=timeline.span + max(dp_comm),
         state_bytes=round(state[fullest]), activation_bytes=round(activations[fullest]),
         fits=memory_budget_gb is None or memory <= memory_budget_gb * 1e9,
+        activations=policy.value, recompute_s=m * sum(costs[s].recompute_s for s in plan.stages_of(busiest)) / tp,
     )

@@ -250,15 +250,6 @@ def test_policies_are_checked_before_anything_is_placed() -> None:
         dpar.parallelize(model, strategy="ddp", activation_checkpointing="full")
 
 
-def test_pipeline_refuses_checkpointing_by_name() -> None:
-    import dpar
-
-    model = third_party.build("nanogpt")
-    with pytest.raises(dpar.ActivationPolicyError, match="not supported inside pipeline stages"):
-        dpar.pipeline(model, lambda out, target: out, example_inputs=(torch.zeros(2, 8, dtype=torch.long),) * 2,
-                      stages=1, micro_batches=1, activation_checkpointing="full")
-
-
 def test_the_plan_carries_the_policy_and_the_joint_stage_lists_it() -> None:
     import dpar
     from dpar.compiler.pass_listing import PassListing

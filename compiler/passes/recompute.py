@@ -198,10 +198,11 @@ def fit_budget(joint: fx.GraphModule, budget_bytes: int) -> ActivationPolicy:
     return rungs[high]
 
 
-def _tagged(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
+def _tagged(joint: fx.GraphModule, policy: ActivationPolicy, forward: set[fx.Node] | None = None) -> fx.GraphModule:
     """Tags already set by the strategy's passes (gathers, sequence parallel) are kept; a node of a
-    ``keep`` block is left untagged."""
-    forward = forward_nodes(joint)
+    ``keep`` block is left untagged. ``forward``: the joint graph's forward nodes where its outputs
+    do not say (a pipeline stage's, cut by data dependence)."""
+    forward = forward_nodes(joint) if forward is None else forward
     keep_collectives_in_forward(joint, forward)
     instance: dict[str, int] = {}
     for node in joint.graph.nodes:
@@ -228,6 +229,24 @@ def _tagged(joint: fx.GraphModule, policy: ActivationPolicy) -> fx.GraphModule:
         else:
             node.meta[RECOMPUTE_KEY] = CheckpointPolicy.PREFER_RECOMPUTE
     return joint
+
+
+def tag_stage_recompute(joint: fx.GraphModule, policy: ActivationPolicy, forward: set[fx.Node]) -> fx.GraphModule:
+    """``tag_recompute`` for a pipeline stage's joint graph, whose ``forward`` nodes its cut found: a
+    per-block policy only (a budget is met by the partitioner, which a stage's cut does not run)."""
+    if policy.budget_bytes is not None:
+        raise ActivationPolicyError(
+            f"pipeline: an activation budget ({policy.budget_bytes:,} bytes) is not supported inside pipeline "
+            "stages; give each block keep, selective or full (a name for all, or {block: name})")
+    joint.meta[CHOSEN_KEY] = policy
+    return _tagged(joint, policy, forward)
+
+
+def recomputed_in_backward(node: fx.Node) -> bool:
+    """Whether a stage's backward computes ``node`` again rather than the forward saving it: a node of a
+    recomputing block tagged prefer-recompute, never a collective."""
+    return (BLOCK_KEY in node.meta and node.meta.get(RECOMPUTE_KEY) is CheckpointPolicy.PREFER_RECOMPUTE
+            and not is_communication(node))
 
 
 def keep_collectives_in_forward(joint: fx.GraphModule, forward: set[fx.Node] | None = None) -> fx.GraphModule:

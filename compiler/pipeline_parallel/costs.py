@@ -9,9 +9,11 @@ tensors: nothing runs) and priced on one micro-batch:
 
 - forward: the roofline of every node of the stage's forward graph (``costs.node_cost``, as every
   other ``dpar inspect`` timeline); the backward costs twice the forward, and for the zero-bubble
-  schedules its input-gradient (I) and weight-gradient (W) halves one forward each;
+  schedules its input-gradient (I) and weight-gradient (W) halves one forward each; under an activation
+  policy, plus the roofline of the forward ops each computes again (the nodes of B, I and W that carry
+  the block ``tag_stage_recompute`` tagged);
 - activations held per micro-batch, from its forward until its backward: the distinct storages of
-  what the forward saves for the backward (the received activations included, the parameters and
+  what the forward saves for the backward under the policy (the received activations included, the parameters and
   the batch not), by ``compiler/memory.py``'s liveness over the traced forward graph;
   Of these, ``free_activation_bytes`` are values the stage computes from the batch alone
   (RoPE's cos and sin): a stage of several blocks holds them once, not once per block;
@@ -39,11 +41,13 @@ import torch.nn.functional as F
 
 from dpar.core.pipeline_program import Action, Op, Stage, StageGraphs, StageSplit
 from dpar.compiler.pipeline_parallel.split import capture, split_stages
-from dpar.compiler.pipeline_parallel.stage_graphs import trace_stage
+from dpar.compiler.pipeline_parallel.stage_graphs import trace_stage_under
+from dpar.compiler.passes.recompute import BLOCK_KEY, policy_of
 from dpar.compiler.collectives import COLLECTIVE_KINDS
 from dpar.compiler.costs import DeviceSpec, link_time, node_cost, payload_bytes
 from dpar.compiler.memory import OPTIMIZER_STATES, Live, liveness, storages_of
 from dpar.core.errors import OptionsError
+from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -100,9 +104,13 @@ class StageCost:
     free_activation_bytes: int  # of which computed from the batch alone (held once however many blocks)
     send_bytes: int  # carried out to the next stage (0 on the last)
     send_s: float
+    recompute_s: float = 0.0  # forward ops the backward (B) computes again under the activation policy
+    recompute_input_s: float = 0.0  # of which I computes (W the rest)
 
     def action_s(self, op: Op) -> float:
-        return BACKWARD_FACTORS[op] * self.forward_s
+        again = {Op.FORWARD: 0.0, Op.BACKWARD: self.recompute_s, Op.BACKWARD_INPUT: self.recompute_input_s,
+                 Op.BACKWARD_WEIGHT: self.recompute_s - self.recompute_input_s}[op]
+        return BACKWARD_FACTORS[op] * self.forward_s + again
 
     def state_bytes(self, optimizer: str) -> int:
         """Parameters, their gradients and the optimizer's state, in the parameters' dtypes."""
@@ -135,11 +143,13 @@ def parameter_sizes(parameters: dict[str, torch.Tensor], names: Sequence[str]) -
     return sum(p.numel() for p in held), sum(p.numel() * p.element_size() for p in held)
 
 
-def _stage_cost(stage: Stage, last: bool, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec) -> StageCost:
-    parameters = dict(model.named_parameters(remove_duplicate=False))
-    state = parameters | dict(model.named_buffers(remove_duplicate=False))
-    graphs = trace_stage(stage, state, last, micro_batch)
+def _stage_cost(graphs: StageGraphs, parameters: dict[str, torch.Tensor], spec: DeviceSpec) -> StageCost:
+    stage = graphs.stage
     forward_s = sum(node_cost(n, spec).seconds for n in graphs.forward.graph.nodes if n.op == "call_function")
+
+    def recomputed_s(gm: fx.GraphModule) -> float:
+        return sum(node_cost(n, spec).seconds for n in gm.graph.nodes if n.op == "call_function" and BLOCK_KEY in n.meta)
+
     send = sum(math.prod(v.shape) * v.dtype.itemsize for v in stage.carried_out)
     activations, free = _held_bytes(graphs)
     numel, nbytes = parameter_sizes(parameters, stage.parameters)
@@ -148,6 +158,7 @@ def _stage_cost(stage: Stage, last: bool, model: nn.Module, micro_batch: Sequenc
         parameter_bytes=nbytes, flops=stage.flops, forward_s=forward_s, activation_bytes=activations,
         free_activation_bytes=free,
         send_bytes=send, send_s=spec.alpha + send * spec.beta if send else 0.0,
+        recompute_s=recomputed_s(graphs.backward), recompute_input_s=recomputed_s(graphs.backward_input),
     )
 
 
@@ -172,28 +183,46 @@ def _shape_key(stage: Stage, last: bool, model_state: dict[str, torch.Tensor]) -
 def price_stages(
     model: nn.Module, loss_fn: LossFn, micro_batch: Sequence[torch.Tensor], stages: int, spec: DeviceSpec,
     split_points: Sequence[str] | None = None, *, ranks: int | None = None, schedule: str = "",
+    activations: ActivationPolicy = KEEP_ACTIVATIONS,
 ) -> tuple[StageSplit, tuple[StageCost, ...]]:
     """Capture model + loss at ``micro_batch``, cut ``stages`` stages (``split_stages``), price each."""
     split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points, ranks=ranks,
                          schedule=schedule)
-    return split, cut_and_price(split, model, micro_batch, spec)
+    return split, cut_and_price(split, model, micro_batch, spec, activations)
 
 
-def cut_and_price(split: StageSplit, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec) -> tuple[StageCost, ...]:
+def cut_and_price(
+    split: StageSplit, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec,
+    activations: ActivationPolicy = KEEP_ACTIVATIONS,
+) -> tuple[StageCost, ...]:
+    return cut_and_price_under(split, model, micro_batch, spec, (activations,))[activations]
+
+
+def cut_and_price_under(
+    split: StageSplit, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec,
+    policies: Sequence[ActivationPolicy],
+) -> dict[ActivationPolicy, tuple[StageCost, ...]]:
+    """Each stage priced under each activation policy: a stage whose ops, shapes and blocks' policies another
+    has is priced once, and one trace serves every policy (``trace_stage_under``)."""
     empty = [s.index for s in split.stages if not s.blocks]
     if empty:
         raise OptionsError(f"pipeline inspection: stages {empty} would hold no block; use fewer stages")
     last = len(split.stages) - 1
-    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    state = parameters | dict(model.named_buffers(remove_duplicate=False))
     priced: dict[tuple, StageCost] = {}
-    costs = []
+    costs: dict[ActivationPolicy, list[StageCost]] = {policy: [] for policy in policies}
     for stage in split.stages:
-        key = _shape_key(stage, stage.index == last, state)
-        if key not in priced:
-            priced[key] = _stage_cost(stage, stage.index == last, model, micro_batch, spec)
-        costs.append(dataclasses.replace(priced[key], index=stage.index, blocks=stage.blocks,
-                                         parameters=stage.parameters, flops=stage.flops))
-    return tuple(costs)
+        shape = _shape_key(stage, stage.index == last, state)
+        keys = {p: (shape, tuple(policy_of(p, block) for block in stage.blocks)) for p in policies}
+        missing = list({keys[p]: p for p in policies if keys[p] not in priced}.values())
+        if missing:
+            graphs = trace_stage_under(stage, state, stage.index == last, micro_batch, missing)
+            priced.update({keys[p]: _stage_cost(g, parameters, spec) for p, g in zip(missing, graphs)})
+        for policy in policies:
+            costs[policy].append(dataclasses.replace(priced[keys[policy]], index=stage.index, blocks=stage.blocks,
+                                                     parameters=stage.parameters, flops=stage.flops))
+    return {policy: tuple(c) for policy, c in costs.items()}
 
 
 def action_cost(costs: Sequence[StageCost], tp: TensorParallelCost | None = None) -> Callable[[Action], float]:

@@ -6,7 +6,8 @@ gives one joint graph from (parameters, inputs, output gradients) to (outputs, i
 parameter gradients). dpar cuts that joint graph itself, by data dependence alone:
 
 - *forward*: what the outputs need; it also returns the *saved* values, the forward values the
-  backward reads (the default partitioner's choice: nothing is recomputed).
+  backward reads (the default partitioner's choice: nothing is recomputed), or, under an activation
+  policy, see [Note: activation checkpointing inside a pipeline stage].
 - *backward input* (I): what the input gradients need, from the saved values and the output
   gradients. It also returns the *stash*: its own values that the weight gradients read too
   (for ``y = x @ W``, the gradient of ``y`` feeds both ``dx`` and ``dW``).
@@ -16,6 +17,18 @@ parameter gradients). dpar cuts that joint graph itself, by data dependence alon
 So I is exactly the critical path between stages and W is work no other rank waits for: a
 zero-bubble schedule moves W into what would otherwise be bubbles. I and W together compute
 each node once, the same nodes as B.
+
+[Note: activation checkpointing inside a pipeline stage]
+A stage's cut runs no partitioner, so the plan's per-block policy is applied by the cut itself, from the
+same tags ``tag_recompute`` gives AOTAutograd's joint graph (``tag_stage_recompute``; the trace keeps
+each node's ``nn_module_stack`` from the captured graph, which names its block). Walking back from the
+gradients, a forward node of a recomputing block tagged prefer-recompute is computed again in the
+backward (B, or I), and its inputs are walked in turn; any other forward value is saved. A tagged node
+read by a forward node outside its block instance (the next block, the final norm) is saved too: the
+block's output, as ``torch.utils.checkpoint`` leaves it to its reader. So ``full`` saves each block's
+input and ``selective`` its matmul and attention outputs; collectives and random ops are never
+recomputed (must-save). The recomputation reads the parameters the backward already holds (under fsdp
+the one gather before B serves both), and I stashes what it recomputed that W reads.
 
 [Note: a buffer a stage's forward accumulates into]
 A forward may count into a buffer under ``torch.no_grad()`` (torchtitan's MoE: ``tokens_per_expert.add_(...)``,
@@ -39,20 +52,26 @@ block; saved values between F and B stay as propagation placed them, each rank's
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Iterable, Sequence
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
+from dpar.compiler.graph_utils import copy_graph_module
+from dpar.compiler.passes.recompute import GRAPH_ID_KEY, recomputed_in_backward, tag_stage_recompute
 from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
 from dpar.compiler.pipeline_parallel.split import written_in_place
 from dpar.compiler.propagation.propagate import MeshDim
 from dpar.core.errors import OptionsError
 from dpar.core.facts import TensorParallelSpec
 from dpar.core.pipeline_program import Stage, StageGraphs
+from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy
 from dpar.runtime.tensor_parallel import whole_parameter
 
 
@@ -100,15 +119,90 @@ def extract_graph(
     return gm
 
 
+class _Interpreted(nn.Module):
+    """A stage graph run node by node, so that the ops traced from each carry its ``nn_module_stack``
+    (``fx_traceback.preserve_node_meta``): the block an activation policy names."""
+
+    def __init__(self, graph: fx.GraphModule) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def forward(self, *args: torch.Tensor):  # noqa: ANN201 (the stage graph's outputs)
+        return fx.Interpreter(self.graph).run(*args)
+
+
+def _saved(roots: Sequence[fx.Node], forward: set[fx.Node], carried: set[fx.Node]) -> set[fx.Node]:
+    """The forward values (and ``carried`` inputs) the backward reads, walking back from the gradients
+    ``roots`` through what it computes, recomputed forward nodes included: [Note: activation
+    checkpointing inside a pipeline stage]."""
+
+    def recomputed(node: fx.Node) -> bool:
+        block = node.meta.get(GRAPH_ID_KEY)
+        return recomputed_in_backward(node) and all(
+            u not in forward or u.meta.get(GRAPH_ID_KEY) == block for u in node.users)
+
+    saved, seen = set(), set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            if node in carried:
+                saved.add(node)
+            continue
+        if node in forward:
+            if not recomputed(node):
+                saved.add(node)
+                continue
+        stack.extend(node.all_input_nodes)
+    return saved
+
+
 def trace_stage(
     stage: Stage, state: dict[str, torch.Tensor], last: bool, batch: Sequence[torch.Tensor],
     splits: dict[str, TensorParallelSpec] | None = None, tp: MeshDim | None = None,
+    activations: ActivationPolicy = KEEP_ACTIVATIONS,
 ) -> StageGraphs:
     """Trace ``stage``'s joint graph and cut it per [Note: splitting a stage's backward into I and W].
 
     ``state``: the model's parameters and buffers by name (tied ones under each name). ``splits`` (name ->
-    spec, split parameters only) and ``tp``: see [Note: tensor parallel inside a pipeline stage]."""
-    splits = splits or {}
+    spec, split parameters only) and ``tp``: see [Note: tensor parallel inside a pipeline stage].
+    ``activations``: see [Note: activation checkpointing inside a pipeline stage]."""
+    return _cut(_trace_joint(stage, state, last, batch, splits or {}, tp), activations)
+
+
+def trace_stage_under(
+    stage: Stage, state: dict[str, torch.Tensor], last: bool, batch: Sequence[torch.Tensor],
+    policies: Sequence[ActivationPolicy],
+) -> tuple[StageGraphs, ...]:
+    """``trace_stage`` under each of ``policies``, from one trace (what a policy changes is the cut)."""
+    joint = _trace_joint(stage, state, last, batch, {}, None)
+    return tuple(_cut(dataclasses.replace(joint, traced=copy_graph_module(joint.traced)), policy)
+                 for policy in policies)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Joint:
+    """A stage's joint graph: placeholders (parameters, buffers, batch inputs, carried, output gradients)
+    to (outputs, input gradients, parameter gradients), and what the cut needs to know of it."""
+
+    stage: Stage
+    traced: fx.GraphModule
+    names: tuple[str, ...]
+    buffer_names: tuple[str, ...]
+    batch_inputs: int
+    carried: int
+    grad_inputs: tuple[int, ...]
+    grad_outputs: tuple[int, ...]
+    num_outputs: int
+
+
+def _trace_joint(
+    stage: Stage, state: dict[str, torch.Tensor], last: bool, batch: Sequence[torch.Tensor],
+    splits: dict[str, TensorParallelSpec], tp: MeshDim | None,
+) -> _Joint:
     graph_names = [name for name, _ in stage.graph.named_parameters(remove_duplicate=False)]
     buffer_graph_names = [name for name, _ in stage.graph.named_buffers(remove_duplicate=False)]
     names = tuple(name.removeprefix("model.") for name in graph_names)
@@ -128,7 +222,8 @@ def trace_stage(
         with torch.enable_grad():
             read_values = [read(n, v) for n, v in zip(names, param_values)]
             values = dict(zip(graph_names, read_values)) | dict(zip(buffer_graph_names, buffer_values))
-            out = functional_call(stage.graph, values, (*batch_inputs, *carried))
+            values = {f"graph.{name}": value for name, value in values.items()}
+            out = functional_call(interpreted, values, (*batch_inputs, *carried))
             outs = (out,) if last else tuple(out)
             differentiable = [carried[i] for i in grad_inputs] + list(param_values)
             tracked = [(outs[i], g) for i, g in zip(grad_outputs, output_grads) if outs[i].requires_grad]
@@ -148,14 +243,23 @@ def trace_stage(
         else [torch.zeros(specs_out[i].shape, dtype=specs_out[i].dtype, device=device) for i in grad_outputs]
     )
     batch_inputs = [batch[i] for i in stage.batch_inputs]
-    traced = make_fx(joint, tracing_mode="fake")(params, buffers, batch_inputs, carried, output_grads)
+    interpreted = _Interpreted(stage.graph)
+    with fx_traceback.preserve_node_meta():
+        traced = make_fx(joint, tracing_mode="fake")(params, buffers, batch_inputs, carried, output_grads)
     if tp is not None:
         traced = tensor_parallel_pass(traced, tp)
+    return _Joint(stage, traced, names, buffer_names, len(batch_inputs), len(carried), grad_inputs, grad_outputs,
+                  num_outputs)
+
+
+def _cut(joint: _Joint, activations: ActivationPolicy) -> StageGraphs:
+    traced, num_outputs, grad_inputs = joint.traced, joint.num_outputs, joint.grad_inputs
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    n_p, n_b, n_c = len(params) + len(buffers), len(batch_inputs), len(carried)
+    n_params = len(joint.names)
+    n_p = n_params + len(joint.buffer_names)
     p_nodes = placeholders[:n_p]  # the state: parameters, then buffers
-    x_nodes = placeholders[n_p:n_p + n_b + n_c]
-    t_nodes = placeholders[n_p + n_b + n_c:]
+    x_nodes = placeholders[n_p:n_p + joint.batch_inputs + joint.carried]
+    t_nodes = placeholders[n_p + joint.batch_inputs + joint.carried:]
     out_node = next(n for n in traced.graph.nodes if n.op == "output")
     flat = list(out_node.args[0])  # make_fx flattens (outputs, grads)
     outs, grads = flat[:num_outputs], flat[num_outputs:]
@@ -163,21 +267,22 @@ def trace_stage(
     param_grads = grads[len(grad_inputs):]
 
     inputs = set(placeholders)
-    accumulations = _buffer_accumulations(traced, dict(zip(p_nodes[len(params):], buffer_names)))
+    accumulations = _buffer_accumulations(traced, dict(zip(p_nodes[n_params:], joint.buffer_names)))
     forward_region = _with_items(_ancestors([*outs, *accumulations], inputs) - inputs)
+    if activations.recomputes:
+        tag_stage_recompute(traced, activations, forward_region)
     present = [g for g in grads if g is not None]
-    grad_region = _ancestors(present, inputs) - inputs - forward_region
-    input_region = _with_items(_ancestors([g for g in input_grads if g is not None], inputs) - inputs - forward_region)
+    # Saved: forward values (the batch and carried inputs included) that the backward reads.
+    saved_set = _saved(present, forward_region, set(x_nodes))
+    boundary = inputs | saved_set  # the backward's region: what it computes from those
+    grad_region = _ancestors(present, boundary) - boundary
+    input_region = _with_items(_ancestors([g for g in input_grads if g is not None], boundary)) - boundary
     weight_region = grad_region - input_region
 
     def read_by(node: fx.Node, region: set[fx.Node], results: list) -> bool:
         return any(u in region for u in node.users) or any(node is r for r in results)
 
-    # Saved: forward values (the batch and carried inputs included) that the backward reads.
-    saved = [
-        n for n in traced.graph.nodes
-        if (n in forward_region or n in x_nodes) and read_by(n, grad_region, present)
-    ]
+    saved = [n for n in traced.graph.nodes if n in saved_set]
     stash = [n for n in traced.graph.nodes if n in input_region and read_by(n, weight_region, param_grads)]
 
     forward = extract_graph(traced, p_nodes + x_nodes, outs + saved, effects=accumulations)
@@ -185,11 +290,11 @@ def trace_stage(
     backward_input = extract_graph(traced, p_nodes + saved + t_nodes, input_grads + stash)
     backward_weight = extract_graph(traced, p_nodes + saved + t_nodes + stash, param_grads)
     return StageGraphs(
-        stage=stage,
-        parameter_names=names,
-        buffer_names=buffer_names,
+        stage=joint.stage,
+        parameter_names=joint.names,
+        buffer_names=joint.buffer_names,
         grad_inputs=grad_inputs,
-        grad_outputs=grad_outputs,
+        grad_outputs=joint.grad_outputs,
         num_outputs=num_outputs,
         num_saved=len(saved),
         num_stash=len(stash),

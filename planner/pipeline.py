@@ -55,7 +55,9 @@ each of the rank's two chunks, summed), / tp. The largest rank's
 is checked against the budget. The fastest candidate that fits wins; ties go to the smaller pp,
 then the smaller tp, then ddp, then the policy that recomputes less.
 
-An activation policy is priced as ``dpar.pipeline`` runs it: each block is traced under it
+Under a budget, a layout is priced recomputing only where that could win: where keeping everything does
+not fit under every dp strategy, and no candidate priced before fits in less time than keeping everything
+takes there (recomputing only adds time). An activation policy is priced as ``dpar.pipeline`` runs it: each block is traced under it
 (``trace_stage``'s recomputing cut), so a stage saves what its forward then returns for the backward
 and its B, I and W also cost the forward ops they compute again ([Note: the pipeline cost model]).
 
@@ -80,7 +82,7 @@ from dpar.compiler.pipeline_parallel.costs import (
     BlockCollectives, LossFn, StageCost, TensorParallelCost, action_cost, cut_and_price_under, megatron_collectives,
     micro_batch_of, parameter_sizes, tensor_parallel_cost, with_loss,
 )
-from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule, stages_per_rank
+from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule, execution_order, stages_per_rank
 from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
 from dpar.compiler.pipeline_parallel.split import balanced_cuts, capture, find_blocks, split_stages
 from dpar.core.errors import OptionsError, PipelineMemoryError
@@ -176,13 +178,13 @@ class PipelinePlan:
             )
         if self.tp > 1 and self.tp_read_off_graphs:
             lines.append(
-                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp})"
-                f"{self._checkpointing}; its tp collectives are those of the stage graphs dpar.pipeline builds (per block, read at tp 2)"
+                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}), "
+                f"dp_strategy={self.dp_strategy!r}{self._checkpointing}; its tp collectives are those of the stage graphs dpar.pipeline builds (per block, read at tp 2)"
             )
         elif self.tp > 1:
             lines.append(
-                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp})"
-                f"{self._checkpointing}; tp is priced as Megatron with sequence parallel, a model not yet checked against measured runs"
+                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}), "
+                f"dp_strategy={self.dp_strategy!r}{self._checkpointing}; tp is priced as Megatron with sequence parallel, a model not yet checked against measured runs"
             )
         elif self.pp > 1 or self.choice.activations != "keep":
             lines.append(
@@ -261,9 +263,8 @@ def plan_pipeline(
     read = read_tp_collectives(prefix, micro_batch, loss) \
         if read_tp_collectives is not None and max(tp_degrees) > 1 else None
     candidates = []
-    for pp, policy in ((d, r) for d in range(1, len(blocks) // v + 1) if world_size % d == 0
-                       for r in ACTIVATION_POLICIES):
-        costs = _stages(per_block[policy], pp * v, model)
+    for pp in (d for d in range(1, len(blocks) // v + 1) if world_size % d == 0):
+        staged = {policy: _stages(per_block[policy], pp * v, model) for policy in ACTIVATION_POLICIES}
         for tp in tp_degrees:
             if world_size % (pp * tp):
                 continue
@@ -271,17 +272,22 @@ def plan_pipeline(
             if rows % (dp * mbr):
                 continue  # the dp pipelines cannot each take whole micro-batches
             m = rows // (dp * mbr)
-            plan = build_schedule(schedule, num_ranks=pp, micro_batches=m, checked=False)  # simulate checks it
-            collectives = megatron_collectives(costs, block_bytes) if read is None \
-                else read.of_stages([len(c.blocks) for c in costs])
-            tp_cost = tensor_parallel_cost(collectives, tp, spec, read_off_graphs=read is not None)
-            latency = max((spec.alpha + c.send_bytes / tp * spec.beta for c in costs if c.send_bytes), default=0.0)
-            timeline = simulate(plan, action_cost(costs, tp_cost), latency=latency)
-            for strategy in dp_strategies:
-                if strategy == "fsdp" and dp == 1:
-                    continue  # one pipeline: fsdp would be ddp plus a gathered copy
-                candidates.append(_price(plan, timeline, costs, tp_cost, dp, strategy, latency, spec, optimizer,
-                                         memory_budget_gb, policy))
+            plan = build_schedule(schedule, num_ranks=pp, micro_batches=m, checked=False)
+            order = execution_order(plan)  # checks it; one order serves every policy's costs
+            kept: list[PipelineCandidate] = []
+            for policy, costs in staged.items():
+                if kept and memory_budget_gb is not None and _cannot_win(kept, candidates):
+                    break
+                collectives = megatron_collectives(costs, block_bytes) if read is None \
+                    else read.of_stages([len(c.blocks) for c in costs])
+                tp_cost = tensor_parallel_cost(collectives, tp, spec, read_off_graphs=read is not None)
+                latency = max((spec.alpha + c.send_bytes / tp * spec.beta for c in costs if c.send_bytes), default=0.0)
+                timeline = simulate(plan, action_cost(costs, tp_cost), latency=latency, order=order)
+                priced = [_price(plan, timeline, costs, tp_cost, dp, strategy, latency, spec, optimizer,
+                                 memory_budget_gb, policy)
+                          for strategy in dp_strategies if strategy == "ddp" or dp > 1]  # fsdp of one: ddp + a copy
+                kept = kept or priced
+                candidates.extend(priced)
     candidates = _worth_recomputing(candidates)
     if not candidates:
         raise OptionsError(
@@ -308,6 +314,13 @@ def plan_pipeline(
         device=spec.name, optimizer=optimizer, candidates=tuple(candidates), choice=choice,
         tp_read_off_graphs=read is not None,
     )
+
+
+def _cannot_win(kept: list[PipelineCandidate], found: list[PipelineCandidate]) -> bool:
+    """Whether recomputing on the layout of ``kept`` (its candidates keeping everything) is only slower: each
+    fits already, or a candidate found before fits in less time than any of them (recomputing adds time)."""
+    fastest = min((c.step_s for c in found if c.fits), default=float("inf"))
+    return all(c.fits for c in kept) or fastest <= min(c.step_s for c in kept)
 
 
 def _worth_recomputing(candidates: list[PipelineCandidate]) -> list[PipelineCandidate]:

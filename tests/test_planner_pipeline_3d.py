@@ -145,7 +145,7 @@ def test_a_stage_of_several_blocks_costs_the_sum_of_its_blocks_less_the_batch_va
 def test_llama3_70b_at_512_ranks_fits_80_gb_with_tp_in_under_a_minute():
     """Llama-3-70B in bf16 on meta, 512 rows of 4096 tokens, 80 GB per rank: no layout without tp
     fits keeping activations (1F1B holds a whole model's activations per micro-batch row on rank 0: 500 GB at
-    tp=1); recomputing every block some do, slower than the choice."""
+    tp=1); recomputing, some would, slower than the choice."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from llama3_on_paper import llama3, model_loss
 
@@ -160,12 +160,9 @@ def test_llama3_70b_at_512_ranks_fits_80_gb_with_tp_in_under_a_minute():
     assert p.tp > 1 and p.pp * p.tp * p.dp == 512
     assert p.choice.memory_bytes <= 80e9
     assert not any(c.fits for c in p.candidates if c.tp == 1 and c.activations == "keep")
-    # recomputing every block, layouts without tp fit too, and cost more than the choice
-    recomputing = [c for c in p.candidates if c.tp == 1 and c.fits]
-    assert recomputing and all(c.activations == "full" and c.step_s > p.choice.step_s for c in recomputing)
-    best = min(recomputing, key=lambda c: c.step_s)
-    print(f"  fastest without tp: {best.layout}, {best.step_s * 1e3:.0f} ms/step ({best.recompute_s * 1e3:.0f} ms "
-          f"recomputing), {best.memory_bytes / 1e9:.1f} GB")
+    # recomputation is priced where it could win (and listed): it never does here, each is slower than the choice
+    recomputing = [c for c in p.candidates if c.activations != "keep"]
+    assert recomputing and all(c.step_s > p.choice.step_s for c in recomputing)
     assert seconds < 120.0
 
 

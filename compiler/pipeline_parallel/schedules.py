@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from dpar.core.errors import OptionsError, ScheduleError, TooFewMicroBatchesError
 from dpar.core.pipeline_program import Action, Op, PipelineSchedule
@@ -289,12 +289,41 @@ def replay(schedule: PipelineSchedule, duration: Callable[[Action], float] | Non
     Compute actions last ``duration(action)`` (0 without one); a send costs nothing and its
     message lands ``latency`` later; a receive ends when its message has landed. Raises
     ``ScheduleError`` at the first action that can never proceed."""
+    return timed(schedule, execution_order(schedule), duration, latency)
+
+
+def timed(schedule: PipelineSchedule, order: Sequence[tuple[int, int]],
+          duration: Callable[[Action], float] | None = None, latency: float = 0.0,
+          ) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """``replay``'s times along an ``execution_order`` of the schedule: which action waits for which does not
+    depend on how long they take, so one order serves every set of costs (the planner prices several)."""
+    clock = [0.0] * schedule.num_ranks
+    times: list[list[tuple[float, float]]] = [[] for _ in range(schedule.num_ranks)]
+    landed: dict[Action, float] = {}
+    for r, n in order:
+        a = schedule.actions[r][n]
+        start = clock[r]
+        if a.op in _MATCH:
+            op, step = _MATCH[a.op]
+            clock[r] = max(clock[r], landed.pop(Action(op, a.stage + step, a.micro_batch)))
+        elif not a.op.is_compute:
+            landed[a] = clock[r] + latency
+        elif duration:
+            clock[r] += duration(a)
+        times[r].append((start, clock[r]))
+    return tuple(tuple(t) for t in times)
+
+
+def execution_order(schedule: PipelineSchedule) -> tuple[tuple[int, int], ...]:
+    """(rank, action index) in an order the executor's rules let every action run: each rank's program in
+    turn until it waits for a message not yet sent. Raises ``ScheduleError`` at the first action that can
+    never proceed."""
     _check_contents(schedule)
     p = schedule.num_ranks
-    pc, clock = [0] * p, [0.0] * p
+    pc = [0] * p
     done: list[set[str]] = [set() for _ in range(p)]
-    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-    landed: dict[Action, float] = {}  # sends not yet received -> when their message lands
+    order: list[tuple[int, int]] = []
+    landed: set[Action] = set()  # sends not yet received
     issued: set[Action] = set()
     progressed = True
     while progressed:
@@ -307,21 +336,18 @@ def replay(schedule: PipelineSchedule, duration: Callable[[Action], float] | Non
                         raise ScheduleError(
                             f"rank {r}, action {pc[r]} ({a}) needs {' or '.join(options)} earlier on the same rank, "
                             f"and the program does not run it before; reorder rank {r}'s actions")
-                start = clock[r]
                 if a.op in _MATCH:
                     op, step = _MATCH[a.op]
                     send = Action(op, a.stage + step, a.micro_batch)
                     if send not in landed:
                         break
-                    clock[r] = max(clock[r], landed.pop(send))
+                    landed.remove(send)
                 elif not a.op.is_compute:
                     if a in issued:
                         raise ScheduleError(f"rank {r}, action {pc[r]} ({a}) sends a second time; drop the duplicate")
                     issued.add(a)
-                    landed[a] = clock[r] + latency
-                else:
-                    clock[r] += duration(a) if duration else 0.0
-                times[r].append((start, clock[r]))
+                    landed.add(a)
+                order.append((r, pc[r]))
                 done[r].add(str(a))
                 pc[r] += 1
                 progressed = True
@@ -341,7 +367,7 @@ def replay(schedule: PipelineSchedule, duration: Callable[[Action], float] | Non
         raise ScheduleError(f"schedule {schedule.name!r} deadlocks: " + "; ".join(lines)
                             + ". Every receive needs its peer to reach the matching send without waiting on it; "
                               "reorder the programs")
-    return tuple(tuple(t) for t in times)
+    return tuple(order)
 
 
 def check_deadlock_free(schedule: PipelineSchedule) -> None:

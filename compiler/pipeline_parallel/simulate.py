@@ -49,10 +49,10 @@ simulator (every p <= 8, m <= 24 in the tests), not derived step by step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from dpar.compiler.pipeline_parallel.schedules import replay
+from dpar.compiler.pipeline_parallel.schedules import replay, timed
 from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 
 
@@ -128,12 +128,13 @@ def _peak(actions: Any) -> int:
 
 
 def simulate(schedule: PipelineSchedule, costs: Costs | Callable[[Action], float] = Costs(),
-             *, latency: float | None = None) -> SimulatedTimeline:
+             *, latency: float | None = None, order: Sequence[tuple[int, int]] | None = None) -> SimulatedTimeline:
     """Replay ``schedule`` with ``costs`` per compute action (a ``Costs`` or any function of the
-    action, e.g. per-stage costs from the split); ``latency`` overrides ``Costs.latency``."""
+    action, e.g. per-stage costs from the split); ``latency`` overrides ``Costs.latency``. ``order``: the
+    schedule's ``execution_order``, found once where one schedule is replayed under several costs."""
     if latency is None:
         latency = costs.latency if isinstance(costs, Costs) else 0.0
-    times = replay(schedule, costs, latency)
+    times = replay(schedule, costs, latency) if order is None else timed(schedule, order, costs, latency)
     events = tuple(TimedAction(r, a, *t) for r, program in enumerate(schedule.actions)
                    for a, t in zip(program, times[r]))
     busy = [0.0] * schedule.num_ranks

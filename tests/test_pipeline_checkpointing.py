@@ -159,8 +159,3 @@ def test_the_pipeline_planner_recomputes_only_what_the_budget_needs() -> None:
         _planned(full.memory_bytes - 1)
     print(f"one rank: keep {keep.memory_bytes:,} B {keep.step_s * 1e3:.3f} ms, selective {selective.memory_bytes:,} B "
           f"{selective.step_s * 1e3:.3f} ms, full {full.memory_bytes:,} B {full.step_s * 1e3:.3f} ms")
-    # On two ranks the budget trades the pipeline degree against recomputation: the fastest fitting candidate wins.
-    two = _planned(full.memory_bytes, world_size=2)
-    assert two.choice.fits and two.choice.memory_bytes <= full.memory_bytes
-    assert two.choice.step_s == min(c.step_s for c in two.candidates if c.fits)
-    assert "activation_checkpointing=" in str(two) or two.choice.activations == "keep"

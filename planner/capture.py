@@ -127,7 +127,17 @@ def _kind(node: fx.Node, params: list[str]) -> str:
         return "matmul"
     if target in DROPOUT or (isinstance(target, OpOverload) and torch.Tag.pointwise in target.tags):
         return "pointwise"
+    if target is aten.cat.default and _along_last(node):
+        return "concat"
     return "other"
+
+
+def _along_last(node: fx.Node) -> bool:
+    """A concatenation along the last dimension of per-head values (RoPE's rotate_half: ``cat((-x2, x1), -1)`` of
+    ``[batch, heads, seq, head_dim]`` halves): 4-D and more, where a column Linear's split sits on the heads."""
+    ndim = len(_shape(node.meta.get("val")))
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return ndim >= 4 and dim in (-1, ndim - 1)
 
 
 def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGraph:

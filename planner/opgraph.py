@@ -13,7 +13,7 @@ class Op:
     """One compute op (a representative when it stands for ``count`` identical ones in repeated blocks)."""
 
     name: str
-    kind: str  # linear, embedding, norm, attention, softmax, loss, matmul, pointwise, other, output
+    kind: str  # linear, embedding, norm, attention, softmax, loss, matmul, pointwise, concat, other, output
     module: str
     inputs: tuple[int, ...]  # producing op per activation input; -1: a graph input, buffer or constant
     input_shapes: tuple[tuple[int, ...], ...]

@@ -16,7 +16,7 @@ embedding's candidates are Megatron's layouts defined there (``COLUMN``, ``ROW``
 in this vocabulary. What stays here only the planner knows: it prices a module-level forward
 whose backward is never traced, so it names placements up to the dimension (``S`` follows
 the split through views), says what gradients come back (f / g), and shards attention,
-softmax, the loss and pointwise ops by kind rather than by the ATen op's rule.
+softmax, the loss, pointwise ops and RoPE's concatenation by kind rather than by the ATen op's rule.
 """
 
 from __future__ import annotations
@@ -119,6 +119,14 @@ def _pointwise(op: Op, tp: int) -> list[Candidate]:
     return [_uniform("shard", op, "S", (), True)]
 
 
+def _concat(op: Op, tp: int) -> list[Candidate]:
+    """A concatenation along the last dimension of per-head values (``capture._along_last``): each rank joins its
+    own heads' halves, as attention reads them split."""
+    if any(len(s) < 4 or s[-3] % tp for s in op.input_shapes):
+        return []
+    return [_uniform("shard", op, "S", (), True)]
+
+
 def _matmul(op: Op, tp: int) -> list[Candidate]:
     """Activation @ activation with batch dimensions (attention written by hand): heads shard."""
     if len(op.input_shapes) != 2 or any(len(s) < 3 or s[-3] % tp for s in op.input_shapes):
@@ -133,6 +141,7 @@ SHARDED = {
     "softmax": _softmax_or_loss,
     "loss": _softmax_or_loss,
     "pointwise": _pointwise,
+    "concat": _concat,
     "matmul": _matmul,
 }
 

@@ -76,3 +76,20 @@ def test_python_that_breaks_the_graph_and_non_tensor_outputs_plan(capsys) -> Non
     p = plan(Chatty(), (torch.randn(8, 16),), mesh_shape=(2,))
     assert [pp.name for pp in p.parameters] == ["up.weight", "up.bias", "down.weight", "down.bias"]
     assert "hidden (8, 64)" in capsys.readouterr().out
+
+
+def test_ropes_concatenation_keeps_heads_split_under_tensor_parallel() -> None:
+    """RoPE's rotate_half joins the halves of each head (``cat((-x2, x1), -1)`` of [batch, heads, seq, head_dim]):
+    under tp each rank joins its own heads', as attention reads them split. Without that rule every layer
+    all-gathered q and k before RoPE and ran attention replicated over the tp group."""
+    from dpar.compiler.costs import PRESETS
+    from dpar.planner.evaluate import evaluate
+    from dpar.planner.strategies import strategy_assignment
+
+    model = build("llama")
+    graph = build_op_graph(model, global_batch(0, ROWS))
+    concats = [op for op in graph.ops if op.kind == "concat"]
+    assert concats and all(len(op.output_shape) == 4 for op in concats)
+    planned = evaluate(graph, strategy_assignment(graph, "ddp+tp", (2, 2)), PRESETS["h100"])
+    assert {o.choice for o in planned.ops if o.kind in ("concat", "attention")} == {"shard"}
+    assert not [c for c in planned.collectives if c.mesh_dim == "tp" and c.phase == "forward" and "cat" in c.where]

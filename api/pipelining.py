@@ -445,8 +445,8 @@ def pipeline(
     meta]`` and ``[Note: a pipelined model's state]``.
 
     ``activation_checkpointing``: as ``dpar.parallelize`` takes it (``keep``, ``selective``, ``full``, or
-    ``{block: name}``; a budget is refused here): each stage's backward computes again what its blocks' policy
-    recomputes; see [Note: activation checkpointing inside a pipeline stage] in
+    ``{block: name}``, or an ``ActivationPolicy(budget_bytes=...)``: saved bytes per stage and micro-batch): each
+    stage's backward computes again what its blocks' policy recomputes; see [Note: activation checkpointing inside a pipeline stage] in
     ``compiler/pipeline_parallel/stage_graphs.py``.
 
     ``compiler``: ``"aot_eager"`` runs the stage graphs as Python ATen calls; ``"inductor"`` lowers each one with

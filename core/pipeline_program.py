@@ -14,6 +14,8 @@ import math
 import torch
 import torch.fx as fx
 
+from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy
+
 
 class Op(enum.Enum):
     FORWARD = "F"
@@ -136,6 +138,7 @@ class StageGraphs:
     backward: fx.GraphModule
     backward_input: fx.GraphModule
     backward_weight: fx.GraphModule
+    activations: ActivationPolicy = KEEP_ACTIVATIONS  # what the cut recomputes, per block (a budget: the rung met)
 
 
 @dataclasses.dataclass(frozen=True)

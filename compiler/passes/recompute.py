@@ -233,11 +233,7 @@ def _tagged(joint: fx.GraphModule, policy: ActivationPolicy, forward: set[fx.Nod
 
 def tag_stage_recompute(joint: fx.GraphModule, policy: ActivationPolicy, forward: set[fx.Node]) -> fx.GraphModule:
     """``tag_recompute`` for a pipeline stage's joint graph, whose ``forward`` nodes its cut found: a
-    per-block policy only (a budget is met by the partitioner, which a stage's cut does not run)."""
-    if policy.budget_bytes is not None:
-        raise ActivationPolicyError(
-            f"pipeline: an activation budget ({policy.budget_bytes:,} bytes) is not supported inside pipeline "
-            "stages; give each block keep, selective or full (a name for all, or {block: name})")
+    per-block policy (the cut meets a budget itself, per stage: ``stage_graphs._fit_budget``)."""
     joint.meta[CHOSEN_KEY] = policy
     return _tagged(joint, policy, forward)
 

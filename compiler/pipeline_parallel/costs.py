@@ -214,7 +214,7 @@ def cut_and_price_under(
     costs: dict[ActivationPolicy, list[StageCost]] = {policy: [] for policy in policies}
     for stage in split.stages:
         shape = _shape_key(stage, stage.index == last, state)
-        keys = {p: (shape, tuple(policy_of(p, block) for block in stage.blocks)) for p in policies}
+        keys = {p: (shape, tuple(policy_of(p, block) for block in stage.blocks), p.budget_bytes) for p in policies}
         missing = list({keys[p]: p for p in policies if keys[p] not in priced}.values())
         if missing:
             graphs = trace_stage_under(stage, state, stage.index == last, micro_batch, missing)

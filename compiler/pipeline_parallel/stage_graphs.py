@@ -29,6 +29,10 @@ block's output, as ``torch.utils.checkpoint`` leaves it to its reader. So ``full
 input and ``selective`` its matmul and attention outputs; collectives and random ops are never
 recomputed (must-save). The recomputation reads the parameters the backward already holds (under fsdp
 the one gather before B serves both), and I stashes what it recomputed that W reads.
+A budget (``ActivationPolicy.budget_bytes``) is per stage and micro-batch: the bytes its forward saves.
+The cut walks ``recompute.ladder`` over the stage's blocks as ``fit_budget`` does for a whole graph
+(keep, then one block more selective, then full), each rung tagged on a copy and cut, and keeps the
+first that fits; none does: a named error with the smallest figure.
 
 [Note: a buffer a stage's forward accumulates into]
 A forward may count into a buffer under ``torch.no_grad()`` (torchtitan's MoE: ``tokens_per_expert.add_(...)``,
@@ -64,11 +68,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
 from dpar.compiler.graph_utils import copy_graph_module
-from dpar.compiler.passes.recompute import GRAPH_ID_KEY, recomputed_in_backward, tag_stage_recompute
+from dpar.compiler.passes.recompute import (
+    GRAPH_ID_KEY, block_path, ladder, recomputed_in_backward, tag_stage_recompute,
+)
 from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
 from dpar.compiler.pipeline_parallel.split import written_in_place
 from dpar.compiler.propagation.propagate import MeshDim
-from dpar.core.errors import OptionsError
+from dpar.core.errors import ActivationPolicyError, OptionsError
 from dpar.core.facts import TensorParallelSpec
 from dpar.core.pipeline_program import Stage, StageGraphs
 from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy
@@ -269,9 +275,11 @@ def _cut(joint: _Joint, activations: ActivationPolicy) -> StageGraphs:
     inputs = set(placeholders)
     accumulations = _buffer_accumulations(traced, dict(zip(p_nodes[n_params:], joint.buffer_names)))
     forward_region = _with_items(_ancestors([*outs, *accumulations], inputs) - inputs)
+    present = [g for g in grads if g is not None]
+    if activations.budget_bytes is not None:
+        activations = _fit_budget(joint, forward_region, present, set(x_nodes), activations.budget_bytes)
     if activations.recomputes:
         tag_stage_recompute(traced, activations, forward_region)
-    present = [g for g in grads if g is not None]
     # Saved: forward values (the batch and carried inputs included) that the backward reads.
     saved_set = _saved(present, forward_region, set(x_nodes))
     boundary = inputs | saved_set  # the backward's region: what it computes from those
@@ -302,7 +310,48 @@ def _cut(joint: _Joint, activations: ActivationPolicy) -> StageGraphs:
         backward=backward,
         backward_input=backward_input,
         backward_weight=backward_weight,
+        activations=activations,
     )
+
+
+def _saved_bytes(saved: set[fx.Node]) -> int:
+    """Bytes of the values the forward computes and returns for the backward (its inputs not counted)."""
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in saved if n.op != "placeholder")
+
+
+def _fit_budget(
+    joint: _Joint, forward: set[fx.Node], roots: Sequence[fx.Node], carried: set[fx.Node], budget_bytes: int,
+) -> ActivationPolicy:
+    """The first rung of ``recompute.ladder`` over the stage's blocks (keep everywhere, then one block more
+    selective, then full) whose forward saves at most ``budget_bytes`` per micro-batch, each rung tried on a copy
+    of the joint graph (a binary search: the saved bytes fall along the ladder)."""
+    nodes = list(joint.traced.graph.nodes)
+    blocks = [b for b in dict.fromkeys(block_path(n) for n in nodes if n in forward and n.op == "call_function") if b]
+    rungs = ladder(blocks)
+
+    def saved_under(policy: ActivationPolicy) -> int:
+        trial = copy_graph_module(joint.traced)
+        same = dict(zip(nodes, trial.graph.nodes))
+        trial_forward = {same[n] for n in forward}
+        if policy.recomputes:
+            tag_stage_recompute(trial, policy, trial_forward)
+        return _saved_bytes(_saved([same[n] for n in roots], trial_forward, {same[n] for n in carried}))
+
+    smallest = saved_under(rungs[-1])
+    if smallest > budget_bytes:
+        raise ActivationPolicyError(
+            f"pipeline: an activation budget of {budget_bytes:,} bytes per micro-batch: stage {joint.stage.index}'s "
+            f"forward saves {smallest:,} bytes even recomputing every block fully (block inputs, collectives' and "
+            f"random ops' outputs, what runs outside blocks); raise the budget to at least {smallest:,}, or cut the "
+            "model into more stages")
+    low, high = 0, len(rungs) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if saved_under(rungs[middle]) <= budget_bytes:
+            high = middle
+        else:
+            low = middle + 1
+    return rungs[high]
 
 
 def _buffer_accumulations(traced: fx.GraphModule, buffers: dict[fx.Node, str]) -> list[fx.Node]:

@@ -90,6 +90,7 @@ def _inspect_pipeline(args: argparse.Namespace) -> int:
     from dpar.inspect.pipeline import explain_pipeline, print_pipeline_report
     from dpar.core.errors import OptionsError
     from dpar.pipelining import pipeline
+    from dpar.placement import activation_policy
 
     unused = [flag for flag, given in (("--html", args.html), ("--dot", args.dot), ("--png", args.png),
                                        ("--code", args.code), ("--bucket-cap-mb", args.bucket_cap_mb)) if given]
@@ -104,6 +105,7 @@ def _inspect_pipeline(args: argparse.Namespace) -> int:
             schedule=args.schedule, world_size=args.world_size, virtual_stages=args.virtual_stages,
             loss_fn=load_target(args.loss) if args.loss else None, device=args.device, optimizer=args.optimizer,
             tensor_parallel=args.tp, pipeline=pipeline,
+            activations=activation_policy(model, args.activation_checkpointing),
         )
     except OptionsError as error:
         console.print(f"dpar inspect: {error}", markup=False, highlight=False)

@@ -117,7 +117,7 @@ class StageCost:
         return self.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer])
 
 
-def _held_bytes(stage_graphs) -> tuple[int, int]:
+def held_bytes(stage_graphs: StageGraphs) -> tuple[int, int]:
     """Bytes of the distinct storages the forward saves, received activations included, and of those
     the part computed from the batch and buffers alone (no parameter, nothing received)."""
     forward = stage_graphs.forward
@@ -151,7 +151,7 @@ def _stage_cost(graphs: StageGraphs, parameters: dict[str, torch.Tensor], spec: 
         return sum(node_cost(n, spec).seconds for n in gm.graph.nodes if n.op == "call_function" and BLOCK_KEY in n.meta)
 
     send = sum(math.prod(v.shape) * v.dtype.itemsize for v in stage.carried_out)
-    activations, free = _held_bytes(graphs)
+    activations, free = held_bytes(graphs)
     numel, nbytes = parameter_sizes(parameters, stage.parameters)
     return StageCost(
         index=stage.index, blocks=stage.blocks, parameters=stage.parameters, parameter_numel=numel,

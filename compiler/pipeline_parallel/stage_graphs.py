@@ -29,7 +29,8 @@ block's output, as ``torch.utils.checkpoint`` leaves it to its reader. So ``full
 input and ``selective`` its matmul and attention outputs; collectives and random ops are never
 recomputed (must-save). The recomputation reads the parameters the backward already holds (under fsdp
 the one gather before B serves both), and I stashes what it recomputed that W reads.
-A budget (``ActivationPolicy.budget_bytes``) is per stage and micro-batch: the bytes its forward saves.
+A budget (``ActivationPolicy.budget_bytes``) is per stage and micro-batch: the bytes its forward saves
+(distinct storages, received activations included, parameters and the batch not: the cost model's count).
 The cut walks ``recompute.ladder`` over the stage's blocks as ``fit_budget`` does for a whole graph
 (keep, then one block more selective, then full), each rung tagged on a copy and cut, and keeps the
 first that fits; none does: a named error with the smallest figure.
@@ -68,6 +69,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
 from dpar.compiler.graph_utils import copy_graph_module
+from dpar.compiler.memory import storages_of
 from dpar.compiler.passes.recompute import (
     GRAPH_ID_KEY, block_path, ladder, recomputed_in_backward, tag_stage_recompute,
 )
@@ -277,7 +279,9 @@ def _cut(joint: _Joint, activations: ActivationPolicy) -> StageGraphs:
     forward_region = _with_items(_ancestors([*outs, *accumulations], inputs) - inputs)
     present = [g for g in grads if g is not None]
     if activations.budget_bytes is not None:
-        activations = _fit_budget(joint, forward_region, present, set(x_nodes), activations.budget_bytes)
+        state_and_batch = set(placeholders[:n_p + joint.batch_inputs])
+        activations = _fit_budget(joint, forward_region, present, set(x_nodes), state_and_batch,
+                                  activations.budget_bytes)
     if activations.recomputes:
         tag_stage_recompute(traced, activations, forward_region)
     # Saved: forward values (the batch and carried inputs included) that the backward reads.
@@ -314,13 +318,20 @@ def _cut(joint: _Joint, activations: ActivationPolicy) -> StageGraphs:
     )
 
 
-def _saved_bytes(saved: set[fx.Node]) -> int:
-    """Bytes of the values the forward computes and returns for the backward (its inputs not counted)."""
-    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in saved if n.op != "placeholder")
+def _saved_bytes(saved: set[fx.Node], state_and_batch: set[fx.Node]) -> int:
+    """Bytes of the distinct storages the forward saves for the backward, as the pipeline cost model counts
+    them (``costs.held_bytes``): what it computes and the activations it received, not the parameters or the
+    batch, nor views of them (a weight's transpose)."""
+    held = {key: nbytes for node in saved for key, nbytes in storages_of(node)}
+    for node in state_and_batch:
+        for key, _ in storages_of(node):
+            held.pop(key, None)
+    return sum(held.values())
 
 
 def _fit_budget(
-    joint: _Joint, forward: set[fx.Node], roots: Sequence[fx.Node], carried: set[fx.Node], budget_bytes: int,
+    joint: _Joint, forward: set[fx.Node], roots: Sequence[fx.Node], carried: set[fx.Node],
+    state_and_batch: set[fx.Node], budget_bytes: int,
 ) -> ActivationPolicy:
     """The first rung of ``recompute.ladder`` over the stage's blocks (keep everywhere, then one block more
     selective, then full) whose forward saves at most ``budget_bytes`` per micro-batch, each rung tried on a copy
@@ -335,7 +346,8 @@ def _fit_budget(
         trial_forward = {same[n] for n in forward}
         if policy.recomputes:
             tag_stage_recompute(trial, policy, trial_forward)
-        return _saved_bytes(_saved([same[n] for n in roots], trial_forward, {same[n] for n in carried}))
+        saved = _saved([same[n] for n in roots], trial_forward, {same[n] for n in carried})
+        return _saved_bytes(saved, {same[n] for n in state_and_batch})
 
     smallest = saved_under(rungs[-1])
     if smallest > budget_bytes:

@@ -198,3 +198,24 @@ def test_inspect_prices_the_policy_from_the_stage_graphs(capsys) -> None:
     assert main(["inspect", str(models), "--strategy", "pipeline", "--stages", "2", "--micro-batches", "4",
                  "--device", "cpu", "--activation-checkpointing", "selective"]) == 0
     assert "activations selective, recomputed in B (I + W)" in capsys.readouterr().out
+
+
+def _fsdp_zbv_full(rank: int, world_size: int) -> tuple:
+    warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
+    state, losses, _, _ = pipelined(rank, world_size, "llama", 4, "adamw", "zbv", 4, 4, mesh_shape=(2, 2),
+                                    dp_strategy="fsdp", activation_checkpointing="full")
+    return state, losses
+
+
+# The 2-rank zbv case above trains the recomputing cut by default; fsdp over dp gathers outside the stage graphs.
+@pytest.mark.extended
+def test_fsdp_over_dp_with_full_recomputation_matches_one_process() -> None:
+    """(dp 2, pp 2), zbv, fsdp over dp (parameters gathered once per step), every block recomputed: one process's
+    parameters on the global batch."""
+    from pipeline_training import one_process
+
+    reference, reference_losses = one_process("llama", 4, "adamw", 4)
+    state, losses = run_ranks(_fsdp_zbv_full, 4, timeout_s=400)[0]
+    diff = max_abs_diff(reference, state)
+    print(f"fsdp over dp x zbv, full recomputation, 4 ranks: max |difference| from one process {diff:.2e}")
+    assert diff < TOLERANCE["adamw"] and losses == pytest.approx(reference_losses, rel=1e-5)

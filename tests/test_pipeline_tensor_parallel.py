@@ -80,6 +80,15 @@ def test_tied_embedding_and_sequence_parallel_over_pp_by_tp(compiler: str):
                                               timeout_s=900, sequence_parallel=True)
 
 
+# tests/test_pipeline_checkpointing.py checks tp stages' recomputing cut in a fake world by default.
+@pytest.mark.extended
+def test_recomputing_tensor_parallel_stages_with_sequence_parallel_match_one_process():
+    """HF Llama over (pp 2, tp 2) under zbv, every block recomputed, sequence parallel between the split layers:
+    the tp collectives are saved (never run again in the backward), the rest computed again."""
+    _assert_matches_one_process_and_torch_ddp("llama", 4, (2, 2), ("pp", "tp"), (("ddp", "zbv"),), timeout_s=600,
+                                              activation_checkpointing="full", sequence_parallel=True)
+
+
 def test_dp_by_pp_by_tp_matches_one_process_and_torch_ddp():
     """(dp 2, pp 2, tp 2) on 8 ranks, HF Llama of 4 layers (one a stage): fsdp over dp under zbv, whose
     reduce-scatter goes where a V's last W is. One launch of the 8 ranks. Every schedule under ddp and fsdp under 1f1b

@@ -29,9 +29,9 @@ POLICIES = ("keep", "selective", "full")
 def _saved_bytes(graphs) -> int:
     """Bytes a stage's forward saves for its backward per micro-batch: distinct storages, received activations
     included, parameters and the batch not (the pipeline cost model's count)."""
-    from dpar.compiler.pipeline_parallel.costs import held_bytes
+    from dpar.compiler.pipeline_parallel.stage_graphs import saved_activation_bytes
 
-    return held_bytes(graphs)[0]
+    return saved_activation_bytes(graphs)[0]
 
 
 def _recomputed(gm: fx.GraphModule) -> list[fx.Node]:

@@ -41,11 +41,11 @@ import torch.nn.functional as F
 
 from dpar.core.pipeline_program import Action, Op, Stage, StageGraphs, StageSplit
 from dpar.compiler.pipeline_parallel.split import capture, split_stages
-from dpar.compiler.pipeline_parallel.stage_graphs import trace_stage_under
+from dpar.compiler.pipeline_parallel.stage_graphs import saved_activation_bytes, trace_stage_under
 from dpar.compiler.passes.recompute import BLOCK_KEY, policy_of
 from dpar.compiler.collectives import COLLECTIVE_KINDS
 from dpar.compiler.costs import DeviceSpec, link_time, node_cost, payload_bytes
-from dpar.compiler.memory import OPTIMIZER_STATES, Live, liveness, storages_of
+from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.core.errors import OptionsError
 from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy
 
@@ -117,26 +117,6 @@ class StageCost:
         return self.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer])
 
 
-def held_bytes(stage_graphs: StageGraphs) -> tuple[int, int]:
-    """Bytes of the distinct storages the forward saves, received activations included, and of those
-    the part computed from the batch and buffers alone (no parameter, nothing received)."""
-    forward = stage_graphs.forward
-    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    first_batch = len(stage_graphs.parameter_names) + len(stage_graphs.buffer_names)
-    first_carried = first_batch + len(stage_graphs.stage.batch_inputs)
-    carried = {n.name for n in placeholders[first_carried:]}
-    live = liveness(forward, {}, carried, set(), exclude_outputs=False)
-    learned = set(placeholders[:len(stage_graphs.parameter_names)]) | set(placeholders[first_carried:])
-    for node in forward.graph.nodes:
-        if any(a in learned for a in node.all_input_nodes):
-            learned.add(node)
-    saved = forward.graph.output_node().args[0][stage_graphs.num_outputs:]
-    keys = {key for node in saved for key, _ in storages_of(node)}
-    free = {key for node in saved if node not in learned for key, _ in storages_of(node)}
-    held = {key: live.counted.get(key, Live()).total for key in keys}
-    return sum(held.values()), sum(held[key] for key in free)
-
-
 def parameter_sizes(parameters: dict[str, torch.Tensor], names: Sequence[str]) -> tuple[int, int]:
     """(elements, bytes) of the parameters ``names`` name, a tied weight counted once."""
     held = {id(parameters[n]): parameters[n] for n in names}.values()
@@ -151,7 +131,7 @@ def _stage_cost(graphs: StageGraphs, parameters: dict[str, torch.Tensor], spec: 
         return sum(node_cost(n, spec).seconds for n in gm.graph.nodes if n.op == "call_function" and BLOCK_KEY in n.meta)
 
     send = sum(math.prod(v.shape) * v.dtype.itemsize for v in stage.carried_out)
-    activations, free = held_bytes(graphs)
+    activations, free = saved_activation_bytes(graphs)
     numel, nbytes = parameter_sizes(parameters, stage.parameters)
     return StageCost(
         index=stage.index, blocks=stage.blocks, parameters=stage.parameters, parameter_numel=numel,

@@ -30,7 +30,7 @@ input and ``selective`` its matmul and attention outputs; collectives and random
 recomputed (must-save). The recomputation reads the parameters the backward already holds (under fsdp
 the one gather before B serves both), and I stashes what it recomputed that W reads.
 A budget (``ActivationPolicy.budget_bytes``) is per stage and micro-batch: the bytes its forward saves
-(distinct storages, received activations included, parameters and the batch not: the cost model's count).
+(``saved_activation_bytes``, the cost model's count: distinct storages, received activations included).
 The cut walks ``recompute.ladder`` over the stage's blocks as ``fit_budget`` does for a whole graph
 (keep, then one block more selective, then full), each rung tagged on a copy and cut, and keeps the
 first that fits; none does: a named error with the smallest figure.
@@ -69,7 +69,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
 from dpar.compiler.graph_utils import copy_graph_module
-from dpar.compiler.memory import storages_of
+from dpar.compiler.memory import Live, liveness, storages_of
 from dpar.compiler.passes.recompute import (
     GRAPH_ID_KEY, block_path, ladder, recomputed_in_backward, tag_stage_recompute,
 )
@@ -279,9 +279,7 @@ def _cut(joint: _Joint, activations: ActivationPolicy) -> StageGraphs:
     forward_region = _with_items(_ancestors([*outs, *accumulations], inputs) - inputs)
     present = [g for g in grads if g is not None]
     if activations.budget_bytes is not None:
-        state_and_batch = set(placeholders[:n_p + joint.batch_inputs])
-        activations = _fit_budget(joint, forward_region, present, set(x_nodes), state_and_batch,
-                                  activations.budget_bytes)
+        activations = _fit_budget(joint, forward_region, activations.budget_bytes)
     if activations.recomputes:
         tag_stage_recompute(traced, activations, forward_region)
     # Saved: forward values (the batch and carried inputs included) that the backward reads.
@@ -318,36 +316,39 @@ def _cut(joint: _Joint, activations: ActivationPolicy) -> StageGraphs:
     )
 
 
-def _saved_bytes(saved: set[fx.Node], state_and_batch: set[fx.Node]) -> int:
-    """Bytes of the distinct storages the forward saves for the backward, as the pipeline cost model counts
-    them (``costs.held_bytes``): what it computes and the activations it received, not the parameters or the
-    batch, nor views of them (a weight's transpose)."""
-    held = {key: nbytes for node in saved for key, nbytes in storages_of(node)}
-    for node in state_and_batch:
-        for key, _ in storages_of(node):
-            held.pop(key, None)
-    return sum(held.values())
+def saved_activation_bytes(stage_graphs: StageGraphs) -> tuple[int, int]:
+    """Bytes of the distinct storages the forward saves per micro-batch, received activations included (the
+    parameters, the batch and views of them not), and of those the part computed from the batch and buffers
+    alone (no parameter, nothing received): what the pipeline cost model holds and a budget counts."""
+    forward = stage_graphs.forward
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    first_batch = len(stage_graphs.parameter_names) + len(stage_graphs.buffer_names)
+    first_carried = first_batch + len(stage_graphs.stage.batch_inputs)
+    carried = {n.name for n in placeholders[first_carried:]}
+    live = liveness(forward, {}, carried, set(), exclude_outputs=False)
+    learned = set(placeholders[:len(stage_graphs.parameter_names)]) | set(placeholders[first_carried:])
+    for node in forward.graph.nodes:
+        if any(a in learned for a in node.all_input_nodes):
+            learned.add(node)
+    saved = forward.graph.output_node().args[0][stage_graphs.num_outputs:]
+    keys = {key for node in saved for key, _ in storages_of(node)}
+    free = {key for node in saved if node not in learned for key, _ in storages_of(node)}
+    held = {key: live.counted.get(key, Live()).total for key in keys}
+    return sum(held.values()), sum(held[key] for key in free)
 
 
-def _fit_budget(
-    joint: _Joint, forward: set[fx.Node], roots: Sequence[fx.Node], carried: set[fx.Node],
-    state_and_batch: set[fx.Node], budget_bytes: int,
-) -> ActivationPolicy:
+def _fit_budget(joint: _Joint, forward: set[fx.Node], budget_bytes: int) -> ActivationPolicy:
     """The first rung of ``recompute.ladder`` over the stage's blocks (keep everywhere, then one block more
-    selective, then full) whose forward saves at most ``budget_bytes`` per micro-batch, each rung tried on a copy
-    of the joint graph (a binary search: the saved bytes fall along the ladder)."""
-    nodes = list(joint.traced.graph.nodes)
+    selective, then full) whose forward saves at most ``budget_bytes`` per micro-batch
+    (``saved_activation_bytes``), each rung cut from a copy of the joint graph (a binary search: the saved
+    bytes fall along the ladder)."""
+    nodes = joint.traced.graph.nodes
     blocks = [b for b in dict.fromkeys(block_path(n) for n in nodes if n in forward and n.op == "call_function") if b]
     rungs = ladder(blocks)
 
     def saved_under(policy: ActivationPolicy) -> int:
-        trial = copy_graph_module(joint.traced)
-        same = dict(zip(nodes, trial.graph.nodes))
-        trial_forward = {same[n] for n in forward}
-        if policy.recomputes:
-            tag_stage_recompute(trial, policy, trial_forward)
-        saved = _saved([same[n] for n in roots], trial_forward, {same[n] for n in carried})
-        return _saved_bytes(saved, {same[n] for n in state_and_batch})
+        trial = dataclasses.replace(joint, traced=copy_graph_module(joint.traced))
+        return saved_activation_bytes(_cut(trial, policy))[0]
 
     smallest = saved_under(rungs[-1])
     if smallest > budget_bytes:

@@ -96,6 +96,7 @@ DP_STRATEGIES = ("ddp", "fsdp")
 
 ACTIVATION_POLICIES = (Recompute.KEEP, Recompute.SELECTIVE, Recompute.FULL)
 """Searched for every block at once, least recomputation first."""
+_RECOMPUTES_LESS = {r.value: i for i, r in enumerate(ACTIVATION_POLICIES)}  # a candidate's policy -> its rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +308,7 @@ def plan_pipeline(
             f"fsdp, an optimizer with less state)"
         )
     choice = min(fitting, key=lambda c: (c.step_s, c.pp, c.tp, DP_STRATEGIES.index(c.dp_strategy),
-                                         [r.value for r in ACTIVATION_POLICIES].index(c.activations)))
+                                         _RECOMPUTES_LESS[c.activations]))
     return PipelinePlan(
         world_size=world_size, schedule=schedule, micro_batch_rows=mbr,
         memory_budget_bytes=None if memory_budget_gb is None else memory_budget_gb * 1e9,
@@ -328,7 +329,7 @@ def _worth_recomputing(candidates: list[PipelineCandidate]) -> list[PipelineCand
     policy recomputing less on the same layout (a stack of Linears saves the same under every policy)."""
     held: dict[tuple, list[int]] = {}
     kept = []
-    for c in sorted(candidates, key=lambda c: [r.value for r in ACTIVATION_POLICIES].index(c.activations)):
+    for c in sorted(candidates, key=lambda c: _RECOMPUTES_LESS[c.activations]):
         before = held.setdefault((c.pp, c.tp, c.dp, c.dp_strategy), [])
         if all(c.memory_bytes < m for m in before):
             kept.append(c)

@@ -13,6 +13,7 @@ import os
 import warnings
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -51,9 +52,10 @@ def _init_rotary(model: nn.Module) -> None:
 
 
 def _born_on_meta(
-    rank: int, world_size: int, mesh_shape: tuple[int, int] | None, name: str = "llama"
+    rank: int, world_size: int, mesh_shape: tuple[int, int] | None, name: str = "llama", **options: Any
 ) -> tuple[nn.Module, object]:
-    """A pipelined model built on meta and materialized on CPU: nothing but its stages was ever allocated."""
+    """A pipelined model built on meta and materialized on CPU: nothing but its stages was ever allocated.
+    ``options``: more of dpar.pipeline's."""
     warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
     torch._dynamo.reset()
     with torch.device("meta"):
@@ -64,7 +66,7 @@ def _born_on_meta(
 
         mesh, dp_strategy = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp")), "fsdp"
     step = dpar.pipeline(model, token_loss, example_inputs=_slice(0, rank, world_size), stages=2, micro_batches=4,
-                         mesh=mesh, dp_strategy=dp_strategy)
+                         mesh=mesh, dp_strategy=dp_strategy, **options)
     held = {n for s in step.graphs for n in step.split.stages[s].parameters}
     params = dict(model.named_parameters(remove_duplicate=False))  # another stage's parameters are not in the model
     assert all(any(params.get(m) is p for m in held) for p in params.values())
@@ -336,3 +338,26 @@ def test_an_fsdp_shard_is_the_shard0_block_of_its_rows() -> None:
                 assert torch.equal(full.narrow(0, start, length), want)
                 assert torch.equal(shards[r][: want.numel()], want.reshape(-1))
                 assert not shards[r][want.numel():].any()
+
+
+def _recomputing_born_on_meta(rank: int, world_size: int, weights: dict) -> float | None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model, step = _born_on_meta(rank, world_size, (2, 2), activation_checkpointing="full")
+    set_model_state_dict(model, dict(weights) if rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _init_rotary(model)
+    _train(model, step, rank, world_size)
+    want, _ = _torch_ddp(weights, rank, world_size)
+    trained = dpar.checkpoint.full_state_dict(model)
+    return _diff(trained, want.state_dict()) if rank == 0 else None
+
+
+# The recomputing cut of a model on real tensors is trained by default in tests/test_pipeline_checkpointing.py.
+@pytest.mark.extended
+def test_a_pipeline_born_on_meta_recomputes_as_torch_ddp_trains() -> None:
+    """(dp 2, pp 2), fsdp over dp, every block recomputed, the stages traced and cut on meta: after to_empty and
+    rank 0's weights broadcast, 5 AdamW steps give torch DDP's parameters."""
+    diff = run_ranks(_recomputing_born_on_meta, 4, _weights(), timeout_s=300)[0]
+    print(f"born on meta, fsdp x pp, full recomputation: max |difference| from torch DDP {diff:.2e}")
+    assert diff < 1e-4

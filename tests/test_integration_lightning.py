@@ -237,6 +237,7 @@ def _fabric_resumed_against_uninterrupted(strategy: str, directory: str) -> floa
     return _worst(_parameters(net, strategy), uninterrupted)
 
 
+@pytest.mark.extended  # the Trainer's resume (default) saves and loads through the same dpar.checkpoint
 def test_fabric_checkpoint_resumes_exactly(tmp_path) -> None:
     found = run_ranks(_fabric_resumes, 2, ("ddp", "fsdp"), str(tmp_path / "ckpt"), timeout_s=480)[0]
     assert_figures(found, "max |diff| of the resumed run from the uninterrupted one", 0.0, 2)

@@ -42,6 +42,7 @@ def load_target(target: str) -> Callable[[], tuple[Any, Any]]:
 def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from dpar.core.errors import OptionsError
     from dpar.explaining import explain
     from dpar.inspect.render_text import print_report
 
@@ -54,18 +55,22 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = args.bucket_cap_mb
     policy = args.activation_checkpointing
-    report = explain(
-        model, example_inputs, world_size=args.world_size, strategy=args.strategy,
-        options=options, device=args.device, optimizer=args.optimizer,
-        **({"activation_checkpointing": policy} if policy not in (None, "keep") else {}),
-    )
     console = Console(width=None if sys.stdout.isatty() else 160)  # pipes and CI logs: wide tables
+    try:
+        report = explain(
+            model, example_inputs, world_size=args.world_size, strategy=args.strategy,
+            options=options, device=args.device, optimizer=args.optimizer, profile_kernels=args.profile_kernels,
+            **({"activation_checkpointing": policy} if policy not in (None, "keep") else {}),
+        )
+    except OptionsError as error:
+        console.print(f"dpar inspect: {error}", markup=False, highlight=False)
+        return 2
     print_report(report, console, show_code=args.code)
     if policy not in (None, "keep"):
         from dpar.inspect.activations import activation_rows, print_activations
 
         keep = explain(model, example_inputs, world_size=args.world_size, strategy=args.strategy,
-                       options=options, device=args.device, optimizer=args.optimizer)
+                       options=options, device=args.device, optimizer=args.optimizer, profile_kernels=args.profile_kernels)
         print_activations(activation_rows(policy, report, keep), console)
     if args.trace:
         console.print(f"trace: {report.timeline.save(args.trace, report.memory_timeline)} (open in ui.perfetto.dev)")
@@ -93,7 +98,8 @@ def _inspect_pipeline(args: argparse.Namespace) -> int:
     from dpar.placement import activation_policy
 
     unused = [flag for flag, given in (("--html", args.html), ("--dot", args.dot), ("--png", args.png),
-                                       ("--code", args.code), ("--bucket-cap-mb", args.bucket_cap_mb)) if given]
+                                       ("--code", args.code), ("--bucket-cap-mb", args.bucket_cap_mb),
+                                       ("--profile-kernels", args.profile_kernels)) if given]
     if unused or args.stages is None:
         raise SystemExit(f"dpar inspect --strategy pipeline: needs --stages S (and takes --micro-batches, --schedule, "
                          f"--tp, --loss, --trace){'; drop ' + ', '.join(unused) if unused else ''}")
@@ -193,6 +199,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sink-waits", action="store_true", help="keep each wait next to its collective")
     p.add_argument("--activation-checkpointing", default=None, choices=("keep", "selective", "full"),
                    help="every block's policy, as dpar.parallelize(activation_checkpointing=...) takes it")
+    p.add_argument("--profile-kernels", action="store_true", help="time every kernel of the graphs on this machine "
+                   "(CUDA if present, else the CPU) and price them so, not by the roofline; --device must be this machine's")
     p.add_argument("--code", action="store_true", help="print every graph after every pass")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     p.add_argument("--dot", metavar="DIR", help="write Graphviz DOT (and SVG for small graphs) per graph")

@@ -41,7 +41,11 @@ copy bandwidth, gloo α and β), peak activation = ``Memory.step_peak`` (the ste
 their peak, gradients produced by then included: [Note: gradients live to the optimizer] in
 compiler/memory.py), beside it the same with gloo's all-gather buffers ("+gloo", [Note: gloo stages
 every all-gather]; the report does not count them yet), and compute =
-``Timeline.compute_time`` (the roofline of every node of the forward and backward graphs).
+``Timeline.compute_time`` (the roofline of every node of the forward and backward graphs). Beside it,
+"profiled": the same graphs priced with their kernels timed by the ranks right after their timed steps,
+each on its own graphs, both at once as they ran the steps (``dpar.compiler.kernel_profile.time_kernels``,
+what ``dpar inspect --profile-kernels`` prices with; [Note: profile-guided kernel costs] in
+compiler/costs.py), averaged over the two ranks.
 
 On a GPU (``--device cuda``) one process stands in for rank 0 of ``--world-size`` ranks on torch's fake
 process group: its collectives return at once, so what is timed is the rank's own compute (CUDA events
@@ -73,6 +77,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent / "tests")]
 from distributed import run_ranks  # noqa: E402
 from harness import RESULTS, calibrate, live_bytes, report_pairs, revision  # noqa: E402
+
+from dpar.compiler.kernel_profile import time_kernels  # noqa: E402
 
 WORLD_SIZE = 2
 STRATEGIES = ("ddp", "zero2", "fsdp")
@@ -126,6 +132,9 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int, int], tupl
 }
 
 
+GPU_SIZED = ("llama-500m",)  # 6 GiB of state a rank: on 2 CPU ranks it does not fit beside its optimizer
+
+
 def _build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     return MODELS[name][0]()
@@ -147,10 +156,13 @@ def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
 
 
 def _warmed_up(model_name: str, strategy: str, policy: str, batch: Callable[[int], tuple[torch.Tensor, ...]],
-               device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[int], None], Callable[[], None]]:
-    """The model built on ``device``, parallelized and compiled, its AdamW, and a step as forward + backward
-    (of ``batch(step)``) and the optimizer's part, after ``WARMUP`` steps (the first compiles)."""
+               device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[int], None], Callable[[], None],
+                                             list[torch.fx.GraphModule]]:
+    """The model built on ``device``, parallelized and compiled, its AdamW, a step as forward + backward
+    (of ``batch(step)``) and the optimizer's part, after ``WARMUP`` steps (the first compiles), and the
+    forward and backward graphs dpar compiled."""
     import dpar
+    from dpar.compiler.registry import recording
 
     torch._dynamo.reset()
     with torch.device(device):
@@ -165,10 +177,11 @@ def _warmed_up(model_name: str, strategy: str, policy: str, batch: Callable[[int
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for step in range(WARMUP):
-        forward_backward(step)
-        finish()
-    return model, optimizer, forward_backward, finish
+    with recording() as compiled_graphs:
+        for step in range(WARMUP):
+            forward_backward(step)
+            finish()
+    return model, optimizer, forward_backward, finish, [g.graph for g in compiled_graphs if g.label != "joint graph"]
 
 
 def measure(rank: int, world_size: int, model_name: str, cases: tuple[tuple[str, str], ...]) -> dict[str, Any]:
@@ -178,7 +191,8 @@ def measure(rank: int, world_size: int, model_name: str, cases: tuple[tuple[str,
     batch = MODELS[model_name][1]
     out: dict[str, Any] = {"strategies": {}}
     for strategy, policy in cases:
-        model, optimizer, forward_backward, finish = _warmed_up(model_name, strategy, policy, lambda step: batch(rank, step))
+        model, optimizer, forward_backward, finish, graphs = _warmed_up(
+            model_name, strategy, policy, lambda step: batch(rank, step))
         state = _state_bytes(model, optimizer)
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -195,11 +209,13 @@ def measure(rank: int, world_size: int, model_name: str, cases: tuple[tuple[str,
             steps.append((time.thread_time() - cpu, time.perf_counter() - wall))
             finish()
         compute, wall = statistics.median(s[0] for s in steps), statistics.median(s[1] for s in steps)
+        kernels = time_kernels(graphs, torch.device("cpu"))  # this rank's graphs, as the steps just ran them
         out["strategies"][_key(strategy, policy)] = {
             "state_bytes": state, "peak_activation_bytes": peak, "calibration": calibration,
             "compute_s": compute, "forward_backward_wall_s": wall, "steps": steps,
+            "kernel_seconds": kernels.seconds, "kernels_untimed": kernels.untimed,
         }
-        del model, optimizer, forward_backward, finish
+        del model, optimizer, forward_backward, finish, graphs
     return out
 
 
@@ -236,7 +252,7 @@ def measure_gpu(model_name: str, cases: tuple[tuple[str, str], ...], world_size:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         for strategy, policy in cases:
-            model, optimizer, forward_backward, finish = _warmed_up(
+            model, optimizer, forward_backward, finish, _ = _warmed_up(
                 model_name, strategy, policy, lambda step: tuple(t.cuda() for t in batch(0, step)), device="cuda")
             torch.cuda.synchronize()
             state = torch.cuda.memory_allocated()
@@ -358,7 +374,7 @@ def _key(strategy: str, policy: str) -> str:
 
 
 def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size: int = WORLD_SIZE,
-             preset: str = "cpu", on_meta: bool = False) -> dict[str, Any]:
+             preset: str = "cpu", on_meta: bool = False, kernels: Any = None) -> dict[str, Any]:
     """``dpar.explain``'s figures for the plan the ranks ran, compute priced on the calibrated ``spec``.
 
     The report is made for the cpu preset, the device the ranks' own bucket and prefetch plans were
@@ -366,7 +382,11 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
     priced on ``spec`` (``build_timeline``). Beside it, the graphs' peak with gloo's all-gather
     buffers counted ([Note: gloo stages every all-gather] in compiler/memory.py; the report does not
     count them yet)."""
+    import dataclasses
+
     import dpar
+    from dpar.compiler.collectives import runs_an_op
+    from dpar.compiler.costs import kernel_key
     from dpar.compiler.memory import step_peak
     from dpar.inspect.timeline import build_timeline
 
@@ -383,13 +403,29 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
     pairs = report_pairs(report)
     graphs = [("forward", f) for f, _ in pairs] + [("backward", b) for _, b in reversed(pairs) if b is not None]
     staged = step_peak(pairs, staged_gathers=True)
+    profiled = {}
+    if kernels is not None:  # the ranks' kernel times (``KernelTimes``) price the report's graphs
+        timed = dataclasses.replace(spec, kernel_times=kernels)
+        ops = {kernel_key(n) for _, g in graphs for n in g.graph.nodes if runs_an_op(n)}
+        profiled = {"compute_profiled_s": build_timeline(graphs, world_size, timed).compute_time,
+                    "kernels": f"{kernels.describe()}; of the report's {len(ops)}, {len(ops - set(kernels.by_key))} by the roofline"}
     return {
         "state_bytes": m.parameters + m.optimizer, "gradient_bytes": m.gradients,
         "activation_bytes": m.activations, "gathered_bytes": m.gathered,
         "peak_activation_bytes": m.step_peak, "peak_activation_staged_bytes": staged.step,
         "compute_s": build_timeline(graphs, world_size, spec).compute_time,
-        "compute_preset_s": report.timeline.compute_time,
+        "compute_preset_s": report.timeline.compute_time, **profiled,
     }
+
+
+def _kernel_times(per_rank: list[dict[str, Any]]) -> Any:
+    """The ranks' kernel times, averaged per kernel: both timed them at once, as they ran their steps."""
+    from dpar.compiler.costs import KernelTimes
+
+    tables = [dict(r.pop("kernel_seconds")) for r in per_rank]
+    common = set.intersection(*(set(t) for t in tables))
+    return KernelTimes("cpu", tuple((key, statistics.mean(t[key] for t in tables)) for key in sorted(common)),
+                       max(r.pop("kernels_untimed") for r in per_rank) + len(set.union(*(set(t) for t in tables)) - common))
 
 
 def _verdict(ratio: float, goal: float) -> str:
@@ -399,7 +435,8 @@ def _verdict(ratio: float, goal: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="llama-4m under ddp and fsdp only")
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=None, help=f"of {', '.join(MODELS)}; default: every model but the GPU-sized "
+                        f"{', '.join(GPU_SIZED)} on the CPU, those on a GPU")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--activation-checkpointing", default="keep",
                         help="policies measured per strategy, e.g. keep,selective,full (the peak should drop as modelled)")
@@ -413,7 +450,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="JSON file (default benchmarks/results/measured_vs_modelled[_gpu].json)")
     args = parser.parse_args()
     args.out = args.out or RESULTS / ("measured_vs_modelled_gpu.json" if args.device == "cuda" else "measured_vs_modelled.json")
-    models = ["llama-4m"] if args.quick else args.models.split(",")
+    on_cpu = [name for name in MODELS if name not in GPU_SIZED]
+    models = ["llama-4m"] if args.quick else (args.models or ",".join(on_cpu if args.device == "cpu" else GPU_SIZED)).split(",")
     strategies = ("ddp", "fsdp") if args.quick else tuple(args.strategies.split(","))
     cases = tuple((s, p) for s in strategies for p in args.activation_checkpointing.split(","))
     if args.device == "cuda":
@@ -422,7 +460,7 @@ def main() -> None:
     rows, calibrations = [], []
     header = (f"{'model':11} {'strategy':8} {'state MiB':>9} {'act meas':>9} {'act model':>9} {'ratio':>6}      "
               f"{'+gloo':>6}     "
-              f"{'cmp meas ms':>11} {'cmp model ms':>12} {'ratio':>6}")
+              f"{'cmp meas ms':>11} {'cmp model ms':>12} {'ratio':>6}      {'profiled ms':>11} {'ratio':>6}")
     print(header, flush=True)
     for name in models:
         began = time.perf_counter()
@@ -439,19 +477,23 @@ def main() -> None:
                 "state_bytes": max(r["state_bytes"] for r in per_rank),
                 "compute_s": statistics.mean(r["compute_s"] for r in per_rank),
             }
-            model = modelled(name, strategy, policy, spec)
+            model = modelled(name, strategy, policy, spec, kernels=_kernel_times(per_rank))
             act = model["peak_activation_bytes"] / measured["peak_activation_bytes"]
             staged = model["peak_activation_staged_bytes"] / measured["peak_activation_bytes"]
             cmp = model["compute_s"] / measured["compute_s"]
+            cmp_profiled = model["compute_profiled_s"] / measured["compute_s"]
             rows.append({"model": name, "strategy": label, "measured": measured, "modelled": model,
                          "activation_ratio": act, "activation_staged_ratio": staged, "compute_ratio": cmp,
+                         "compute_profiled_ratio": cmp_profiled,
                          "activation": _verdict(act, MEMORY_GOAL), "activation_staged": _verdict(staged, MEMORY_GOAL),
-                         "compute": _verdict(cmp, COMPUTE_GOAL)})
+                         "compute": _verdict(cmp, COMPUTE_GOAL), "compute_profiled": _verdict(cmp_profiled, COMPUTE_GOAL)})
             print(f"{name:11} {label:8} {measured['state_bytes'] / 2**20:9.1f} "
                   f"{measured['peak_activation_bytes'] / 2**20:9.1f} {model['peak_activation_bytes'] / 2**20:9.1f} "
                   f"{act:6.2f} {rows[-1]['activation']} {staged:6.2f} {rows[-1]['activation_staged']} "
                   f"{measured['compute_s'] * 1e3:11.1f} "
-                  f"{model['compute_s'] * 1e3:12.1f} {cmp:6.2f} {rows[-1]['compute']}", flush=True)
+                  f"{model['compute_s'] * 1e3:12.1f} {cmp:6.2f} {rows[-1]['compute']} "
+                  f"{model['compute_profiled_s'] * 1e3:11.1f} {cmp_profiled:6.2f} {rows[-1]['compute_profiled']}", flush=True)
+            print(f"{'':20} kernels: {model['kernels']}", flush=True)
             print(f"{'':20} calibrated: matmul {calibration['flops'] / 1e9:.1f} GFLOP/s, copy "
                   f"{calibration['memory_bandwidth'] / 1e9:.2f} GB/s, alpha {calibration['alpha'] * 1e6:.0f} us, link "
                   f"{calibration['link_bandwidth'] / 1e9:.2f} GB/s", flush=True)

@@ -69,6 +69,17 @@ def _numel_bytes(val: torch.Tensor) -> int:
         return -1
 
 
+def runs_an_op(node: fx.Node) -> bool:
+    """A node that calls a device op, views included (each costs a dispatch): not Python's ``getitem``, not a
+    collective or a wait."""
+    return (
+        node.op == "call_function"
+        and node.target not in COLLECTIVE_KINDS
+        and node.target is not WAIT
+        and node.target is not operator.getitem
+    )
+
+
 def is_compute(node: fx.Node) -> bool:
     return (
         node.op == "call_function"

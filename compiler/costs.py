@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils.flop_counter import flop_registry
 
-from dpar.compiler.collectives import is_compute
+from dpar.compiler.collectives import is_compute, runs_an_op
 from dpar.core.errors import OptionsError
 from dpar.core.torch_internals import optimization_hint, pytree
 
@@ -80,6 +80,9 @@ class DeviceSpec:
     memory_bytes: float | None = None
     """One rank's device memory: the planner's budget when the user gives none. None (a CPU, whose ranks
     share the machine's memory): no budget unless given."""
+    kernel_times: KernelTimes | None = None
+    """Seconds measured for the kernels of given graphs (``dpar.compiler.kernel_profile.time_kernels``):
+    ``node_cost`` prices a node found here at its measured time, every other by the roofline."""
 
     @property
     def beta(self) -> float:
@@ -239,10 +242,62 @@ def payload_bytes(collective: fx.Node) -> int:
     An all-gather's operand is one rank's shard and a reduce-scatter's result is
     one; the ring formulas above are in the gathered (pre-scatter) size.
     """
-    return max(_tensor_bytes(_val(collective.args[0])), _tensor_bytes(_val(collective)))
+    return max(_tensor_bytes(example_value(collective.args[0])), _tensor_bytes(example_value(collective)))
 
 
-# ---- compute: a roofline per FX node ----------------------------------------------------
+# ---- compute: a roofline per FX node, or its measured time ------------------------------
+
+
+KernelKey = tuple[str, str]
+"""An ATen call as it runs: its op and the shapes, strides and dtypes of its tensors and its other arguments."""
+
+
+def kernel_key(node: fx.Node) -> KernelKey:
+    """What a kernel's time depends on, read from the node's example values (hinted where symbolic)."""
+    def signature(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), tuple(value.stride()), str(value.dtype))
+        if isinstance(value, torch.device):
+            return "device"  # the timing device replaces it: a meta trace and a real one give one key
+        return value
+
+    args = pytree.tree_map(lambda a: signature(example_value(a) if isinstance(a, fx.Node) else a), (node.args, dict(node.kwargs)))
+    return (str(node.target), repr(args))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTimes:
+    """[Note: profile-guided kernel costs]
+    The roofline prices a kernel at the device's peak rate or bandwidth. Where kernels run far from both,
+    it is wrong by their distance: a CPU's small convolutions (oneDNN spends 50-300 us a call before any
+    arithmetic; a 3-channel 7x7 stem's weight gradient runs at ~10 GFLOP/s against the matmul's ~110:
+    a ResNet's step priced at a quarter of what it takes), fp32 attention on a GPU's CUDA cores (priced at
+    TF32's tensor-core peak: half the time measured). So the device description can carry measured
+    times, as DeepCompile's profile-guided passes and autoparallel's benchmarked op costs do: each
+    distinct kernel of the graphs (op, shapes, strides, dtypes, arguments: ``kernel_key``) run on this
+    machine's device on inputs of its shapes, the median of a few runs after warm-ups; views too, which
+    the roofline prices at nothing but which cost a CPU's dispatcher 3-9 us each (fsdp's gathered buffers
+    are split into parameters by hundreds of them: ConvBN's step under fsdp runs ~6 ms longer than
+    under ddp on the same kernels). The graphs are
+    priced as before, a node at its measured time where timed and by the roofline where not (a kernel
+    past the size limit, one that could not run on made-up inputs), and every consumer of ``node_cost``
+    (``dpar.explain``'s timeline, ``dpar.plan``'s pricing on graphs, the pipeline's stage costs) sees the
+    same figures. Only this machine's device can be timed: the times are its own, so a report for another
+    device would mix two machines (``dpar.explain`` refuses that).
+    """
+
+    device: str  # what ran them, e.g. "cpu" or the GPU's product name
+    seconds: tuple[tuple[KernelKey, float], ...]  # one entry per kernel timed
+    untimed: int = 0  # distinct kernels left to the roofline (too large, or they did not run)
+
+    @functools.cached_property
+    def by_key(self) -> dict[KernelKey, float]:
+        return dict(self.seconds)
+
+    def describe(self) -> str:
+        return f"{len(self.seconds)} kernels timed on {self.device}" + (f", {self.untimed} by the roofline" if self.untimed else "")
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +309,7 @@ class NodeCost:
     seconds: float
 
 
-def _val(arg: Any) -> Any:
+def example_value(arg: Any) -> Any:
     """A node's example value with every symbolic size replaced by its hint: costing a graph compiled
     for dynamic shapes must not guard on its sizes (``int()`` of one would, and specialise the graph
     to this batch, recompiling it for every other)."""
@@ -339,20 +394,20 @@ def node_flops(node: fx.Node) -> int:
     if node.op != "call_function":
         return 0
     packet = getattr(node.target, "_overloadpacket", None)
-    out = _val(node)
+    out = example_value(node)
     if packet is _aten.linear:
-        return 2 * int(_tensor_numel(out)) * int(_val(node.args[1]).shape[-1])
+        return 2 * int(_tensor_numel(out)) * int(example_value(node.args[1]).shape[-1])
     if packet is _aten.matmul:
-        return 2 * int(_tensor_numel(out)) * int(_val(node.args[0]).shape[-1])
+        return 2 * int(_tensor_numel(out)) * int(example_value(node.args[0]).shape[-1])
     if packet in _ATTENTION or packet in _ATTENTION_BACKWARD:
-        q, k, v = (_val(a) for a in node.args[int(packet in _ATTENTION_BACKWARD):][:3])
+        q, k, v = (example_value(a) for a in node.args[int(packet in _ATTENTION_BACKWARD):][:3])
         forward = 2 * (int(q.numel()) // int(q.shape[-1])) * int(k.shape[-2]) * (int(q.shape[-1]) + int(v.shape[-1]))
         return forward * (2 if packet in _ATTENTION_BACKWARD else 1)
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
-    args = pytree.tree_map(_val, node.args)
-    kwargs = pytree.tree_map(_val, dict(node.kwargs))
+    args = pytree.tree_map(example_value, node.args)
+    kwargs = pytree.tree_map(example_value, dict(node.kwargs))
     return int(formula(*args, out_val=out, **kwargs))
 
 
@@ -370,13 +425,25 @@ def is_kernel(node: fx.Node) -> bool:
     return is_compute(node) and not getattr(node.target, "is_view", False)
 
 
+def kernel_bytes(node: fx.Node) -> int:
+    """Bytes a kernel reads and writes: its input tensors and its output, once each."""
+    return sum(_tensor_bytes(example_value(a)) for a in node.all_input_nodes) + _tensor_bytes(example_value(node))
+
+
 def node_cost(node: fx.Node, spec: DeviceSpec) -> NodeCost:
-    """Roofline time of a compute node; views (aliases), collectives and waits cost no compute."""
-    if not is_kernel(node):
+    """Time of a compute node: measured where ``spec`` carries it (see [Note: profile-guided kernel costs]:
+    a view's dispatch included), else the roofline, by which views (aliases) cost nothing; collectives and
+    waits cost no compute."""
+    if not runs_an_op(node):
         return NodeCost(0, 0, 0.0)
+    measured = spec.kernel_times.by_key.get(kernel_key(node)) if spec.kernel_times is not None else None
+    if not is_kernel(node):
+        return NodeCost(0, 0, measured or 0.0)
     flops = node_flops(node)
-    out = _val(node)
-    nbytes = sum(_tensor_bytes(_val(a)) for a in node.all_input_nodes) + _tensor_bytes(out)
+    out = example_value(node)
+    nbytes = kernel_bytes(node)
+    if measured is not None:
+        return NodeCost(flops, nbytes, measured)
     dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
     return NodeCost(flops, nbytes, roofline(flops, nbytes, dtype, spec))
 

@@ -19,6 +19,7 @@ from dpar.compiler.costs import (
     DeviceSpec, assumed_device, attention_fused, device_spec, link_time, moved_bytes, payload_bytes,
 )
 from dpar.inspect.fake_world import fake_world
+from dpar.compiler.kernel_profile import time_kernels
 from dpar.compiler.logs import artifact
 from dpar.compiler.memory import step_peak
 from dpar.inspect.memory import per_rank_memory
@@ -126,6 +127,7 @@ def explain(
     device: str | DeviceSpec = "h100",
     optimizer: str = "adamw",
     ranks_shown: int = 4,
+    profile_kernels: bool = False,
     parallelize: Parallelize | None = None,
     build_pipeline: Callable[..., Any] | None = None,
     **pipeline: Any,
@@ -140,15 +142,19 @@ def explain(
     ``strategy`` (zero2, fsdp) runs ``dpar.parallelize`` on the copy, inside the
     simulated world. ``strategy="pipeline"`` takes ``explain_pipeline``'s keywords
     (``stages``, ``micro_batches``, ``schedule``, ``loss_fn``, ...) and returns its
-    ``PipelineReport``: the stage split, the schedule and its simulated timeline. ``parallelize`` is
+    ``PipelineReport``: the stage split, the schedule and its simulated timeline. ``profile_kernels``
+    times every kernel of the compiled graphs on this machine's device (CUDA where there is one, else the
+    CPU) and prices them at their measured times instead of the roofline (see [Note: profile-guided
+    kernel costs] in ``dpar.compiler.costs``); ``device`` must then describe this machine. ``parallelize`` is
     ``dpar.parallelize`` and ``build_pipeline`` ``dpar.pipeline`` (for ``tensor_parallel`` stages), handed down
     by ``dpar.explain`` (inspection does not import the api).
     """
     if strategy == "pipeline":
         from dpar.inspect.pipeline import explain_pipeline
 
-        if options:
-            raise OptionsError(f"explain: options {sorted(options)} are the compiler's; strategy='pipeline' takes none")
+        if options or profile_kernels:
+            raise OptionsError(f"explain: {sorted(options or {'profile_kernels': True})} apply to the compiled "
+                               "strategies' graphs; strategy='pipeline' prices its stages by the roofline and takes none")
         return explain_pipeline(model, example_inputs, world_size=world_size, device=device, optimizer=optimizer,
                                 pipeline=build_pipeline, **pipeline)
     if pipeline:
@@ -168,9 +174,26 @@ def explain(
             captures = _capture(work, example_inputs, compile_options, world_size, on_meta=meta)
         finally:
             torch.compiler.reset()
+    if profile_kernels:
+        spec = _timed_here(spec, [g.graph for cap in captures for g in cap.graphs if g.label != "joint graph"])
     report = _report(type(model).__name__, work, captures, world_size, chosen.name, spec, parsed, optimizer, ranks_shown)
     artifact("explain_report", report.to_json, encoding="json")
     return report
+
+
+def _timed_here(spec: DeviceSpec, graphs: Sequence[fx.GraphModule]) -> DeviceSpec:
+    """``spec`` carrying the graphs' kernels timed on this machine's device: CUDA where there is one."""
+    here = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    preset_for = {"cpu": "cpu", "h100": "cuda", "h200": "cuda"}.get(spec.name)
+    if preset_for not in (None, here.type):
+        raise OptionsError(
+            f"explain: profile_kernels times the kernels on this machine's {here.type}, but device={spec.name!r} "
+            f"describes {'a GPU' if preset_for == 'cuda' else 'a CPU'}: the report would price one machine's kernels "
+            f"with another's links. Pass device='{'cpu' if here.type == 'cpu' else 'h100'}' (or a DeviceSpec of this "
+            "machine), or run on the device the report is for."
+        )
+    times = time_kernels(graphs, here)
+    return dataclasses.replace(spec, name=f"{spec.name} ({times.describe()})", kernel_times=times)
 
 
 def _check_gradients_reduced(name: str, strategy: str, params: Sequence[torch.Tensor], rows: Sequence[CollectiveRow]) -> None:

@@ -42,10 +42,13 @@ their peak, gradients produced by then included: [Note: gradients live to the op
 compiler/memory.py), beside it the same with gloo's all-gather buffers ("+gloo", [Note: gloo stages
 every all-gather]; the report does not count them yet), and compute =
 ``Timeline.compute_time`` (the roofline of every node of the forward and backward graphs). Beside it,
-"profiled": the same graphs priced with their kernels timed by the ranks right after their timed steps,
-each on its own graphs, both at once as they ran the steps (``dpar.compiler.kernel_profile.time_kernels``,
-what ``dpar inspect --profile-kernels`` prices with; [Note: profile-guided kernel costs] in
-compiler/costs.py), averaged over the two ranks.
+"profiled": the same graphs priced with their kernels timed by the ranks, each on its own graphs, both at
+once, right after each timed step (``dpar.compiler.kernel_profile.time_kernels``, what ``dpar inspect
+--profile-kernels`` prices with; [Note: profile-guided kernel costs] in compiler/costs.py), averaged over
+the two ranks; its ratio is the median over the rounds of (that round's priced compute / that round's
+step), because this shared host's speed drifts by up to 2x over minutes (the same strategy's step
+measured 1.04 s and 1.37 s in two runs of one afternoon), which a ratio of figures taken minutes apart
+would carry.
 
 On a GPU (``--device cuda``) one process stands in for rank 0 of ``--world-size`` ranks on torch's fake
 process group: its collectives return at once, so what is timed is the rank's own compute (CUDA events
@@ -202,18 +205,20 @@ def measure(rank: int, world_size: int, model_name: str, cases: tuple[tuple[str,
         finish()
         calibration = calibrate(clock=time.thread_time)
         dist.barrier()
-        steps = []
+        steps, kernels = [], []
         for step in range(WARMUP + 1, WARMUP + 1 + TIMED):
             wall, cpu = time.perf_counter(), time.thread_time()
             forward_backward(step)
             steps.append((time.thread_time() - cpu, time.perf_counter() - wall))
             finish()
+            # This rank's graphs as the step just ran them, in the same round: on a shared host the machine's
+            # speed drifts by 2x over minutes, so each round's step is compared with its own kernel times.
+            timed = time_kernels(graphs, torch.device("cpu"), repeats=3, warmups=1)
+            kernels.append({"kernel_seconds": timed.seconds, "kernels_untimed": timed.untimed})
         compute, wall = statistics.median(s[0] for s in steps), statistics.median(s[1] for s in steps)
-        kernels = time_kernels(graphs, torch.device("cpu"))  # this rank's graphs, as the steps just ran them
         out["strategies"][_key(strategy, policy)] = {
             "state_bytes": state, "peak_activation_bytes": peak, "calibration": calibration,
-            "compute_s": compute, "forward_backward_wall_s": wall, "steps": steps,
-            "kernel_seconds": kernels.seconds, "kernels_untimed": kernels.untimed,
+            "compute_s": compute, "forward_backward_wall_s": wall, "steps": steps, "kernel_rounds": kernels,
         }
         del model, optimizer, forward_backward, finish, graphs
     return out
@@ -374,7 +379,7 @@ def _key(strategy: str, policy: str) -> str:
 
 
 def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size: int = WORLD_SIZE,
-             preset: str = "cpu", on_meta: bool = False, kernels: Any = None) -> dict[str, Any]:
+             preset: str = "cpu", on_meta: bool = False, kernels: list[Any] | None = None) -> dict[str, Any]:
     """``dpar.explain``'s figures for the plan the ranks ran, compute priced on the calibrated ``spec``.
 
     The report is made for the cpu preset, the device the ranks' own bucket and prefetch plans were
@@ -404,11 +409,12 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
     graphs = [("forward", f) for f, _ in pairs] + [("backward", b) for _, b in reversed(pairs) if b is not None]
     staged = step_peak(pairs, staged_gathers=True)
     profiled = {}
-    if kernels is not None:  # the ranks' kernel times (``KernelTimes``) price the report's graphs
-        timed = dataclasses.replace(spec, kernel_times=kernels)
+    if kernels:  # the ranks' kernel times (a ``KernelTimes`` per round) price the report's graphs
+        priced = [build_timeline(graphs, world_size, dataclasses.replace(spec, kernel_times=k)).compute_time for k in kernels]
         ops = {kernel_key(n) for _, g in graphs for n in g.graph.nodes if runs_an_op(n)}
-        profiled = {"compute_profiled_s": build_timeline(graphs, world_size, timed).compute_time,
-                    "kernels": f"{kernels.describe()}; of the report's {len(ops)}, {len(ops - set(kernels.by_key))} by the roofline"}
+        profiled = {"compute_profiled_s": statistics.median(priced), "compute_profiled_rounds_s": priced,
+                    "kernels": f"{kernels[0].describe()}; of the report's {len(ops)}, "
+                               f"{len(ops - set(kernels[0].by_key))} by the roofline"}
     return {
         "state_bytes": m.parameters + m.optimizer, "gradient_bytes": m.gradients,
         "activation_bytes": m.activations, "gathered_bytes": m.gathered,
@@ -419,13 +425,13 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
 
 
 def _kernel_times(per_rank: list[dict[str, Any]]) -> Any:
-    """The ranks' kernel times, averaged per kernel: both timed them at once, as they ran their steps."""
+    """One round's kernel times from every rank, averaged per kernel: the ranks timed them at once."""
     from dpar.compiler.costs import KernelTimes
 
-    tables = [dict(r.pop("kernel_seconds")) for r in per_rank]
+    tables = [dict(r["kernel_seconds"]) for r in per_rank]
     common = set.intersection(*(set(t) for t in tables))
     return KernelTimes("cpu", tuple((key, statistics.mean(t[key] for t in tables)) for key in sorted(common)),
-                       max(r.pop("kernels_untimed") for r in per_rank) + len(set.union(*(set(t) for t in tables)) - common))
+                       max(r["kernels_untimed"] for r in per_rank) + len(set.union(*(set(t) for t in tables)) - common))
 
 
 def _verdict(ratio: float, goal: float) -> str:
@@ -477,11 +483,17 @@ def main() -> None:
                 "state_bytes": max(r["state_bytes"] for r in per_rank),
                 "compute_s": statistics.mean(r["compute_s"] for r in per_rank),
             }
-            model = modelled(name, strategy, policy, spec, kernels=_kernel_times(per_rank))
+            timed_by_rank = [r.pop("kernel_rounds") for r in per_rank]
+            rounds = [_kernel_times([timed[k] for timed in timed_by_rank]) for k in range(TIMED)]
+            model = modelled(name, strategy, policy, spec, kernels=rounds)
             act = model["peak_activation_bytes"] / measured["peak_activation_bytes"]
             staged = model["peak_activation_staged_bytes"] / measured["peak_activation_bytes"]
             cmp = model["compute_s"] / measured["compute_s"]
-            cmp_profiled = model["compute_profiled_s"] / measured["compute_s"]
+            # Per round: the ranks' mean step against the graphs priced with that round's kernel times.
+            round_ratios = [profiled / statistics.mean(r["steps"][k][0] for r in per_rank)
+                            for k, profiled in enumerate(model["compute_profiled_rounds_s"])]
+            cmp_profiled = statistics.median(round_ratios)
+            measured["profiled_round_ratios"] = round_ratios
             rows.append({"model": name, "strategy": label, "measured": measured, "modelled": model,
                          "activation_ratio": act, "activation_staged_ratio": staged, "compute_ratio": cmp,
                          "compute_profiled_ratio": cmp_profiled,

@@ -25,7 +25,7 @@ CPU_EVICT_BYTES = 1 << 20
 kernel finds its operands in L2; in a step, kernels in between have evicted them to the shared L3. On this
 project's 2-core EPYC (512 KiB L2 a core, 32 MiB L3) timing without it priced ConvBN's step (ddp, 2 ranks)
 at 17.9 ms and HF Llama 4M's at 132 ms, with it 21.9 and 149 ms; evicting L3 too (64 MiB) 64 and 285 ms,
-past what a step takes (18-21 and 133-177 ms measured)."""
+past what a step takes (17-23 and 133-209 ms measured on 2 ranks, one afternoon)."""
 
 
 def time_kernels(graphs: Iterable[fx.GraphModule], device: torch.device, *, repeats: int = 5, warmups: int = 2,

@@ -52,12 +52,12 @@ class DeviceSpec:
     ``intra_link_bandwidth`` the link inside one node of ``node_size`` ranks (NVLink), the same as
     the inter-node link where not given. ``links(mesh_shape)`` gives one (α, β) per mesh dimension:
     the last dimension is node-local when it fits in a node, the others cross nodes, which is what
-    lets the planner put data parallel on a slow dimension and tensor parallel on a fast one.
+    lets the planner put data parallel on a slow dimension and tensor parallel on a fast one; the whole
+    world of a 1-D strategy (``world_link``) is the one dimension of a mesh (N,), node-local up to a node.
     ``mesh_links`` (one (α, β) per dimension) replaces that rule for a machine given by hand.
     A collective among given ranks (``link_among``: what ``dpar inspect`` prices a mesh dimension's group
     with) runs on the node-local link when they all lie in one node of ``node_size`` consecutive ranks,
-    else on the inter-node link, the slowest hop of a ring across nodes; the whole world, what ``dpar
-    inspect`` simulates a 1-D strategy over, runs on the inter-node link.
+    else on the inter-node link, the slowest hop of a ring across nodes.
     """
 
     name: str
@@ -111,6 +111,15 @@ class DeviceSpec:
         if self.mesh_links is None and len({r // self.node_size for r in ranks}) == 1:
             return self.intra_link
         return self.inter_link
+
+    def world_link(self) -> tuple[sympy.Expr, sympy.Expr]:
+        """(α, β) of a ring over the whole world of N ranks, as expressions in N: node-local while the N
+        consecutive ranks fit in one node (see [Note: the device's links]), the inter-node link past it;
+        a device given by hand (``mesh_links``) names no node, so its inter-node link."""
+        if self.mesh_links is not None or self.intra_link == self.inter_link:
+            return self.inter_link
+        return tuple(sympy.Piecewise((intra, N <= self.node_size), (inter, True))  # type: ignore[return-value]
+                     for intra, inter in zip(self.intra_link, self.inter_link))
 
     def links(self, mesh_shape: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
         """One (α, β) per mesh dimension (see [Note: the device's links])."""

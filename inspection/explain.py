@@ -264,7 +264,7 @@ def _report(
             for c in g.collectives:
                 local = bucket_of(found, c.issue_node)
                 nbytes = payload_bytes(nodes[c.issue_node])
-                ranks, link = sub_groups.get(c.group, (world_size, spec.inter_link))
+                ranks, link = sub_groups.get(c.group, (world_size, spec.link_among(range(world_size))))
                 rows.append(CollectiveRow(
                     prefix + g.label, c.kind, c.group, dtype_name(c.dtype), nbytes,
                     moved_bytes(c.kind, nbytes, ranks), None if local is None else first + local,

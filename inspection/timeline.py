@@ -29,7 +29,7 @@ def step_program(
             kind = COLLECTIVE_KINDS.get(node.target)
             if kind is not None:
                 group = (sub_groups or {}).get(str(node.args[-1]))
-                alpha, beta = spec.inter_link if group is None else group[1]
+                alpha, beta = spec.world_link() if group is None else group[1]
                 seconds = comm_time_expr(kind).subs({B: payload_bytes(node), ALPHA: alpha, BETA: beta})
                 seconds = seconds if group is None else seconds.subs(N, group[0])
                 issued[node] = len(issued)

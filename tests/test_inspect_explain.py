@@ -32,7 +32,9 @@ def mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
 
 
 def ring_all_reduce_seconds(nbytes: int, n: int) -> float:
-    return 2 * (n - 1) * H100.alpha + 2 * (n - 1) / n * nbytes / H100.link_bandwidth
+    """On NVLink while the world fits in one node of 8, on the NICs past it."""
+    alpha, beta = H100.intra_link if n <= H100.node_size else H100.inter_link
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta
 
 
 @pytest.fixture(scope="module", params=[2, 8, 64])

@@ -137,7 +137,8 @@ def test_forward_gathers_one_bucket_per_block_plus_root_with_formula_bytes(repor
     assert [c.bytes for c in gathers] == [4 * ROOT_ELEMENTS] + [4 * BLOCK_ELEMENTS] * 4  # gathered size
     for c in report.collectives:  # ring: (N-1)/N of the full size, (N-1) latency steps
         assert c.moved_bytes == pytest.approx((N - 1) / N * c.bytes)
-        assert c.seconds == pytest.approx((N - 1) * H100.alpha + (N - 1) / N * c.bytes / H100.link_bandwidth)
+        alpha, beta = H100.intra_link  # N = 8: one node's NVLink
+        assert c.seconds == pytest.approx((N - 1) * alpha + (N - 1) / N * c.bytes * beta)
     assert [b.fill for b in report.buckets] == [None] * len(report.buckets)
 
 

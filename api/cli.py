@@ -98,8 +98,7 @@ def _inspect_pipeline(args: argparse.Namespace) -> int:
     from dpar.placement import activation_policy
 
     unused = [flag for flag, given in (("--html", args.html), ("--dot", args.dot), ("--png", args.png),
-                                       ("--code", args.code), ("--bucket-cap-mb", args.bucket_cap_mb),
-                                       ("--profile-kernels", args.profile_kernels)) if given]
+                                       ("--code", args.code), ("--bucket-cap-mb", args.bucket_cap_mb)) if given]
     if unused or args.stages is None:
         raise SystemExit(f"dpar inspect --strategy pipeline: needs --stages S (and takes --micro-batches, --schedule, "
                          f"--tp, --loss, --trace){'; drop ' + ', '.join(unused) if unused else ''}")
@@ -110,7 +109,7 @@ def _inspect_pipeline(args: argparse.Namespace) -> int:
             model, example_inputs, stages=args.stages, micro_batches=args.micro_batches or args.stages,
             schedule=args.schedule, world_size=args.world_size, virtual_stages=args.virtual_stages,
             loss_fn=load_target(args.loss) if args.loss else None, device=args.device, optimizer=args.optimizer,
-            tensor_parallel=args.tp, pipeline=pipeline,
+            tensor_parallel=args.tp, pipeline=pipeline, profile_kernels=args.profile_kernels,
             activations=activation_policy(model, args.activation_checkpointing),
         )
     except OptionsError as error:

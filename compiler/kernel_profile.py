@@ -3,6 +3,7 @@ in ``costs.py``): what a ``DeviceSpec`` carries as ``kernel_times``."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -12,7 +13,8 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.collectives import runs_an_op
-from dpar.compiler.costs import KernelKey, KernelTimes, example_value, kernel_bytes, kernel_key
+from dpar.compiler.costs import DeviceSpec, KernelKey, KernelTimes, example_value, kernel_bytes, kernel_key
+from dpar.core.errors import OptionsError
 from dpar.core.torch_internals import pytree
 
 MAX_KERNEL_BYTES = 1 << 30
@@ -26,6 +28,28 @@ kernel finds its operands in L2; in a step, kernels in between have evicted them
 project's 2-core EPYC (512 KiB L2 a core, 32 MiB L3) timing without it priced ConvBN's step (ddp, 2 ranks)
 at 17.9 ms and HF Llama 4M's at 132 ms, with it 21.9 and 149 ms; evicting L3 too (64 MiB) 64 and 285 ms,
 past what a step takes (17-23 and 133-209 ms measured on 2 ranks, one afternoon)."""
+
+
+def timed_here(spec: DeviceSpec, graphs: Iterable[fx.GraphModule]) -> DeviceSpec:
+    """``spec`` carrying ``graphs``' kernels timed on this machine's device (CUDA where there is one), after
+    ``timing_device`` has checked that ``spec`` describes it."""
+    times = time_kernels(graphs, timing_device(spec))
+    return dataclasses.replace(spec, name=f"{spec.name.split(' (')[0]} ({times.describe()})", kernel_times=times)
+
+
+def timing_device(spec: DeviceSpec) -> torch.device:
+    """This machine's device, refused where ``spec`` is a preset of another kind: a report would price one
+    machine's kernels with another's links."""
+    here = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    preset_for = {"cpu": "cpu", "h100": "cuda", "h200": "cuda"}.get(spec.name.split(" (")[0])
+    if preset_for not in (None, here.type):
+        raise OptionsError(
+            f"profile_kernels times the kernels on this machine's {here.type}, but device={spec.name!r} describes "
+            f"{'a GPU' if preset_for == 'cuda' else 'a CPU'}: the report would price one machine's kernels with "
+            f"another's links. Pass device='{'cpu' if here.type == 'cpu' else 'h100'}' (or a DeviceSpec of this "
+            "machine), or run on the device the report is for."
+        )
+    return here
 
 
 def time_kernels(graphs: Iterable[fx.GraphModule], device: torch.device, *, repeats: int = 5, warmups: int = 2,

@@ -19,7 +19,7 @@ from dpar.compiler.costs import (
     DeviceSpec, assumed_device, attention_fused, device_spec, link_time, moved_bytes, payload_bytes,
 )
 from dpar.inspect.fake_world import fake_world
-from dpar.compiler.kernel_profile import time_kernels
+from dpar.compiler.kernel_profile import timed_here, timing_device
 from dpar.compiler.logs import artifact
 from dpar.compiler.memory import step_peak
 from dpar.inspect.memory import per_rank_memory
@@ -152,15 +152,16 @@ def explain(
     if strategy == "pipeline":
         from dpar.inspect.pipeline import explain_pipeline
 
-        if options or profile_kernels:
-            raise OptionsError(f"explain: {sorted(options or {'profile_kernels': True})} apply to the compiled "
-                               "strategies' graphs; strategy='pipeline' prices its stages by the roofline and takes none")
+        if options:
+            raise OptionsError(f"explain: options {sorted(options)} are the compiler's; strategy='pipeline' takes none")
         return explain_pipeline(model, example_inputs, world_size=world_size, device=device, optimizer=optimizer,
-                                pipeline=build_pipeline, **pipeline)
+                                pipeline=build_pipeline, profile_kernels=profile_kernels, **pipeline)
     if pipeline:
         raise OptionsError(f"explain: {sorted(pipeline)} apply only to strategy='pipeline'; drop them or use that strategy")
     chosen = strategy_named(strategy)
     spec = device_spec(device)
+    if profile_kernels:
+        timing_device(spec)  # refused before the compile, not after
     compile_options = {**(options or {}), "compiler": "aot_eager"}
     parsed = Options.parse(compile_options)
     # One knob: a sharded strategy's buckets are laid out by parallelize, ddp's when compiling.
@@ -175,25 +176,10 @@ def explain(
         finally:
             torch.compiler.reset()
     if profile_kernels:
-        spec = _timed_here(spec, [g.graph for cap in captures for g in cap.graphs if g.label != "joint graph"])
+        spec = timed_here(spec, [g.graph for cap in captures for g in cap.graphs if g.label != "joint graph"])
     report = _report(type(model).__name__, work, captures, world_size, chosen.name, spec, parsed, optimizer, ranks_shown)
     artifact("explain_report", report.to_json, encoding="json")
     return report
-
-
-def _timed_here(spec: DeviceSpec, graphs: Sequence[fx.GraphModule]) -> DeviceSpec:
-    """``spec`` carrying the graphs' kernels timed on this machine's device: CUDA where there is one."""
-    here = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    preset_for = {"cpu": "cpu", "h100": "cuda", "h200": "cuda"}.get(spec.name)
-    if preset_for not in (None, here.type):
-        raise OptionsError(
-            f"explain: profile_kernels times the kernels on this machine's {here.type}, but device={spec.name!r} "
-            f"describes {'a GPU' if preset_for == 'cuda' else 'a CPU'}: the report would price one machine's kernels "
-            f"with another's links. Pass device='{'cpu' if here.type == 'cpu' else 'h100'}' (or a DeviceSpec of this "
-            "machine), or run on the device the report is for."
-        )
-    times = time_kernels(graphs, here)
-    return dataclasses.replace(spec, name=f"{spec.name} ({times.describe()})", kernel_times=times)
 
 
 def _check_gradients_reduced(name: str, strategy: str, params: Sequence[torch.Tensor], rows: Sequence[CollectiveRow]) -> None:

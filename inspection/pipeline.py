@@ -24,6 +24,7 @@ from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_sche
 from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
 from dpar.core.pipeline_program import Op, PipelineSchedule, StageSplit
 from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
+from dpar.compiler.kernel_profile import timing_device
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.compiler.pipeline_parallel.costs import (
     BlockCollectives, Collectives, LossFn, StageCost, TensorParallelCost, action_cost, hop_latency, micro_batch_of,
@@ -199,6 +200,7 @@ def explain_pipeline(
     tensor_parallel: int = 1,
     pipeline: PipelineBuilder | None = None,
     activations: ActivationPolicy = KEEP_ACTIVATIONS,
+    profile_kernels: bool = False,
 ) -> PipelineReport:
     """Report on ``model`` cut into ``stages`` pipeline stages, without running it.
 
@@ -213,7 +215,7 @@ def explain_pipeline(
     inspect`` hand down: inspection does not import the api) builds each stage's graphs on a copy under a fake
     world, and the tp collectives the pass put in them are counted and priced on the tp link. ``activations``: the
     blocks' policy, priced as ``dpar.pipeline(activation_checkpointing=...)`` runs it ([Note: the pipeline cost
-    model]).
+    model]). ``profile_kernels``: each stage's kernels timed on this machine, as ``dpar.explain`` takes it.
     """
     v = stages_per_rank(schedule, virtual_stages)
     if not isinstance(stages, int) or stages < 1 or stages % v:
@@ -240,8 +242,10 @@ def explain_pipeline(
             f"{[d for d in range(1, total + 1) if total % d == 0]}")
     rows = total // micro_batches
     spec = device_spec(device)
+    if profile_kernels:
+        spec = dataclasses.replace(spec, name=f"{spec.name} (kernels timed on {timing_device(spec).type})")
     split, costs = price_stages(model, loss, micro_batch_of(inputs, rows), stages, spec, split_points, ranks=ranks,
-                                schedule=schedule, activations=activations)
+                                schedule=schedule, activations=activations, profile_kernels=profile_kernels)
     collectives = [{} for _ in costs]
     if tensor_parallel > 1:
         if pipeline is None:

@@ -18,6 +18,7 @@ from dpar.compiler.costs import PRESETS, is_kernel, kernel_key, node_cost, roofl
 from dpar.compiler.kernel_profile import time_kernels
 from dpar.core.errors import OptionsError
 from dpar.explaining import explain
+from pipeline_models import mse, stack
 
 
 class SmallConvNet(nn.Module):
@@ -100,8 +101,20 @@ def test_a_model_on_meta_is_timed_on_made_up_inputs() -> None:
 def test_kernels_timed_on_one_machine_are_not_priced_as_another() -> None:
     with pytest.raises(OptionsError, match=r"profile_kernels times the kernels on this machine's cpu, but device='h100'"):
         explain(SmallConvNet(), _inputs(), world_size=2, strategy="ddp", device="h100", profile_kernels=True)
-    with pytest.raises(OptionsError, match="strategy='pipeline' prices its stages by the roofline"):
-        explain(SmallConvNet(), _inputs(), world_size=2, strategy="pipeline", device="cpu", profile_kernels=True, stages=2)
+    with pytest.raises(OptionsError, match=r"profile_kernels times the kernels on this machine's cpu, but device='h100'"):
+        explain(SmallConvNet(), _inputs(), world_size=2, strategy="pipeline", profile_kernels=True, stages=2, micro_batches=2)
+
+
+def test_pipeline_stages_are_priced_with_their_kernels_timed_here() -> None:
+    """Each stage's forward (and the recomputation B and I run) at its kernels' measured times."""
+    model, inputs = stack()
+    kwargs = dict(world_size=2, strategy="pipeline", device="cpu", stages=2, micro_batches=2, loss_fn=mse)
+    rooflined = explain(model, inputs, **kwargs)
+    profiled = explain(model, inputs, profile_kernels=True, **kwargs)
+    assert profiled.device == "cpu (kernels timed on cpu)" and rooflined.device == "cpu"
+    assert [s.activation_bytes for s in profiled.stages] == [s.activation_bytes for s in rooflined.stages]
+    # Small kernels: each costs its dispatch at least, far above the roofline at 100 GFLOP/s.
+    assert all(p.forward_s > 2 * r.forward_s > 0 for p, r in zip(profiled.stages, rooflined.stages))
 
 
 def test_inspect_profile_kernels_flag(tmp_path, capsys) -> None:

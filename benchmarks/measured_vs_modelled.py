@@ -385,7 +385,7 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
     The report is made for the cpu preset, the device the ranks' own bucket and prefetch plans were
     made for (``spec_of_device``), so that its graphs are the ones that ran; their compute is then
     priced on ``spec`` (``build_timeline``). Beside it, the graphs' peak with gloo's all-gather
-    buffers counted ([Note: gloo stages every all-gather] in compiler/memory.py; the report does not
+    buffers counted ([Note: gloo stages its gathers and reductions] in compiler/memory.py; the report does not
     count them yet)."""
     import dataclasses
 
@@ -407,7 +407,7 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
     m = report.memory
     pairs = report_pairs(report)
     graphs = [("forward", f) for f, _ in pairs] + [("backward", b) for _, b in reversed(pairs) if b is not None]
-    staged = step_peak(pairs, staged_gathers=True)
+    staged = step_peak(pairs, staged_collectives=True)
     profiled = {}
     if kernels:  # the ranks' kernel times (a ``KernelTimes`` per round) price the report's graphs
         priced = [build_timeline(graphs, world_size, dataclasses.replace(spec, kernel_times=k)).compute_time for k in kernels]

@@ -23,12 +23,16 @@ step began. Where the gradients outweigh the activations (a large model, a small
 at the end of the backward, not its start (HF Llama 100M, 2x128 tokens a rank, ddp: 237 MiB of
 activations at their peak, 396 MiB at the step's, 396.1 MiB measured).
 
-[Note: gloo stages every all-gather]
+[Note: gloo stages its gathers and reductions]
 ProcessGroupGloo runs ``all_gather_into_tensor`` into a buffer of the output's size that it allocates
 on its worker thread and frees once it has copied out, so on CPU each all-gather in flight holds its
 gathered bytes twice (measured, benchmarks/measured_vs_modelled.py: a 2.5 MiB buffer on gloo's thread
-for each 2.5 MiB gather of an HF Llama's blocks under fsdp). ``staged_gathers=True`` counts that
-buffer from the all-gather's issue to its wait; NCCL gathers in place, and the GPU presets need none.
+for each 2.5 MiB gather of an HF Llama's blocks under fsdp). ``reduce_scatter_tensor`` likewise reduces
+through a buffer of its input's size, the whole unscattered gradient: 2 ranks, a 12 MiB input, the
+allocator's peak over the collective and its wait is 18 MiB (the 6 MiB result and 12 MiB staged); an
+all-gather of 6 MiB per rank peaks at 24 (12 + 12), an all-reduce at its 12 MiB result alone.
+``staged_collectives=True`` counts those buffers from the collective's issue to its wait; NCCL works in
+place, and the GPU presets need none.
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ def liveness(
     counted_inputs: set[str],
     gathered_inputs: set[str],
     exclude_outputs: bool,
-    staged_gathers: bool = False,
+    staged_collectives: bool = False,
 ) -> Liveness:
     """Bytes of storages alive over ``gm``'s nodes, a storage dying after its last reader.
 
@@ -169,12 +173,12 @@ def liveness(
     kept = {key for n in gm.graph.output_node().all_input_nodes for key, _ in storages(n)}
     counted: dict[object, Live] = {}
     alive_until: dict[object, int] = {}
-    staging = _staging_buffers(nodes) if staged_gathers else {}
+    staging = _staging_buffers(nodes) if staged_collectives else {}
     live = peak = Live()
     after_node = []
     for i, node in enumerate(nodes):
         skip = node.op == "placeholder" and node.name not in counted_inputs
-        for key, nbytes, end in staging.get(node, ()):  # see [Note: gloo stages every all-gather]
+        for key, nbytes, end in staging.get(node, ()):  # see [Note: gloo stages its gathers and reductions]
             counted[key] = Live(nbytes, 0) if node in gathered else Live(0, nbytes)
             live += counted[key]
             alive_until[key] = end
@@ -195,14 +199,19 @@ def liveness(
 
 
 def _staging_buffers(nodes: list[fx.Node]) -> dict[fx.Node, list[tuple[object, int, int]]]:
-    """Per all-gather: (a key of its own, its output's bytes, the index of its wait) for gloo's buffer."""
+    """Per all-gather and reduce-scatter: (a key of its own, the gathered output's or the unscattered input's
+    bytes, the index of its wait) for gloo's buffer."""
     index = {node: i for i, node in enumerate(nodes)}
     found: dict[fx.Node, list[tuple[object, int, int]]] = {}
     for node in nodes:
-        if node.target is not C10D_FUNCTIONAL.all_gather_into_tensor.default:
+        if node.target is C10D_FUNCTIONAL.all_gather_into_tensor.default:
+            staged = node
+        elif node.target is C10D_FUNCTIONAL.reduce_scatter_tensor.default and isinstance(node.args[0], fx.Node):
+            staged = node.args[0]
+        else:
             continue
         waits = [index[u] for u in node.users if u.target is WAIT]
-        nbytes = sum(n for _, n in storages_of(node))
+        nbytes = sum(n for _, n in storages_of(staged))
         found[node] = [(("staging", node), nbytes, min(waits, default=index[node]))]
     return found
 
@@ -242,19 +251,19 @@ def saved_activations(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | Non
     return sum(liveness(fw, {}, set(), set(), exclude_outputs=False).live_at_end.activations for fw, bw in pairs if bw is not None)
 
 
-def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]], staged_gathers: bool = False) -> Live:
+def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]], staged_collectives: bool = False) -> Live:
     """Peak live bytes over the forward graphs in order, then the backward graphs in reverse.
 
     What a forward graph returns (saved activations, gathered parameters kept
     for the backward, outputs) stays live until its backward; parameters (or
-    their shards), user inputs and views of them are not counted. ``staged_gathers``:
-    see [Note: gloo stages every all-gather].
+    their shards), user inputs and views of them are not counted. ``staged_collectives``:
+    see [Note: gloo stages its gathers and reductions].
     """
     peak = saved = Live()
     forwards = []
     timeline = []
     for g, (forward, _) in enumerate(pairs):
-        fw = liveness(forward, {}, set(), set(), exclude_outputs=False, staged_gathers=staged_gathers)
+        fw = liveness(forward, {}, set(), set(), exclude_outputs=False, staged_collectives=staged_collectives)
         peak = _higher(peak, saved + fw.peak)
         timeline += [MemoryPoint(g, "forward", name, saved.total + nbytes) for name, nbytes in fw.after_node]
         saved += fw.live_at_end
@@ -266,10 +275,10 @@ def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]], sta
             continue
         inputs = _saved_inputs(forward, fw, backward)
         bw = liveness(backward, inputs.same_as, inputs.counted, inputs.gathered, exclude_outputs=True,
-                      staged_gathers=staged_gathers)
+                      staged_collectives=staged_collectives)
         peak = _higher(peak, saved + bw.peak)
         held = liveness(backward, inputs.same_as, inputs.counted, inputs.gathered, exclude_outputs=False,
-                        staged_gathers=staged_gathers)
+                        staged_collectives=staged_collectives)
         step = max(step, saved.total + produced + held.peak.total)
         timeline += [MemoryPoint(g, "backward", name, saved.total + produced + nbytes) for name, nbytes in held.after_node]
         produced += held.live_at_end.total

@@ -7,8 +7,8 @@ compute time; this is its smallest case. Peak activation: the most bytes live du
 backward above what was live when the step began (parameters or shards, optimizer state), read from
 ``torch.profiler``'s allocator events (``benchmarks/harness.live_bytes``). Modelled: the report's
 ``Memory.step_peak`` (gathered parameters, activations and the gradients produced by the
-peak) for the same model, batch, strategy and N = 2, with gloo's all-gather buffers counted
-(``compiler.memory.step_peak(staged_gathers=True)``: at this size fsdp's are a fifth of its peak).
+peak) for the same model, batch, strategy and N = 2, with gloo's all-gather and reduce-scatter buffers counted
+(``compiler.memory.step_peak(staged_collectives=True)``: at this size fsdp's are a fifth of its peak).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def test_peak_activation_as_modelled(measured: dict[str, int], strategy: str) ->
     from dpar.compiler.memory import step_peak
 
     report = dpar_explain(strategy)
-    # gloo's all-gather buffers counted ([Note: gloo stages every all-gather]); ddp gathers nothing
-    modelled = step_peak(report_pairs(report), staged_gathers=True).step
+    # gloo's all-gather and reduce-scatter buffers counted ([Note: gloo stages its gathers and reductions]); ddp has none
+    modelled = step_peak(report_pairs(report), staged_collectives=True).step
     assert modelled >= report.memory.step_peak and (strategy != "ddp" or modelled == report.memory.step_peak)
     ratio = modelled / measured[strategy]
     print(f"{strategy}: modelled {modelled:,} B, measured {measured[strategy]:,} B, ratio {ratio:.3f}")

@@ -39,8 +39,8 @@ preset the ranks planned their buckets and prefetch with, so the graphs are the 
 compute priced on ``spec``, the cpu preset's shape with this run's calibration (``harness.calibrate``: matmul FLOP/s,
 copy bandwidth, gloo α and β), peak activation = ``Memory.step_peak`` (the step's live graph bytes at
 their peak, gradients produced by then included: [Note: gradients live to the optimizer] in
-compiler/memory.py), beside it the same with gloo's all-gather buffers ("+gloo", [Note: gloo stages
-every all-gather]; the report does not count them yet), and compute =
+compiler/memory.py; on the cpu preset with gloo's staging buffers for all-gathers and reduce-scatters, [Note:
+gloo stages its gathers and reductions]), and compute =
 ``Timeline.compute_time`` (the roofline of every node of the forward and backward graphs). Beside it,
 "profiled": the same graphs priced with their kernels timed by the ranks, each on its own graphs, both at
 once, right after each timed step (``dpar.compiler.kernel_profile.time_kernels``, what ``dpar inspect
@@ -384,15 +384,12 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
 
     The report is made for the cpu preset, the device the ranks' own bucket and prefetch plans were
     made for (``spec_of_device``), so that its graphs are the ones that ran; their compute is then
-    priced on ``spec`` (``build_timeline``). Beside it, the graphs' peak with gloo's all-gather
-    buffers counted ([Note: gloo stages its gathers and reductions] in compiler/memory.py; the report does not
-    count them yet)."""
+    priced on ``spec`` (``build_timeline``)."""
     import dataclasses
 
     import dpar
     from dpar.compiler.collectives import runs_an_op
     from dpar.compiler.costs import kernel_key
-    from dpar.compiler.memory import step_peak
     from dpar.inspect.timeline import build_timeline
 
     inputs = MODELS[model_name][1](0, WARMUP)
@@ -407,7 +404,6 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
     m = report.memory
     pairs = report_pairs(report)
     graphs = [("forward", f) for f, _ in pairs] + [("backward", b) for _, b in reversed(pairs) if b is not None]
-    staged = step_peak(pairs, staged_collectives=True)
     profiled = {}
     if kernels:  # the ranks' kernel times (a ``KernelTimes`` per round) price the report's graphs
         priced = [build_timeline(graphs, world_size, dataclasses.replace(spec, kernel_times=k)).compute_time for k in kernels]
@@ -418,7 +414,7 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
     return {
         "state_bytes": m.parameters + m.optimizer, "gradient_bytes": m.gradients,
         "activation_bytes": m.activations, "gathered_bytes": m.gathered,
-        "peak_activation_bytes": m.step_peak, "peak_activation_staged_bytes": staged.step,
+        "peak_activation_bytes": m.step_peak,
         "compute_s": build_timeline(graphs, world_size, spec).compute_time,
         "compute_preset_s": report.timeline.compute_time, **profiled,
     }
@@ -465,7 +461,6 @@ def main() -> None:
 
     rows, calibrations = [], []
     header = (f"{'model':11} {'strategy':8} {'state MiB':>9} {'act meas':>9} {'act model':>9} {'ratio':>6}      "
-              f"{'+gloo':>6}     "
               f"{'cmp meas ms':>11} {'cmp model ms':>12} {'ratio':>6}      {'profiled ms':>11} {'ratio':>6}")
     print(header, flush=True)
     for name in models:
@@ -487,7 +482,6 @@ def main() -> None:
             rounds = [_kernel_times([timed[k] for timed in timed_by_rank]) for k in range(TIMED)]
             model = modelled(name, strategy, policy, spec, kernels=rounds)
             act = model["peak_activation_bytes"] / measured["peak_activation_bytes"]
-            staged = model["peak_activation_staged_bytes"] / measured["peak_activation_bytes"]
             cmp = model["compute_s"] / measured["compute_s"]
             # Per round: the ranks' mean step against the graphs priced with that round's kernel times.
             round_ratios = [profiled / statistics.mean(r["steps"][k][0] for r in per_rank)
@@ -495,13 +489,13 @@ def main() -> None:
             cmp_profiled = statistics.median(round_ratios)
             measured["profiled_round_ratios"] = round_ratios
             rows.append({"model": name, "strategy": label, "measured": measured, "modelled": model,
-                         "activation_ratio": act, "activation_staged_ratio": staged, "compute_ratio": cmp,
+                         "activation_ratio": act, "compute_ratio": cmp,
                          "compute_profiled_ratio": cmp_profiled,
-                         "activation": _verdict(act, MEMORY_GOAL), "activation_staged": _verdict(staged, MEMORY_GOAL),
+                         "activation": _verdict(act, MEMORY_GOAL),
                          "compute": _verdict(cmp, COMPUTE_GOAL), "compute_profiled": _verdict(cmp_profiled, COMPUTE_GOAL)})
             print(f"{name:11} {label:8} {measured['state_bytes'] / 2**20:9.1f} "
                   f"{measured['peak_activation_bytes'] / 2**20:9.1f} {model['peak_activation_bytes'] / 2**20:9.1f} "
-                  f"{act:6.2f} {rows[-1]['activation']} {staged:6.2f} {rows[-1]['activation_staged']} "
+                  f"{act:6.2f} {rows[-1]['activation']} "
                   f"{measured['compute_s'] * 1e3:11.1f} "
                   f"{model['compute_s'] * 1e3:12.1f} {cmp:6.2f} {rows[-1]['compute']} "
                   f"{model['compute_profiled_s'] * 1e3:11.1f} {cmp_profiled:6.2f} {rows[-1]['compute_profiled']}", flush=True)

@@ -80,6 +80,10 @@ class DeviceSpec:
     memory_bytes: float | None = None
     """One rank's device memory: the planner's budget when the user gives none. None (a CPU, whose ranks
     share the machine's memory): no budget unless given."""
+    staged_collectives: bool = False
+    """The collective library stages all-gathers and reduce-scatters through buffers of their own, as gloo
+    does on a CPU ([Note: gloo stages its gathers and reductions] in ``compiler/memory.py``): the memory model
+    counts them. NCCL works in place."""
     kernel_times: KernelTimes | None = None
     """Seconds measured for the kernels of given graphs (``dpar.compiler.kernel_profile.time_kernels``):
     ``node_cost`` prices a node found here at its measured time, every other by the roofline."""
@@ -158,7 +162,7 @@ PRESETS: dict[str, DeviceSpec] = {
     # hides. A loop of matmuls hides none of it (gloo's thread and MKL's share the two cores); what
     # hides in a real backward is the time its memory-bound kernels leave a core waiting.
     # One machine: every mesh dimension is the same loopback link.
-    "cpu": DeviceSpec("cpu", 100e9, 450e9, 40e9, alpha=150e-6, link_bandwidth=1.5e9, overlap=0.3),
+    "cpu": DeviceSpec("cpu", 100e9, 450e9, 40e9, alpha=150e-6, link_bandwidth=1.5e9, overlap=0.3, staged_collectives=True),
 }
 
 

@@ -259,7 +259,7 @@ def _report(
     params = list({id(p): p for p in model.parameters()}.values())
     if world_size > 1:  # one rank has nothing to reduce
         _check_gradients_reduced(name, strategy, params, rows)
-    peak = step_peak(pairs)
+    peak = step_peak(pairs, staged_collectives=spec.staged_collectives)
     memory = per_rank_memory(params, strategy_named(strategy), optimizer, peak, world_size)
     memory_timeline = tuple((labels[p.graph][p.phase], p.node, p.bytes) for p in peak.timeline)
     counted = graph_costs(pairs, spec)  # what the forwards hand their backwards, and the recomputation

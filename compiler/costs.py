@@ -284,7 +284,7 @@ class KernelTimes:
     The roofline prices a kernel at the device's peak rate or bandwidth. Where kernels run far from both,
     it is wrong by their distance: a CPU's small convolutions (oneDNN spends 50-300 us a call before any
     arithmetic; a 3-channel 7x7 stem's weight gradient runs at ~10 GFLOP/s against the matmul's ~110:
-    a ResNet's step priced at a quarter of what it takes), fp32 attention on a GPU's CUDA cores (priced at
+    a ResNet's step priced at a quarter of what it takes or less), fp32 attention on a GPU's CUDA cores (priced at
     TF32's tensor-core peak: half the time measured). So the device description can carry measured
     times, as DeepCompile's profile-guided passes and autoparallel's benchmarked op costs do: each
     distinct kernel of the graphs (op, shapes, strides, dtypes, arguments: ``kernel_key``) run on this

@@ -81,12 +81,7 @@ def runs_an_op(node: fx.Node) -> bool:
 
 
 def is_compute(node: fx.Node) -> bool:
-    return (
-        node.op == "call_function"
-        and node.target not in COLLECTIVE_KINDS
-        and node.target is not WAIT
-        and node.target not in _NON_COMPUTE
-    )
+    return runs_an_op(node) and node.target not in _NON_COMPUTE
 
 
 def collectives(gm: fx.GraphModule) -> list[Collective]:

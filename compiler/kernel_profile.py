@@ -30,18 +30,16 @@ at 17.9 ms and HF Llama 4M's at 132 ms, with it 21.9 and 149 ms; evicting L3 too
 past what a step takes (17-23 and 133-209 ms measured on 2 ranks, one afternoon)."""
 
 
-def timed_here(spec: DeviceSpec, graphs: Iterable[fx.GraphModule]) -> DeviceSpec:
-    """``spec`` carrying ``graphs``' kernels timed on this machine's device (CUDA where there is one), after
-    ``timing_device`` has checked that ``spec`` describes it."""
-    times = time_kernels(graphs, timing_device(spec))
-    return dataclasses.replace(spec, name=f"{spec.name.split(' (')[0]} ({times.describe()})", kernel_times=times)
+def with_kernel_times(spec: DeviceSpec, graphs: Iterable[fx.GraphModule], device: torch.device) -> DeviceSpec:
+    """``spec`` carrying ``graphs``' kernels timed on ``device`` (``timing_device(spec)``)."""
+    return dataclasses.replace(spec, kernel_times=time_kernels(graphs, device))
 
 
 def timing_device(spec: DeviceSpec) -> torch.device:
-    """This machine's device, refused where ``spec`` is a preset of another kind: a report would price one
-    machine's kernels with another's links."""
+    """This machine's device (CUDA where there is one), refused where ``spec`` is a preset of another kind: a
+    report would price one machine's kernels with another's links."""
     here = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    preset_for = {"cpu": "cpu", "h100": "cuda", "h200": "cuda"}.get(spec.name.split(" (")[0])
+    preset_for = {"cpu": "cpu", "h100": "cuda", "h200": "cuda"}.get(spec.name)
     if preset_for not in (None, here.type):
         raise OptionsError(
             f"profile_kernels times the kernels on this machine's {here.type}, but device={spec.name!r} describes "

@@ -19,7 +19,7 @@ from dpar.compiler.costs import (
     DeviceSpec, assumed_device, attention_fused, device_spec, link_time, moved_bytes, payload_bytes,
 )
 from dpar.inspect.fake_world import fake_world
-from dpar.compiler.kernel_profile import timed_here, timing_device
+from dpar.compiler.kernel_profile import timing_device, with_kernel_times
 from dpar.compiler.logs import artifact
 from dpar.compiler.memory import step_peak
 from dpar.inspect.memory import per_rank_memory
@@ -160,8 +160,7 @@ def explain(
         raise OptionsError(f"explain: {sorted(pipeline)} apply only to strategy='pipeline'; drop them or use that strategy")
     chosen = strategy_named(strategy)
     spec = device_spec(device)
-    if profile_kernels:
-        timing_device(spec)  # refused before the compile, not after
+    timed_on = timing_device(spec) if profile_kernels else None  # refused before the compile, not after
     compile_options = {**(options or {}), "compiler": "aot_eager"}
     parsed = Options.parse(compile_options)
     # One knob: a sharded strategy's buckets are laid out by parallelize, ddp's when compiling.
@@ -175,8 +174,9 @@ def explain(
             captures = _capture(work, example_inputs, compile_options, world_size, on_meta=meta)
         finally:
             torch.compiler.reset()
-    if profile_kernels:
-        spec = timed_here(spec, [g.graph for cap in captures for g in cap.graphs if g.label != "joint graph"])
+    if timed_on is not None:
+        spec = with_kernel_times(spec, [g.graph for cap in captures for g in cap.graphs if g.label != "joint graph"], timed_on)
+        spec = dataclasses.replace(spec, name=f"{spec.name} ({spec.kernel_times.describe()})")
     report = _report(type(model).__name__, work, captures, world_size, chosen.name, spec, parsed, optimizer, ranks_shown)
     artifact("explain_report", report.to_json, encoding="json")
     return report

@@ -242,10 +242,11 @@ def explain_pipeline(
             f"{[d for d in range(1, total + 1) if total % d == 0]}")
     rows = total // micro_batches
     spec = device_spec(device)
-    if profile_kernels:
-        spec = dataclasses.replace(spec, name=f"{spec.name} (kernels timed on {timing_device(spec).type})")
+    timed_on = timing_device(spec) if profile_kernels else None
+    if timed_on is not None:
+        spec = dataclasses.replace(spec, name=f"{spec.name} (kernels timed on {timed_on.type})")
     split, costs = price_stages(model, loss, micro_batch_of(inputs, rows), stages, spec, split_points, ranks=ranks,
-                                schedule=schedule, activations=activations, profile_kernels=profile_kernels)
+                                schedule=schedule, activations=activations, kernels_timed_on=timed_on)
     collectives = [{} for _ in costs]
     if tensor_parallel > 1:
         if pipeline is None:

@@ -45,7 +45,7 @@ from dpar.compiler.pipeline_parallel.stage_graphs import saved_activation_bytes,
 from dpar.compiler.passes.recompute import BLOCK_KEY, policy_of
 from dpar.compiler.collectives import COLLECTIVE_KINDS
 from dpar.compiler.costs import DeviceSpec, link_time, node_cost, payload_bytes
-from dpar.compiler.kernel_profile import timed_here
+from dpar.compiler.kernel_profile import with_kernel_times
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.core.errors import OptionsError
 from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy
@@ -143,11 +143,6 @@ def _stage_cost(graphs: StageGraphs, parameters: dict[str, torch.Tensor], spec: 
     )
 
 
-def _timed(spec: DeviceSpec, graphs: StageGraphs) -> DeviceSpec:
-    """``spec`` with the kernels of the graphs a stage is priced from timed here."""
-    return timed_here(spec, [graphs.forward, graphs.backward, graphs.backward_input])
-
-
 def _shape_key(stage: Stage, last: bool, model_state: dict[str, torch.Tensor]) -> tuple:
     """What a stage's price depends on: its ops and their shapes, its parameters' shapes, what it
     receives and sends; not the names (two middle blocks of a deep model have the same key)."""
@@ -169,28 +164,29 @@ def _shape_key(stage: Stage, last: bool, model_state: dict[str, torch.Tensor]) -
 def price_stages(
     model: nn.Module, loss_fn: LossFn, micro_batch: Sequence[torch.Tensor], stages: int, spec: DeviceSpec,
     split_points: Sequence[str] | None = None, *, ranks: int | None = None, schedule: str = "",
-    activations: ActivationPolicy = KEEP_ACTIVATIONS, profile_kernels: bool = False,
+    activations: ActivationPolicy = KEEP_ACTIVATIONS, kernels_timed_on: torch.device | None = None,
 ) -> tuple[StageSplit, tuple[StageCost, ...]]:
     """Capture model + loss at ``micro_batch``, cut ``stages`` stages (``split_stages``), price each."""
     split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points, ranks=ranks,
                          schedule=schedule)
-    return split, cut_and_price(split, model, micro_batch, spec, activations, profile_kernels)
+    return split, cut_and_price(split, model, micro_batch, spec, activations, kernels_timed_on)
 
 
 def cut_and_price(
     split: StageSplit, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec,
-    activations: ActivationPolicy = KEEP_ACTIVATIONS, profile_kernels: bool = False,
+    activations: ActivationPolicy = KEEP_ACTIVATIONS, kernels_timed_on: torch.device | None = None,
 ) -> tuple[StageCost, ...]:
-    return cut_and_price_under(split, model, micro_batch, spec, (activations,), profile_kernels)[activations]
+    return cut_and_price_under(split, model, micro_batch, spec, (activations,), kernels_timed_on)[activations]
 
 
 def cut_and_price_under(
     split: StageSplit, model: nn.Module, micro_batch: Sequence[torch.Tensor], spec: DeviceSpec,
-    policies: Sequence[ActivationPolicy], profile_kernels: bool = False,
+    policies: Sequence[ActivationPolicy], kernels_timed_on: torch.device | None = None,
 ) -> dict[ActivationPolicy, tuple[StageCost, ...]]:
     """Each stage priced under each activation policy: a stage whose ops, shapes and blocks' policies another
-    has is priced once, and one trace serves every policy (``trace_stage_under``); ``profile_kernels``: its
-    graphs' kernels timed on this machine (``kernel_profile.timed_here``), not priced by the roofline."""
+    has is priced once, and one trace serves every policy (``trace_stage_under``); ``kernels_timed_on``: the
+    kernels of the graphs it is priced from timed on that device (``kernel_profile.with_kernel_times``), not
+    priced by the roofline."""
     empty = [s.index for s in split.stages if not s.blocks]
     if empty:
         raise OptionsError(f"pipeline inspection: stages {empty} would hold no block; use fewer stages")
@@ -205,8 +201,10 @@ def cut_and_price_under(
         missing = list({keys[p]: p for p in policies if keys[p] not in priced}.values())
         if missing:
             graphs = trace_stage_under(stage, state, stage.index == last, micro_batch, missing)
-            priced.update({keys[p]: _stage_cost(g, parameters, _timed(spec, g) if profile_kernels else spec)
-                           for p, g in zip(missing, graphs)})
+            for p, g in zip(missing, graphs):
+                timed = spec if kernels_timed_on is None else with_kernel_times(
+                    spec, [g.forward, g.backward, g.backward_input], kernels_timed_on)
+                priced[keys[p]] = _stage_cost(g, parameters, timed)
         for policy in policies:
             costs[policy].append(dataclasses.replace(priced[keys[policy]], index=stage.index, blocks=stage.blocks,
                                                      parameters=stage.parameters, flops=stage.flops))

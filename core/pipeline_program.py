@@ -29,7 +29,10 @@ class Op(enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+        return self in COMPUTE_OPS
+
+
+COMPUTE_OPS = frozenset((Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,7 +130,8 @@ def calibrate(matmul: int = 512, clock: Callable[[], float] = time.perf_counter)
     """This machine as one rank sees it: α, β of a gloo all-reduce (t = 2α + Bβ at N = 2, fitted from
     two sizes, in wall time; needs an initialised 2-rank process group), a ``matmul``² fp32 matmul's
     FLOP/s and the bandwidth of a 16 MiB copy (bytes read + written per second), timed by ``clock``
-    (``time.thread_time``: the CPU time of this thread, which a neighbour's load does not inflate)."""
+    (``time.thread_time``: the CPU time of this thread, which a neighbour's load does not inflate), and
+    the calling thread's seconds for a small all-reduce (``collective_host_seconds``)."""
     import torch.distributed as dist
 
     small, large = torch.ones(256), torch.ones(1 << 20)
@@ -142,7 +143,29 @@ def calibrate(matmul: int = 512, clock: Callable[[], float] = time.perf_counter)
     flops = 2 * matmul**3 / median_seconds(lambda: a @ b, 20, clock)
     big = torch.randn(1 << 22)
     bandwidth = 2 * big.nbytes / median_seconds(big.clone, 20, clock)
-    return {"alpha": alpha, "link_bandwidth": 1 / beta, "flops": flops, "memory_bandwidth": bandwidth}
+    return {"alpha": alpha, "link_bandwidth": 1 / beta, "flops": flops, "memory_bandwidth": bandwidth,
+            "collective_host_seconds": collective_host_seconds(small)}
+
+
+def collective_host_seconds(buffer: torch.Tensor, count: int = 20, repeats: int = 5) -> float:
+    """The calling thread's CPU time for one functional all-reduce of ``buffer``: ``count`` issued back to back
+    and waited for once done (after a sleep, as a step waits for a collective its compute has covered), the
+    median over ``repeats``. See [Note: host work the graphs' kernels do not show] in compiler/costs.py."""
+    import torch.distributed as dist
+
+    functional, group = torch.ops._c10d_functional, dist.group.WORLD.group_name
+    per_collective = []
+    for _ in range(repeats):
+        dist.barrier()
+        began = time.thread_time()
+        pending = [functional.all_reduce(buffer, "sum", group) for _ in range(count)]
+        issued = time.thread_time() - began
+        time.sleep(0.05)
+        began = time.thread_time()
+        for result in pending:
+            functional.wait_tensor(result)
+        per_collective.append((issued + time.thread_time() - began) / count)
+    return statistics.median(per_collective)
 
 
 def report_pairs(report: Any) -> list[tuple[Any, Any]]:

@@ -37,17 +37,20 @@ Measured, per rank, after two warm-up steps (the first compiles), on the third s
   torch's host work around the graphs (Dynamo's guards, AOTAutograd's wrappers, DTensor's wrapping of a
   sharded parameter and its gradient, autograd's accumulation into ``.grad``), which no graph prices and
   which a sharded strategy's DTensor parameters make larger (ConvBN, 62 parameters: ~2 ms around ddp's
-  graphs, ~5 ms around zero2's and fsdp's). The verdict is on the whole step; "profiled / in the graphs"
-  is printed beside it to tell the two apart.
+  graphs, ~5 ms around zero2's and fsdp's). The verdict is on the whole step; beside it the part around
+  the graphs as measured and as modelled, and "profiled / in the graphs" (the priced step less the modelled
+  work around the graphs, over the time inside them), to tell the two apart.
 
 Modelled: ``dpar.explain(model, one rank's batch, world_size=2, strategy=..., device="cpu")`` (the
 preset the ranks planned their buckets and prefetch with, so the graphs are the ones that ran), its
 compute priced on ``spec``, the cpu preset's shape with this run's calibration (``harness.calibrate``: matmul FLOP/s,
-copy bandwidth, gloo α and β), peak activation = ``Memory.step_peak`` (the step's live graph bytes at
+copy bandwidth, gloo α and β, a collective's host seconds), peak activation = ``Memory.step_peak`` (the step's live graph bytes at
 their peak, gradients produced by then included: [Note: gradients live to the optimizer] in
 compiler/memory.py; on the cpu preset with gloo's staging buffers for all-gathers and reduce-scatters, [Note:
 gloo stages its gathers and reductions]), and compute =
-``Timeline.compute_time`` (the roofline of every node of the forward and backward graphs). Beside it,
+``Timeline.compute_time`` (the roofline of every node of the forward and backward graphs, and the host
+work the cpu preset prices beside them: each collective's calling-thread seconds, and the work around the
+graphs per parameter and buffer, [Note: host work the graphs' kernels do not show]). Beside it,
 "profiled": the same graphs priced with their kernels timed by the ranks, each on its own graphs, both at
 once, right after each timed step (``dpar.compiler.kernel_profile.time_kernels``, what ``dpar inspect
 --profile-kernels`` prices with; [Note: profile-guided kernel costs] in compiler/costs.py), averaged over
@@ -169,7 +172,7 @@ def _warmed_up(model_name: str, strategy: str, policy: str, batch: Callable[[int
                device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[int], None], Callable[[], None],
                                              list[torch.fx.GraphModule]]:
     """The model built on ``device``, parallelized and compiled, its AdamW, a step as forward + backward
-    (of ``batch(step)``) and the optimizer's part, after ``WARMUP`` steps (the first compiles), and the
+    (of a batch made before it, out of what is timed) and the optimizer's part, after ``WARMUP`` steps (the first compiles), and the
     forward and backward graphs dpar compiled."""
     import dpar
     from dpar.compiler.registry import recording
@@ -180,8 +183,8 @@ def _warmed_up(model_name: str, strategy: str, policy: str, batch: Callable[[int
     compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def forward_backward(step: int) -> None:
-        compiled(*batch(step)).backward()
+    def forward_backward(inputs: tuple[torch.Tensor, ...]) -> None:
+        compiled(*inputs).backward()
 
     def finish() -> None:
         optimizer.step()
@@ -189,7 +192,7 @@ def _warmed_up(model_name: str, strategy: str, policy: str, batch: Callable[[int
 
     with recording() as compiled_graphs:
         for step in range(WARMUP):
-            forward_backward(step)
+            forward_backward(batch(step))
             finish()
     return model, optimizer, forward_backward, finish, [g.graph for g in compiled_graphs if g.label != "joint graph"]
 
@@ -230,16 +233,17 @@ def measure(rank: int, world_size: int, model_name: str, cases: tuple[tuple[str,
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with record_function("forward+backward"):
-                forward_backward(WARMUP)
+                forward_backward(batch(rank, WARMUP))
         _, peak = live_bytes(prof, "forward+backward")
         finish()
         calibration = calibrate(clock=time.thread_time)
         dist.barrier()
         steps, kernels = [], []
         for step in range(WARMUP + 1, WARMUP + 1 + TIMED):
+            inputs = batch(rank, step)
             with _in_graphs() as in_graphs:
                 wall, cpu = time.perf_counter(), time.thread_time()
-                forward_backward(step)
+                forward_backward(inputs)
                 steps.append((time.thread_time() - cpu, time.perf_counter() - wall, in_graphs[0]))
             finish()
             # This rank's graphs as the step just ran them, in the same round: on a shared host the machine's
@@ -289,22 +293,23 @@ def measure_gpu(model_name: str, cases: tuple[tuple[str, str], ...], world_size:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         for strategy, policy in cases:
-            model, optimizer, forward_backward, finish, _ = _warmed_up(
-                model_name, strategy, policy, lambda step: tuple(t.cuda() for t in batch(0, step)), device="cuda")
+            on_gpu = lambda step: tuple(t.cuda() for t in batch(0, step))  # noqa: E731
+            model, optimizer, forward_backward, finish, _ = _warmed_up(model_name, strategy, policy, on_gpu, device="cuda")
             torch.cuda.synchronize()
             state = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            forward_backward(WARMUP)
+            forward_backward(on_gpu(WARMUP))
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - state
             finish()
             steps = []
             for step in range(WARMUP + 1, WARMUP + 1 + TIMED):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                inputs = on_gpu(step)
                 torch.cuda.synchronize()
                 wall = time.perf_counter()
                 start.record()
-                forward_backward(step)
+                forward_backward(inputs)
                 end.record()
                 torch.cuda.synchronize()
                 steps.append((start.elapsed_time(end) / 1e3, time.perf_counter() - wall))
@@ -312,7 +317,7 @@ def measure_gpu(model_name: str, cases: tuple[tuple[str, str], ...], world_size:
             if profile:  # where the measured time goes, kernel by kernel, beside the modelled roofline
                 from torch.profiler import ProfilerActivity
                 with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    forward_backward(WARMUP + 1 + TIMED)
+                    forward_backward(on_gpu(WARMUP + 1 + TIMED))
                     torch.cuda.synchronize()
                 finish()
                 print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
@@ -402,7 +407,7 @@ def device_from(calibration: dict[str, float]):
     return dataclasses.replace(
         PRESETS["cpu"], name="cpu (calibrated)", flops_fp32=calibration["flops"], flops_16bit=calibration["flops"],
         memory_bandwidth=calibration["memory_bandwidth"], alpha=calibration["alpha"],
-        link_bandwidth=calibration["link_bandwidth"],
+        link_bandwidth=calibration["link_bandwidth"], collective_host_seconds=calibration["collective_host_seconds"],
     )
 
 
@@ -438,7 +443,8 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
     graphs = [("forward", f) for f, _ in pairs] + [("backward", b) for _, b in reversed(pairs) if b is not None]
     profiled = {}
     if kernels:  # the ranks' kernel times (a ``KernelTimes`` per round) price the report's graphs
-        priced = [build_timeline(graphs, world_size, dataclasses.replace(spec, kernel_times=k)).compute_time for k in kernels]
+        priced = [build_timeline(graphs, world_size, dataclasses.replace(spec, kernel_times=k),
+                                 host_seconds=report.host_around_graphs).compute_time for k in kernels]
         ops = {kernel_key(n) for _, g in graphs for n in g.graph.nodes if runs_an_op(n)}
         profiled = {"compute_profiled_s": statistics.median(priced), "compute_profiled_rounds_s": priced,
                     "kernels": f"{kernels[0].describe()}; of the report's {len(ops)}, "
@@ -447,8 +453,8 @@ def modelled(model_name: str, strategy: str, policy: str, spec: Any, world_size:
         "state_bytes": m.parameters + m.optimizer, "gradient_bytes": m.gradients,
         "activation_bytes": m.activations, "gathered_bytes": m.gathered,
         "peak_activation_bytes": m.step_peak,
-        "compute_s": build_timeline(graphs, world_size, spec).compute_time,
-        "compute_preset_s": report.timeline.compute_time, **profiled,
+        "compute_s": build_timeline(graphs, world_size, spec, host_seconds=report.host_around_graphs).compute_time,
+        "compute_preset_s": report.timeline.compute_time, "host_around_graphs_s": report.host_around_graphs, **profiled,
     }
 
 
@@ -521,8 +527,8 @@ def main() -> None:
             cmp_profiled = statistics.median(round_ratios)
             measured["profiled_round_ratios"] = round_ratios
             measured["in_graphs_s"] = statistics.mean(r["in_graphs_s"] for r in per_rank)
-            in_graphs_ratio = statistics.median(
-                profiled / statistics.mean(r["steps"][k][2] for r in per_rank)
+            in_graphs_ratio = statistics.median(  # the graphs' own part of the priced step against the time in them
+                (profiled - model["host_around_graphs_s"]) / statistics.mean(r["steps"][k][2] for r in per_rank)
                 for k, profiled in enumerate(model["compute_profiled_rounds_s"]))
             rows.append({"model": name, "strategy": label, "measured": measured, "modelled": model,
                          "activation_ratio": act, "compute_ratio": cmp,
@@ -537,8 +543,9 @@ def main() -> None:
                   f"{model['compute_profiled_s'] * 1e3:11.1f} {cmp_profiled:6.2f} {rows[-1]['compute_profiled']}", flush=True)
             print(f"{'':20} kernels: {model['kernels']}", flush=True)
             print(f"{'':20} step {measured['compute_s'] * 1e3:.1f} ms = in the graphs {measured['in_graphs_s'] * 1e3:.1f} ms "
-                  f"+ torch's host work around them {(measured['compute_s'] - measured['in_graphs_s']) * 1e3:.1f} ms; "
-                  f"profiled / in the graphs {in_graphs_ratio:.2f}", flush=True)
+                  f"+ torch's host work around them {(measured['compute_s'] - measured['in_graphs_s']) * 1e3:.1f} ms "
+                  f"(modelled {model['host_around_graphs_s'] * 1e3:.1f}); profiled / in the graphs {in_graphs_ratio:.2f}",
+                  flush=True)
             print(f"{'':20} calibrated: matmul {calibration['flops'] / 1e9:.1f} GFLOP/s, copy "
                   f"{calibration['memory_bandwidth'] / 1e9:.2f} GB/s, alpha {calibration['alpha'] * 1e6:.0f} us, link "
                   f"{calibration['link_bandwidth'] / 1e9:.2f} GB/s", flush=True)

@@ -16,7 +16,7 @@ from dpar.compiler.capture import GraphInput, classify_inputs
 from dpar.compiler.passes.buckets import BUCKET_REASON
 from dpar.inspect.buckets import bucket_of, graph_buckets
 from dpar.compiler.costs import (
-    DeviceSpec, assumed_device, attention_fused, device_spec, link_time, moved_bytes, payload_bytes,
+    DeviceSpec, assumed_device, attention_fused, device_spec, link_time, moved_bytes, payload_bytes, tensor_host_time,
 )
 from dpar.inspect.fake_world import fake_world
 from dpar.compiler.kernel_profile import timing_device, with_kernel_times
@@ -263,13 +263,14 @@ def _report(
     memory = per_rank_memory(params, strategy_named(strategy), optimizer, peak, world_size)
     memory_timeline = tuple((labels[p.graph][p.phase], p.node, p.bytes) for p in peak.timeline)
     counted = graph_costs(pairs, spec)  # what the forwards hand their backwards, and the recomputation
+    host = tensor_host_time([*params, *model.buffers()], spec)
     timeline = build_timeline(
-        step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, sub_groups=sub_groups
+        step + backward_steps[::-1], world_size, spec, ranks_shown=ranks_shown, sub_groups=sub_groups, host_seconds=host,
     )
     return Report(
         model=name, world_size=world_size, strategy=strategy, device=spec.name,
         options=tuple(sorted(dataclasses.asdict(options).items())),
         graphs=tuple(views), collectives=tuple(rows), buckets=tuple(buckets), memory=memory, timeline=timeline,
         scales_in_n=not strategy_named(strategy).local_state, saved_activations=counted.saved_bytes,
-        recompute_time=counted.recompute_s, memory_timeline=memory_timeline,
+        recompute_time=counted.recompute_s, memory_timeline=memory_timeline, host_around_graphs=host,
     )

@@ -106,6 +106,9 @@ class Report:
     lives only at its moment (gradients before their reduction, bucket buffers, the loss's backward)."""
     recompute_time: float = 0.0
     """Of ``timeline.compute_time``, the forward ops an activation policy runs again in the backward."""
+    host_around_graphs: float = 0.0
+    """Of ``timeline.compute_time``, the host work around the graphs (``costs.tensor_host_time``; see [Note: host
+    work the graphs' kernels do not show]): 0 on a GPU preset."""
     memory_timeline: tuple[tuple[str, str, int], ...] = ()
     """(graph, node, bytes held above the state just after the node ran), over the step in the order it runs
     (forwards, then backwards in reverse): ``memory.step_peak`` is its highest point."""
@@ -174,6 +177,8 @@ class Report:
             ("  of which recomputation", _time(self.recompute_time)), ("communication", _time(t.comm_time)), ("exposed communication", _time(t.exposed_comm)),
             ("overlap", f"{t.overlap:.1%}"),
         ]
+        if self.host_around_graphs:
+            rows.insert(3, ("  of which host work around the graphs", _time(self.host_around_graphs)))
         return Table(f"Simulated step ({t.device}, N = {t.world_size})", ("", "value"), tuple(rows))
 
     def scaling_table(self, sizes: Sequence[int] = (2, 8, 64, 512, 1024)) -> Table:

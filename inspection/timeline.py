@@ -10,7 +10,9 @@ import sympy
 import torch.fx as fx
 
 from dpar.compiler.collectives import COLLECTIVE_KINDS, WAIT
-from dpar.compiler.costs import ALPHA, B, BETA, N, DeviceSpec, comm_time_expr, node_cost, payload_bytes
+from dpar.compiler.costs import (
+    ALPHA, B, BETA, N, DeviceSpec, comm_time_expr, node_cost, payload_bytes,
+)
 from dpar.inspect.simulate import Event, Op, OpKind, PathTime, simulate
 
 
@@ -32,6 +34,8 @@ def step_program(
                 alpha, beta = spec.world_link() if group is None else group[1]
                 seconds = comm_time_expr(kind).subs({B: payload_bytes(node), ALPHA: alpha, BETA: beta})
                 seconds = seconds if group is None else seconds.subs(N, group[0])
+                if spec.collective_host_seconds > 0:  # the calling thread's part, before the collective starts
+                    program.append(Op(OpKind.COMPUTE, f"{node.name} (host)", spec.collective_host_seconds, graph=label))
                 issued[node] = len(issued)
                 program.append(Op(OpKind.ISSUE, node.name, seconds, issued[node], label))
             elif node.target is WAIT:
@@ -115,8 +119,12 @@ def build_timeline(
     *,
     ranks_shown: int = 4,
     sub_groups: Mapping[str, tuple[int, tuple[float, float]]] | None = None,
+    host_seconds: float = 0.0,
 ) -> Timeline:
+    """``host_seconds``: the step's host work around its graphs (``costs.tensor_host_time``), run before the first."""
     program = step_program(graphs, spec, sub_groups)
+    if host_seconds > 0:
+        program.insert(0, Op(OpKind.COMPUTE, "host work around the graphs", host_seconds, graph=graphs[0][0] if graphs else ""))
     shown = max(1, min(world_size, ranks_shown))
     tracked = program_at(program, world_size, tracked=True)
     schedule = simulate({r: tracked for r in range(shown)})

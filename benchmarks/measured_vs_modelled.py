@@ -23,7 +23,7 @@ Measured, per rank, after two warm-up steps (the first compiles), on the third s
   warns that the hooks fire again on the compiled module, and Dynamo guards on them), so it changes
   the step it measures; the allocator's events only observe it, so they are the reading used.
 * compute time: the CPU time of the rank's main thread (``time.thread_time``) over the forward +
-  backward, the median of 3 steps. With one intra-op thread per rank every kernel runs on that
+  backward, the median of 5 steps. With one intra-op thread per rank every kernel runs on that
   thread; a wait on a collective sleeps (gloo's work waits on a condition variable) and gloo's own
   threads are not counted, so this is the step's compute without its communication. Wall time less
   the profiler's ``wait_tensor`` time was the first choice, but on this machine (2 cores shared by
@@ -61,7 +61,7 @@ would carry.
 
 On a GPU (``--device cuda``) one process stands in for rank 0 of ``--world-size`` ranks on torch's fake
 process group: its collectives return at once, so what is timed is the rank's own compute (CUDA events
-over the forward + backward, the median of 3 steps) and what is measured its memory
+over the forward + backward, the median of 5 steps) and what is measured its memory
 (``torch.cuda.max_memory_allocated`` over the forward + backward, above what was allocated as it began:
 the state, as on the CPU). The gathers and reductions still allocate their outputs, so gathered
 parameters and gradient buckets are in the peak as on real ranks. fp32 matmuls run as TF32
@@ -96,7 +96,7 @@ from dpar.compiler.kernel_profile import time_kernels  # noqa: E402
 WORLD_SIZE = 2
 STRATEGIES = ("ddp", "zero2", "fsdp")
 MEMORY_GOAL, COMPUTE_GOAL = 0.15, 0.25
-WARMUP, TIMED = 2, 3
+WARMUP, TIMED = 2, 5
 
 
 def _llama(hidden: int, layers: int, intermediate: int, vocab: int, heads: int) -> torch.nn.Module:

@@ -69,7 +69,11 @@ def test_per_rank_state_is_zero3_formula_plus_exact_padding(strategy, n):
     assert (m.parameters, m.gradients, m.optimizer) == (shard, shard, 2 * shard)  # 4Ψ/N, 4Ψ/N, 8Ψ/N
     assert m.parameters + m.gradients + m.optimizer == Fraction(16 * PSI, n) + 16 * padding_elements(n)
     assert m.total_at(n) == m.total
-    assert m.gathered > 0  # gathered parameters are counted during the step, not at rest
+    if n < 1024:
+        assert m.gathered > 0  # gathered parameters are counted during the step, not at rest
+    else:  # each of a weight's 24 rows padded to one a rank: the unscattered gradient buckets, held by their
+        # reduce-scatters to the wait ([Note: a collective holds its input]), outweigh the gathers at the peak
+        assert m.activations > 100 * shard
 
 
 @pytest.mark.parametrize("n", [8, 1024])
@@ -203,7 +207,7 @@ def test_zero2_keeps_more_gathered_parameters_than_fsdp():
     """fsdp frees each block after use and gathers it again; zero2 keeps what the backward reads."""
     fsdp, zero2 = gpt_report("fsdp").memory, gpt_report("zero2").memory
     assert fsdp.gathered < zero2.gathered
-    assert fsdp.activations == zero2.activations
+    assert gpt_report("fsdp").saved_activations == gpt_report("zero2").saved_activations
 
 
 def test_cli_fsdp_at_1024_ranks_in_under_a_minute(capsys):

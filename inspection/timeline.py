@@ -10,9 +10,7 @@ import sympy
 import torch.fx as fx
 
 from dpar.compiler.collectives import COLLECTIVE_KINDS, WAIT
-from dpar.compiler.costs import (
-    ALPHA, B, BETA, N, DeviceSpec, comm_time_expr, node_cost, payload_bytes,
-)
+from dpar.compiler.costs import ALPHA, B, BETA, N, DeviceSpec, comm_time_expr, node_cost, payload_bytes
 from dpar.inspect.simulate import Event, Op, OpKind, PathTime, simulate
 
 

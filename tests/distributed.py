@@ -7,10 +7,10 @@ import io
 import os
 import queue as queue_module
 import socket
+import sys
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -21,16 +21,6 @@ import torch.multiprocessing as mp
 
 class RankFailed(AssertionError):
     pass
-
-
-class RankCrashRetried(UserWarning):
-    """A rank process died of a signal (a native crash, not a Python error or a wrong number) and the
-    ranks were run once more. Heap corruption (glibc's "malloc(): unaligned tcache chunk detected",
-    SIGABRT; once SIGSEGV) has killed a rank in about one full CI run in three, in tensor-parallel
-    runs on 2 and 4 ranks (titan_llama3, the example GPT, the HF 2-D strategies), never twice in a row
-    and never reproduced alone. The stacks caught so far end in a ``_c10d_functional`` op (a wait_tensor,
-    a collective) inside a dpar backward graph; the warning carries the dying rank's Python stacks
-    (faulthandler) for finding it."""
 
 
 def _free_port() -> int:
@@ -51,8 +41,12 @@ def _entry(
     # The forkserver's environment is the one it started with: the caller's, at launch, is the rank's.
     os.environ.clear()
     os.environ.update(env)
-    # On a fatal signal, every thread's Python stack goes to a file the parent reads (RankCrashRetried).
+    # On a fatal signal, every thread's Python stack goes to a file the parent reads into its failure.
     faulthandler.enable(open(os.path.join(crash_dir, f"rank{rank}.txt"), "w"), all_threads=True)
+    # So does what native code writes before it aborts (glibc: "malloc(): unaligned tcache chunk
+    # detected"), which only fd 2 receives; the parent relays the file to its stderr (_relay_stderr).
+    sys.stderr.flush()
+    os.dup2(os.open(os.path.join(crash_dir, f"rank{rank}.stderr"), os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -80,27 +74,40 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 
     A rank that raises fails the caller with that rank's traceback; ranks that
     have not finished after ``timeout_s`` are killed and the caller fails, so a
-    hang never outlives the test. A rank killed by a signal (a native crash) has
-    the whole run repeated once, with a ``RankCrashRetried`` warning carrying its
-    stacks; a second crash fails the caller.
+    hang never outlives the test. A rank killed by a signal (a native crash:
+    heap corruption, a segfault) fails the caller at once with the end of that
+    rank's stderr (where glibc names the corruption) and every thread's Python
+    stack in it: a crash is a defect to find, never retried. Each rank's stderr
+    reaches this process's stderr when the run ends.
     """
-    for attempt in (1, 2):
-        with tempfile.TemporaryDirectory(prefix="dpar-ranks-") as crash_dir:
+    with tempfile.TemporaryDirectory(prefix="dpar-ranks-") as crash_dir:
+        try:
             crashed, outcome = _run_once(fn, world_size, args, timeout_s, crash_dir)
-            if crashed is None:
-                return outcome
-            stacks = _read(os.path.join(crash_dir, f"rank{crashed}.txt"))
-        message = f"rank {crashed} of {world_size} died of signal {-outcome} (attempt {attempt}); its stacks:\n{stacks}"
-        if attempt == 2:
-            raise RankFailed(message)
-        warnings.warn(RankCrashRetried(message), stacklevel=2)
-    raise AssertionError("unreachable")
+        finally:
+            _relay_stderr(crash_dir, world_size)
+        if crashed is None:
+            return outcome
+        stacks = _read(os.path.join(crash_dir, f"rank{crashed}.txt"))
+        native = _read(os.path.join(crash_dir, f"rank{crashed}.stderr"))[-2000:]
+    raise RankFailed(
+        f"rank {crashed} of {world_size} died of signal {-outcome}; the end of its stderr:\n{native}\nits stacks:\n{stacks}"
+    )
 
 
-def _read(path: str) -> str:
+def _relay_stderr(crash_dir: str, world_size: int) -> None:
+    """Each rank's stderr (warnings, logs, a native abort's message) onto this process's, after the run."""
+    for rank in range(world_size):
+        text = _read(os.path.join(crash_dir, f"rank{rank}.stderr"), limit=None)
+        if text.strip() and text != "(none written)":
+            sys.stderr.write(f"--- rank {rank} stderr ---\n{text}")
+    sys.stderr.flush()
+
+
+def _read(path: str, limit: int | None = 8000) -> str:
     try:
-        with open(path) as f:
-            return f.read()[-8000:]
+        with open(path, errors="replace") as f:
+            text = f.read()
+            return text if limit is None else text[-limit:]
     except OSError:
         return "(none written)"
 
@@ -145,7 +152,7 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
                 killed.add(rank)
     if errors:
         # A crash often surfaces first as its peers' errors (gloo: "Connection reset by peer"); the
-        # crashed rank, not its peers, is the failure to report and retry.
+        # crashed rank, not its peers, is the failure to report.
         for rank, p in enumerate(procs):
             if rank not in killed and rank not in results and rank not in errors and (p.exitcode or 0) < 0:
                 return rank, p.exitcode

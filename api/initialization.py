@@ -25,8 +25,11 @@ shard itself, is refused by name (``InitializationError``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,11 +37,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from dpar.core.facts import local_block, retired_of, tensor_parallel_spec_of
+from dpar.core import model_state
+from dpar.core.facts import retired_of, tensor_parallel_spec_of
+from dpar.runtime.parameter_writes import write_part
 from dpar.runtime.tensor_parallel import whole_parameter
 from dpar.surgery import sharding, tensor_parallel
 from dpar.core.errors import InitializationError
-from dpar.core.torch_internals import compute_local_shape_and_global_offset, resolve_process_group
 
 _DPAR_CLASS_MODULES = (sharding.__name__, tensor_parallel.__name__)
 
@@ -66,23 +70,6 @@ def _gather(param: torch.Tensor) -> torch.Tensor:
     if spec is not None and spec.dim is not None:
         value = whole_parameter(value, spec)
     return value.clone()
-
-
-def _scatter_locally(full: torch.Tensor, param: torch.Tensor) -> None:
-    """Copy this rank's part of ``full`` into ``param`` in place; no collective."""
-    spec = tensor_parallel_spec_of(param)
-    part = full.detach()
-    if spec is not None and spec.dim is not None:
-        rank = dist.get_rank(resolve_process_group(spec.group_name))
-        part = part.narrow(spec.dim, *local_block(part.shape[spec.dim], spec.tp_size, rank))
-    if isinstance(param, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(part.shape, param.device_mesh, param.placements)
-        for dim, (length, start) in enumerate(zip(shape, offset)):
-            part = part.narrow(dim, start, length)
-        target = param._local_tensor
-    else:
-        target = param.data
-    target.copy_(part.to(dtype=target.dtype, device=target.device))
 
 
 class _StandIns:
@@ -113,7 +100,7 @@ class _StandIns:
         """Each real parameter takes its part of its stand-in; the stand-ins are dropped."""
         with torch.no_grad():
             for real, stand_in in self.made.values():
-                _scatter_locally(stand_in, real)
+                write_part(stand_in, real)
         self.made.clear()
         self.released.clear()
 
@@ -244,6 +231,72 @@ def _full_size(model: nn.Module) -> Iterator[tuple[_StandIns, _RefuseLostWrites]
             module.__dict__["_parameters"] = original
 
 
+@contextlib.contextmanager
+def _replaying(model: nn.Module, stand_ins: _StandIns) -> Iterator[None]:
+    """Mark ``model`` as inside a full-size replay: a wrapped initializer called from it runs as it is."""
+    state = model_state.state_of(model, create=True)
+    state.replaying = stand_ins
+    try:
+        yield
+    finally:
+        state.replaying = None
+
+
+# [Note: the model's own initializer, called on a parallelized model]
+# Users initialize a model by calling its own initializer: ``module.reset_parameters()``, Hugging Face's
+# ``post_init()`` / ``init_weights()`` / ``_init_weights(module)``, torchtitan's ``init_weights()``, usually after
+# ``to_empty`` on a model born on meta. Run on the parallelized model as it is, a draw would be per shard (repaired
+# per op for DTensor parameters, see runtime/parameter_writes.py) but a shape read would be the part's (a
+# tensor-parallel block's ``fan_in`` in ``kaiming_uniform_``), and an index into a weight
+# (``weight[padding_idx].zero_()``) would land in the wrong rows or in a gathered copy. So ``parallelize``
+# replaces these methods on each module instance (an instance attribute over the class's method) by one that runs
+# the class's method under the full-size stand-ins of [Note: replaying an initializer on full-size stand-ins] and
+# writes every rank's part back after it: the numbers one device gets from the same call under the same seed.
+# A call made inside another (``post_init`` calling ``_init_weights``, ``dpar.init_weights`` calling them) runs
+# as it is inside the outer replay. A root-level call holds what it reads at full size until it returns (HF's
+# ``post_init`` reads every parameter: the whole model on every rank); ``dpar.init_weights(model)`` writes back
+# after each module and holds one module's parameters at a time.
+OWN_INITIALIZERS = (
+    "reset_parameters", "_reset_parameters", "init_weights", "_init_weights", "post_init", "initialize_weights",
+)
+
+
+def _replayed(model: nn.Module, module: nn.Module, method_name: str, qualified: str) -> Callable[..., Any]:
+    method = getattr(type(module), method_name)
+    model_ref = weakref.ref(model)
+
+    @functools.wraps(method)
+    def replay(*args: Any, **kwargs: Any) -> Any:
+        root = model_ref()
+        state = model_state.state_of(root) if root is not None else None
+        if state is None or state.replaying is not None or torch.compiler.is_compiling():
+            return method(module, *args, **kwargs)
+        _check_same_generators(root)
+        with torch.no_grad(), _full_size(root) as (stand_ins, refuse), _replaying(root, stand_ins):
+            refuse.module_name = qualified
+            refuse.active = True
+            try:
+                result = method(module, *args, **kwargs)
+            finally:
+                refuse.active = False
+            stand_ins.write_back()
+        return result
+
+    return replay
+
+
+def replay_own_initializers(model: nn.Module) -> None:
+    """Wrap each module's own initializers as [Note: the model's own initializer, called on a parallelized model]
+    says, where ``parallelize`` left some parameter on this rank in part or ``dpar.pipeline`` released some to
+    other ranks' stages."""
+    if not any(_is_parallelized(p) for p in model.parameters()) and "_dpar_pipeline" not in model.__dict__:
+        return
+    for qualified, module in model.named_modules():
+        for name in OWN_INITIALIZERS:
+            if callable(getattr(type(module), name, None)) and name not in module.__dict__:
+                module.__dict__[name] = _replayed(model, module, name, qualified or "(root)")
+
+
 def _released_leaves(model: nn.Module) -> dict[int, dict[str, tuple[str, torch.Size, torch.dtype]]]:
     """dpar.pipeline: id(module) -> leaf -> (first name, shape, dtype) of each parameter another rank's stage holds
     (``None`` in its module here). Every rank replays every module's init, these on stand-ins it then drops, so the
@@ -355,7 +408,7 @@ def init_weights(
         guard = contextlib.nullcontext()
     _check_same_generators(module)
     names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-    with torch.no_grad(), guard, _full_size(module) as (stand_ins, refuse):
+    with torch.no_grad(), guard, _full_size(module) as (stand_ins, refuse), _replaying(module, stand_ins):
 
         def call(target: nn.Module) -> None:
             refuse.module_name = names.get(id(target), type(target).__name__)

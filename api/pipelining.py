@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from dpar.initialization import replay_own_initializers
 from dpar.placement import activation_policy
 from dpar.compiler.lowering import STAGE_COMPILERS, lower_stage_graph
 from dpar.compiler.megatron import megatron_plan
@@ -27,11 +28,13 @@ from dpar.runtime.agreement import agree
 from dpar.core.errors import OptionsError, TensorParallelPlanError, UnmaterializedStateError
 from dpar.core.facts import TensorParallelSpec
 from dpar.core.plan import DataParallel
-from dpar.core.model_state import check_materialized, local_part, record_meta_buffers, state_of
+from dpar.core.model_state import check_materialized, local_part, record_meta_state, state_of
 from dpar.core.torch_internals import compute_local_shape_and_global_offset
 from dpar.runtime.liveness import PIPELINE_STEP, watching
 from dpar.runtime.optimizer_hooks import hand_down
 from dpar.runtime.pipeline_parallel import PipelineExecutor, PipelineGroups
+from dpar.runtime.forward_scope import count_eager_forwards
+from dpar.runtime.parameter_writes import replay_writes_at_full_size
 from dpar.surgery.tensor_parallel import install_markers, split_parameters, state_dict_mesh
 from dpar.core.world import current_world
 
@@ -393,6 +396,7 @@ def _split_over_tp(
             f"(tp_plan={{{', '.join(f'{n!r}: None' for n in sorted(uneven))}, ...}})."
         )
     splits = split_parameters(model, dims, groups.tp)
+    count_eager_forwards(model)  # see [Note: a parameter is its parameter]
     names = mesh.mesh_dim_names
     # State-dict DTensors over ("tp", "dp") of this pipeline position, as parallelize's ddp+tp and fsdp+tp have them.
     install_markers(model, splits, state_dict_mesh(mesh["tp"], mesh["dp"], mesh["dp", "tp"]) if "dp" in names
@@ -508,7 +512,7 @@ def pipeline(
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     if on_meta:  # [Note: a pipeline born on meta]
         micro_batch = tuple(x.to("meta") for x in micro_batch)
-        record_meta_buffers(model)
+        record_meta_state(model)
     split = split_stages(capture(model, loss_fn, micro_batch), model, stages, split_points, ranks=p, schedule=schedule)
     world = current_world()
     if world is not None and world.backend != "fake":  # every rank must have cut the same stages and schedule
@@ -548,4 +552,8 @@ def pipeline(
         if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             module.register_load_state_dict_pre_hook(_cut_full_tensors_to_shards)
     object.__setattr__(model, _ATTRIBUTE, step)
+    # A stage's parameters are parameters too: see [Note: a write the part cannot take as it stands] and [Note: the
+    # model's own initializer, called on a parallelized model].
+    replay_writes_at_full_size()
+    replay_own_initializers(model)
     return step

@@ -26,7 +26,8 @@ from dpar.core.plan import (
     check_bucket_cap, plan_of_model, replicated,
 )
 from dpar.core import model_state
-from dpar.runtime import eager_guard, optimizer_hooks
+from dpar import initialization
+from dpar.runtime import eager_guard, forward_scope, optimizer_hooks, parameter_writes
 from dpar.surgery import local_sgd, sharding, tensor_parallel, zero1
 from dpar.core.errors import ActivationPolicyError, OptionsError, ProcessGroupError
 
@@ -191,8 +192,9 @@ def parallelize(
                    activation_checkpointing=activation_checkpointing)
     chosen = _checked(model, strategy, bucket_cap_mb, max_inflight_gathers, options)
     eager_guard.refuse_eager_training(model, strategy)  # see [Note: a model that never reaches the backend]
+    forward_scope.count_eager_forwards(model)  # see [Note: a parameter is its parameter]
     options["activation_checkpointing"] = activations = activation_policy(model, activation_checkpointing)
-    model_state.record_meta_buffers(model)  # see [Note: buffers of a model born on meta]
+    model_state.record_meta_state(model)  # see [Note: state of a model born on meta]
     if chosen is Strategy.DDP:
         # A replicate axis changes nothing at rest (the backend inserts the all-reduces); the state lets the
         # backend find the parameters by name through swap_tensors and load_state_dict(assign=True). A policy
@@ -234,6 +236,8 @@ def _place(
         _APPLY_MODE[chosen.data_parallel](model, mesh, options["sync_every"], options["outer_optimizer"])
     if chosen.shards_parameters or chosen.tensor_parallel:
         optimizer_hooks.watch_optimizers()
+        parameter_writes.replay_writes_at_full_size()  # see [Note: a write the part cannot take as it stands]
+        initialization.replay_own_initializers(model)  # see [Note: the model's own initializer, called on a ...]
 
 
 def _world(strategy: str) -> int:

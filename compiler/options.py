@@ -16,7 +16,8 @@ DDP_BUCKET_CAP_MB = 25.0
 @dataclasses.dataclass(frozen=True)
 class Options:
     bucket_cap_mb: float | None = None
-    """Gradient bucket size under ddp (and ddp+tp), as DDP's ``bucket_cap_mb`` (MiB); None is DDP's 25.
+    """Gradient bucket size under ddp (and ddp+tp, zero1), as DDP's ``bucket_cap_mb`` (MiB): a number gives DDP's
+    greedy buckets exactly; None plans them from cost under DDP's 25 MiB bound (compiler/passes/bucket_schedule.py).
     Sharded strategies lay out their buckets in ``parallelize``, which takes the same knob."""
     compiler: str = "inductor"
     """Inner compiler for the post-pass graphs: inductor, aot_eager or eager (fx.Interpreter)."""

@@ -21,17 +21,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dpar.core import model_state
-from dpar.core.errors import WrappedTwiceError
+from dpar.core.errors import LEAVE_DDP_OUT, WrappedTwiceError
 from dpar.core.torch_internals import active_ddp_module
-
-_LEAVE_DDP_OUT = (
-    "dpar already inserts the gradient all-reduce (or reduce-scatter) into the compiled graphs, so every "
-    "gradient would be reduced twice. Give the compiled model to the training loop unwrapped: drop a "
-    "hand-written DistributedDataParallel(model); a library that wraps models in DDP when run under "
-    "torchrun must be told the model is distributed already: with Hugging Face's Trainer use "
-    "dpar.integrations.transformers.DparTrainer, with Accelerate dpar.integrations.accelerate.DparAccelerator, "
-    "with Lightning dpar.integrations.lightning's strategies (they compile with dpar and wrap nothing)"
-)
 
 
 def check_not_wrapped(parameters: Mapping[str, torch.Tensor]) -> None:
@@ -40,7 +31,7 @@ def check_not_wrapped(parameters: Mapping[str, torch.Tensor]) -> None:
     if ddp is not None:
         raise WrappedTwiceError(
             f"this dpar-compiled model runs inside torch.nn.parallel.DistributedDataParallel "
-            f"({type(getattr(ddp.module, '_orig_mod', ddp.module)).__name__} wrapped by {type(ddp).__name__}): " + _LEAVE_DDP_OUT
+            f"({type(getattr(ddp.module, '_orig_mod', ddp.module)).__name__} wrapped by {type(ddp).__name__}): " + LEAVE_DDP_OUT
         )
     owners = model_state.owners_of(parameters.values())
     foreign = [name for (name, t), owner in zip(parameters.items(), owners) if isinstance(t, DTensor) and owner is None]

@@ -13,6 +13,8 @@ from dpar.core.torch_internals import ShortenTraceback
 
 
 class DparError(ShortenTraceback):
+    """The base of every error dpar raises; each message names the problem and the fix."""
+
     def __init__(self, message: str) -> None:
         super().__init__(message, first_useful_frame=None)
 
@@ -101,6 +103,17 @@ class UnmaterializedStateError(DparError):
 class WrappedTwiceError(DparError):
     """A dpar-compiled model also wrapped by another data-parallel wrapper (torch DDP, FSDP2's
     ``fully_shard``): both would synchronise gradients, so every one would be reduced twice."""
+
+
+# What a WrappedTwiceError about torch DDP advises (compiler/wrapped_twice.py, surgery/sharding.py).
+LEAVE_DDP_OUT = (
+    "dpar already inserts the gradient all-reduce (or reduce-scatter) into the compiled graphs, so every "
+    "gradient would be reduced twice. Give the compiled model to the training loop unwrapped: drop a "
+    "hand-written DistributedDataParallel(model); a library that wraps models in DDP when run under "
+    "torchrun must be told the model is distributed already: with Hugging Face's Trainer use "
+    "dpar.integrations.transformers.DparTrainer, with Accelerate dpar.integrations.accelerate.DparAccelerator, "
+    "with Lightning dpar.integrations.lightning's strategies (they compile with dpar and wrap nothing)"
+)
 
 
 class NotCompiledError(DparError):

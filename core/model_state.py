@@ -32,14 +32,17 @@ and plain ``torch.compile(optimizer.step)`` alike).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.nn.modules.module import register_module_buffer_registration_hook
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook, register_module_parameter_registration_hook,
+)
 
 from dpar.core.errors import UnmaterializedStateError
 
@@ -66,8 +69,28 @@ class ModelState:
         self.optimizer_stage: OptimizerStage | None = None
         self._facts: dict[str, dict[str, Any]] = {}  # kind -> qualified name -> fact
         self._names: dict[int, list[str]] = {}  # id(tensor) -> the qualified names it is reachable under (tied: several)
-        # Buffers on meta when parallelize ran, not yet seen written: id(owning module) -> leaf name -> qualified name.
+        # Parameters and buffers on meta when parallelize ran, not yet seen written: id(owning module) -> leaf name -> qualified name.
         self._unwritten: dict[int, dict[str, str]] = {}
+        self.eager_forwards = 0  # forwards of this model running eagerly now: see [Note: a parameter is its parameter]
+        # While one of the model's initializers is replayed at full size (api/initialization.py): its stand-ins.
+        self.replaying: Any = None
+
+    @contextlib.contextmanager
+    def eager_forward(self) -> Iterator[None]:
+        """A forward of the model running eagerly: parallelized attributes read whole parameters inside."""
+        self.eager_forwards += 1
+        try:
+            yield
+        finally:
+            self.eager_forwards -= 1
+
+    def reads_whole_parameters(self) -> bool:
+        """Whether a parallelized module's attribute reads its whole parameter here (see the Note below)."""
+        return torch.compiler.is_compiling() or self.eager_forwards > 0
+
+    def model(self) -> nn.Module | None:
+        """The model this state is of (None once it is gone)."""
+        return self._model()
 
     def set_model_fact(self, kind: str, fact: Any) -> None:
         """A fact of the model as a whole that the runtime keeps for it (local SGD's period)."""
@@ -123,6 +146,20 @@ class ModelState:
     def fact_of(self, kind: str, tensor: torch.Tensor) -> Any:
         facts = self.facts(kind)
         return next((facts[n] for n in self.names_of(tensor) if n in facts), None)
+
+
+# [Note: a parameter is its parameter]
+# After ``parallelize`` a module's parameter slot holds this rank's part (a ``Shard(0)`` DTensor, a tensor-parallel
+# block, or the DTensor shard of a block). A forward reads the whole parameter: the swapped classes of
+# surgery/sharding.py and surgery/tensor_parallel.py answer ``module.weight`` with the gather (traced into the
+# graphs' collectives) or the tensor-parallel marker. Everywhere else the attribute is the parameter itself, the
+# object ``named_parameters()`` yields, as FSDP2 and torch's tensor parallel keep it, so what a user writes through
+# the module (``copy_``, ``fill_``, ``nn.init.*``, ``requires_grad_``, ``.data``) acts on what trains; a write the
+# part cannot take as it stands (a random draw, a copy of the whole tensor) is replayed at full size by
+# runtime/parameter_writes.py. "In a forward" is: while Dynamo traces (``torch.compiler.is_compiling()``, a
+# constant there, so the graphs are what they were) or while a forward of the model runs eagerly (evaluation
+# under ``no_grad``, dpar's own tracing on fake tensors), counted by ``eager_forwards``: the root's forward hooks
+# and each swapped module's ``forward`` (a submodule called on its own) enter and leave it.
 
 
 class CapturedStep(Protocol):
@@ -221,6 +258,23 @@ def owners_of(tensors: Iterable[torch.Tensor]) -> list[ModelState | None]:
     return found
 
 
+def parameter_holding(tensor: torch.Tensor) -> tuple[ModelState, torch.Tensor] | None:
+    """The parallelized model's parameter whose memory on this rank ``tensor`` is, whole (the parameter itself,
+    its ``.data`` or ``detach()``), with that model's state; None for any other tensor."""
+    own_memory = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # no autograd node, unlike to_local()
+    local = own_memory(tensor)
+    key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.shape)
+    if key[0] == 0:
+        return None
+    for model in list(_models):
+        state = state_of(model)
+        for param in model.parameters():
+            own = own_memory(param)
+            if (own.untyped_storage().data_ptr(), own.storage_offset(), own.shape) == key:
+                return state, param
+    return None
+
+
 def fact_of(kind: str, tensor: torch.Tensor) -> Any:
     """The ``kind`` fact of the parameter ``tensor`` is, in whichever parallelized model holds it."""
     (state,) = owners_of([tensor])
@@ -233,43 +287,45 @@ def model_fact_of(kind: str, tensor: torch.Tensor) -> Any:
     return None if state is None else state.model_fact(kind)
 
 
-# [Note: buffers of a model born on meta]
-# ``to_empty`` gives every buffer uninitialized memory, and a state dict does not
-# hold non-persistent buffers (HF's rotary ``inv_freq``, torchtitan's
-# ``freqs_cis``): their values come from the model's own init, which the user
-# runs after ``to_empty`` (HF ``_init_weights``, torchtitan ``init_weights``).
-# Broadcasting rank 0's copy would only spread garbage, and dpar cannot compute
-# the values itself, so a buffer that was on meta at ``parallelize`` must have
-# been written since: in place (its ``_version`` moves off 0, which a fresh
-# ``to_empty`` tensor has) or assigned (the buffer-registration hook below).
-# Otherwise the first compile refuses it by name. A ``model.to(dtype)`` after
-# loading also makes fresh tensors: run it before loading.
+# [Note: state of a model born on meta]
+# ``to_empty`` gives every parameter and buffer uninitialized memory. Their values come from the model's own
+# init (HF ``_init_weights``, torchtitan ``init_weights``, ``reset_parameters``) or a load, which the user runs
+# after ``to_empty``; a state dict does not hold non-persistent buffers (HF's rotary ``inv_freq``, torchtitan's
+# ``freqs_cis``), so their values come from the init alone. dpar cannot compute the values itself, and training
+# on that memory gives numbers with no error, so a parameter or buffer that was on meta at ``parallelize`` must
+# have been written since: in place (its ``_version``, or its local part's, moves off 0, which a fresh
+# ``to_empty`` tensor has: ``nn.init``, ``copy_``, ``load_state_dict``, DCP and dpar's own loads all count) or
+# assigned (the registration hooks below: ``load_state_dict(assign=True)``). Otherwise the first compile
+# refuses it by name. A write through ``.data`` is not seen (``.data`` has a version counter of its own): the
+# error says so. A ``model.to(dtype)`` after loading also makes fresh tensors: run it before loading.
 
 
-def _note_buffer_write(module: nn.Module, name: str, buffer: torch.Tensor | None) -> None:
+def _note_write(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
     for model in list(_models):
         state = state_of(model)
         if state is not None and id(module) in state._unwritten:
             state._unwritten[id(module)].pop(name, None)
 
 
-_hook_installed = False  # torch's buffer-registration hooks are process-wide only: one, registered once
+_hooks_installed = False  # torch's registration hooks are process-wide only: one of each, registered once
 
 
-def record_meta_buffers(model: nn.Module) -> None:
-    """Before ``model`` (some of whose buffers are on meta) is materialized: remember which must be written."""
-    global _hook_installed
+def record_meta_state(model: nn.Module) -> None:
+    """Before ``model`` (some of whose parameters or buffers are on meta) is materialized: remember which must be
+    written (see [Note: state of a model born on meta])."""
+    global _hooks_installed
     unwritten: dict[int, dict[str, str]] = {}
     for module_name, module in model.named_modules():
-        for leaf, b in module._buffers.items():
-            if b is not None and b.is_meta:
+        for leaf, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None and is_meta(t):
                 unwritten.setdefault(id(module), {})[leaf] = f"{module_name}.{leaf}" if module_name else leaf
     if not unwritten:
         return
     state_of(model, create=True)._unwritten = unwritten
-    if not _hook_installed:
-        register_module_buffer_registration_hook(_note_buffer_write)
-        _hook_installed = True
+    if not _hooks_installed:
+        register_module_buffer_registration_hook(_note_write)
+        register_module_parameter_registration_hook(_note_write)
+        _hooks_installed = True
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -295,14 +351,17 @@ def check_materialized(state: list[tuple[str, str, torch.Tensor]]) -> None:
     for owner in owners.values():
         for module_id, leaves in list(owner._unwritten.items()):
             for leaf, name in list(leaves.items()):
-                buffer = owner._resolve(name)
-                if buffer is not None and not buffer.is_meta and buffer._version > 0:
-                    del leaves[leaf]  # written in place since to_empty
+                tensor = owner._resolve(name)
+                if tensor is None or (not is_meta(tensor) and max(tensor._version, local_part(tensor)._version) > 0):
+                    del leaves[leaf]  # released to another pipeline rank's stage, or written in place since to_empty
                     continue
+                kind = "buffer" if isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter) else "parameter"
                 raise UnmaterializedStateError(
-                    f"buffer {name} was on the meta device when dpar.parallelize ran and has not been written "
-                    "since model.to_empty(): it holds uninitialized memory, and a state dict does not carry it "
-                    "if it is non-persistent. Give it its values after to_empty with the model's own init "
-                    "(HF: model._init_weights(module) or module.inv_freq.copy_(...); torchtitan: "
-                    "model.init_weights(buffer_device=...)), or load it from the state dict"
+                    f"{kind} {name} was on the meta device when dpar.parallelize ran and has not been written "
+                    "since model.to_empty(): it holds uninitialized memory. Give it its values after to_empty with "
+                    "the model's own init (reset_parameters(); HF: model.post_init() or model._init_weights(module); "
+                    "torchtitan: model.init_weights(buffer_device=...); or dpar.init_weights(model)) or load it "
+                    "(set_model_state_dict, dcp.load, dpar.load_safetensors); a non-persistent buffer is not in a "
+                    "state dict. A write through .data is not seen here: write the tensor itself under "
+                    "torch.no_grad()"
                 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,6 +86,9 @@ PRIVATE_NAMES: tuple[tuple[str, str | None], ...] = (
     ("torch._ops", "OpOverload"),
     ("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
     ("torch", "_grouped_mm"),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers"),
+    ("torch._C", "DisableTorchFunctionSubclass"),
+    ("torch.utils._foreach_utils", "_get_foreach_kernels_supported_devices"),
 )
 
 
@@ -143,6 +147,18 @@ def register_step_pre_hook_first(optimizer: torch.optim.Optimizer, hook: Any) ->
     handle = optimizer.register_step_pre_hook(hook)
     optimizer._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
     return handle
+
+
+def inside_ddp_constructor() -> bool:
+    """Whether torch DDP's ``__init__`` is on the Python stack (it reads each module's own parameters to build its
+    reducer and broadcast them): no public call says a module is being wrapped."""
+    code = torch.nn.parallel.DistributedDataParallel.__init__.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def active_ddp_module() -> torch.nn.Module | None:
@@ -225,6 +241,30 @@ def stable_topological_sort(graph: torch.fx.Graph) -> None:
     sort(graph)
 
 
+def dtensor_op_handlers() -> dict[OpOverload, Any]:
+    """DTensor's table of ops it hands to a Python function instead of propagating their sharding: the one place
+    to make a random draw or a copy into a parallelized parameter act as on the whole parameter
+    (runtime/parameter_writes.py); torch offers no public hook for a DTensor op."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def torch_function_of_subclasses_disabled() -> Any:
+    """A context in which a tensor subclass's ``__torch_function__`` runs the function as on a plain tensor (what
+    torch's own default ``__torch_function__`` does inside), for ``TensorParallelBlock`` in
+    runtime/parameter_writes.py; torch exposes it under ``torch._C`` only."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def foreach_devices() -> list[str]:
+    """The device types torch's optimizers default to foreach kernels on (for plain parameters): torch names them
+    in a private helper only."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    return _get_foreach_kernels_supported_devices()
+
+
 def must_recompute(node: torch.fx.Node) -> bool:
     from torch._functorch.partitioners import must_recompute as recompute
 
@@ -234,8 +274,8 @@ def must_recompute(node: torch.fx.Node) -> bool:
 __all__ = [
     "C10D_FUNCTIONAL", "DispatchKey", "active_ddp_module", "OpOverload", "grouped_mm", "FailOnRecompileLimitHit", "FakeScriptObject", "FakeTensorMode", "PRIVATE_NAMES",
     "ShortenTraceback", "Unsupported", "aot_autograd", "compute_local_shape_and_global_offset", "default_store",
-    "detect_fake_mode", "full_state_dict_loader_code", "functional_collectives", "functorch_config", "groups_and_ranks",
+    "detect_fake_mode", "dtensor_op_handlers", "foreach_devices", "inside_ddp_constructor", "full_state_dict_loader_code", "functional_collectives", "functorch_config", "groups_and_ranks",
     "inductor", "must_recompute", "python_meta_kernels_lifted", "pad_tensor", "per_chunk_shard_reducer", "pytree", "register_dynamo_backend",
     "register_fake_backend", "register_step_pre_hook_first", "resolve", "resolve_process_group", "sequence_number", "set_shard_reducer",
-    "stable_topological_sort", "trace_structured", "use_grad_for_differentiable",
+    "stable_topological_sort", "torch_function_of_subclasses_disabled", "trace_structured", "use_grad_for_differentiable",
 ]

@@ -34,6 +34,7 @@ from dpar.core.errors import OptionsError
 from dpar.core.facts import ZERO1, any_zero1, first_retired
 from dpar.core.model_state import OptimizerStage
 from dpar.runtime import zero1
+from dpar.runtime.parameter_writes import keep_foreach_default
 from dpar.runtime.optimizer_graph import CaptureAfterFirstStep, step_in_graph, steps_in_graph
 
 _ATTRIBUTE = "_dpar_hooks"  # on an optimizer: what the discovery hook found for it
@@ -80,6 +81,7 @@ def _discover(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             "full parameters that parallelize replaced by shards (their gradients never come): "
             "build the optimizer after parallelize, from model.parameters()"
         )
+    keep_foreach_default(optimizer)
     if found is None:
         found = optimizer.__dict__[_ATTRIBUTE] = _Found()
     if found.hooked is None:

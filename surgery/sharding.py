@@ -1,4 +1,4 @@
-"""Parameters at rest as dim-0 shards (DTensor), read by the forward as full tensors.
+"""Parameters at rest as dim-0 shards (DTensor), read by a forward as full tensors.
 
 [Note: how a sharded parameter reaches the graph]
 Each parameter is replaced by an ``nn.Parameter`` holding a ``Shard(0)`` DTensor,
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -27,8 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from dpar.core import model_state
-from dpar.core.errors import OptionsError
+from dpar.core.errors import LEAVE_DDP_OUT, OptionsError, WrappedTwiceError
 from dpar.core.facts import SHARD, ShardSpec, retire
+from dpar.core.torch_internals import inside_ddp_constructor
 
 _BLOCK = re.compile(r"^((?:.*?\.)??\d+)\.")
 
@@ -40,10 +42,22 @@ def block_of(name: str) -> str:
     return match.group(1) if match else "root"
 
 
+def refuse_torch_ddp() -> None:
+    """Refuse torch DDP's constructor reading a parallelized module's parameters (Hugging Face's plain ``Trainer``
+    wraps the model so under torchrun): it would broadcast rank 0's parts over every rank's, then reduce every
+    gradient a second time (see [Note: wrapped twice] in compiler/wrapped_twice.py)."""
+    if inside_ddp_constructor():
+        raise WrappedTwiceError(
+            "a model dpar.parallelize placed is being wrapped in torch.nn.parallel.DistributedDataParallel: "
+            + LEAVE_DDP_OUT
+        )
+
+
 def _gathering_class(
-    cls: type[nn.Module], names: list[str], param_dtype: torch.dtype | None
+    cls: type[nn.Module], names: list[str], param_dtype: torch.dtype | None, state: model_state.ModelState
 ) -> type[nn.Module]:
-    """A subclass of ``cls`` whose parameter attributes read the gathered full tensors.
+    """A subclass of ``cls`` whose parameter attributes read the gathered full tensors in a forward, and the
+    shards everywhere else (see [Note: a parameter is its parameter] in core/model_state.py).
 
     With ``param_dtype`` the shard is cast before the gather (so the gather moves
     the smaller dtype), and floating-point inputs of the module are cast too, as
@@ -53,6 +67,8 @@ def _gathering_class(
     def full(name: str) -> property:
         def read(self: nn.Module) -> torch.Tensor:
             shard = self._parameters[name]
+            if not state.reads_whole_parameters():
+                return shard
             if param_dtype is not None:
                 shard = shard.to(param_dtype)
             ndim = shard.device_mesh.ndim
@@ -61,14 +77,25 @@ def _gathering_class(
 
         return property(read)
 
-    members: dict[str, object] = {n: full(n) for n in names}
-    if param_dtype is not None:
-
-        def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+    def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+        if param_dtype is not None:
             cast = lambda v: v.to(param_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-            return cls.forward(self, *map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+            args, kwargs = tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
+        if torch.compiler.is_compiling():
+            return cls.forward(self, *args, **kwargs)
+        with state.eager_forward():
+            return cls.forward(self, *args, **kwargs)
 
-        members["forward"] = forward
+    def named_parameters(
+        self: nn.Module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        if not recurse:  # how torch DDP's constructor reads each module
+            refuse_torch_ddp()
+        return cls.named_parameters(self, prefix, recurse, remove_duplicate)
+
+    members: dict[str, object] = {n: full(n) for n in names}
+    members["forward"] = forward
+    members["named_parameters"] = named_parameters
     return type(f"Sharded{cls.__name__}", (cls,), members)
 
 
@@ -103,7 +130,7 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtyp
             state.set_fact(SHARD, qualified, spec)
             retire(state, qualified, full)
             specs.append(spec)
-        module.__class__ = _gathering_class(type(module), names, param_dtype)
+        module.__class__ = _gathering_class(type(module), names, param_dtype, state)
         module.register_load_state_dict_pre_hook(functools.partial(_shard_full_tensors, names=names))
     return specs
 

@@ -18,11 +18,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dpar.core import model_state
 from dpar.core.errors import OptionsError
-from dpar.core.facts import TENSOR_PARALLEL, TensorParallelSpec, can_split, local_block
+from dpar.core.facts import TENSOR_PARALLEL, TensorParallelSpec, can_split, local_block, tensor_parallel_spec_of
 from dpar.core.torch_internals import full_state_dict_loader_code
+from dpar.surgery.sharding import refuse_torch_ddp
+from dpar.runtime.parameter_writes import TensorParallelBlock, as_block_parameter
 from dpar.runtime.tensor_parallel import as_block, as_dtensor, whole_parameter
 
 
@@ -61,9 +64,12 @@ def _in_torch_full_state_dict_load() -> bool:
 
 
 
-def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) -> type[nn.Module]:
-    """A subclass of ``cls`` whose split parameters read as marked full tensors, and are written to (and read
-    from) state dicts as DTensors of their whole shape (see [Note: a split parameter in a state dict]).
+def _marking_class(
+    cls: type[nn.Module], splits: dict[str, TensorParallelSpec], state: model_state.ModelState
+) -> type[nn.Module]:
+    """A subclass of ``cls`` whose split parameters read as marked full tensors in a forward and as their blocks
+    everywhere else (see [Note: a parameter is its parameter] in core/model_state.py), and are written to (and
+    read from) state dicts as DTensors of their whole shape (see [Note: a split parameter in a state dict]).
 
     Where ``cls`` already reads a parameter through a property (fsdp's gather
     over the data-parallel dimension), the marker wraps what that returns.
@@ -73,10 +79,18 @@ def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) 
         inner = getattr(cls, name, None)
 
         def read(self: nn.Module) -> torch.Tensor:
+            if not state.reads_whole_parameters():
+                return self._parameters[name]
             block = inner.fget(self) if isinstance(inner, property) else self._parameters[name]
             return whole_parameter(block, spec)
 
         return property(read)
+
+    def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+        if torch.compiler.is_compiling():
+            return cls.forward(self, *args, **kwargs)
+        with state.eager_forward():
+            return cls.forward(self, *args, **kwargs)
 
     def _save_to_state_dict(self: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
         cls._save_to_state_dict(self, destination, prefix, keep_vars)
@@ -84,15 +98,31 @@ def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) 
             if prefix + name in destination:
                 destination[prefix + name] = as_dtensor(destination[prefix + name], self._parameters[name])
 
+    def keep_blocks(self: nn.Module) -> None:
+        """A plain block replaced by a plain parameter (``to_empty``, ``load_state_dict(assign=True)``) is held as a
+        ``TensorParallelBlock`` again (see [Note: a write the part cannot take as it stands])."""
+        for name in splits:
+            param = self._parameters.get(name)
+            if type(param) is nn.Parameter:
+                self._parameters[name] = as_block_parameter(param)
+
     def _load_from_state_dict(self: nn.Module, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:
         for name in splits:  # before cls's pre-hooks (fsdp's, which shards full tensors)
             if prefix + name in state_dict:
                 state_dict[prefix + name] = as_block(state_dict[prefix + name], self._parameters[name])
         cls._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
+        keep_blocks(self)
+
+    def _apply(self: nn.Module, fn: object, recurse: bool = True) -> nn.Module:
+        cls._apply(self, fn, recurse)
+        keep_blocks(self)
+        return self
 
     def named_parameters(
         self: nn.Module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
+        if not recurse:  # how torch DDP's constructor reads each module
+            refuse_torch_ddp()
         loading = not recurse and _in_torch_full_state_dict_load()
         for name, param in cls.named_parameters(self, prefix, recurse, remove_duplicate):
             own = name[len(prefix) + 1:] if prefix else name
@@ -102,6 +132,8 @@ def _marking_class(cls: type[nn.Module], splits: dict[str, TensorParallelSpec]) 
 
     members: dict[str, object] = {name: marked(name, spec) for name, spec in splits.items()}
     members["named_parameters"] = named_parameters
+    members["forward"] = forward
+    members["_apply"] = _apply
     members["_save_to_state_dict"] = _save_to_state_dict
     members["_load_from_state_dict"] = _load_from_state_dict
     return type(f"TensorParallel{cls.__name__}", (cls,), members)
@@ -148,7 +180,7 @@ def split_parameters(
                 block = param
                 if dim is not None:
                     local = param.detach().narrow(dim, *local_block(param.shape[dim], tp_size, rank))
-                    block = nn.Parameter(local.clone(), param.requires_grad)
+                    block = TensorParallelBlock(local.clone(), param.requires_grad)
                 block_of[id(param)] = (block, spec)
             block, spec = block_of[id(param)]
             if tp_dims.get(qualified, spec.dim) != spec.dim:
@@ -172,13 +204,48 @@ def state_dict_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, mesh: Devic
     )
 
 
+def _refuse_a_tie_across_layouts(module: nn.Module, name: str, param: torch.Tensor | None) -> None:
+    """``module.<name> = <another parameter of a tensor-parallel model>`` after ``parallelize`` (a weight tied late):
+    kept where both are split alike (HF's ``tie_weights()`` after ``to_empty`` ties what was tied at
+    ``parallelize``), refused by name where not, since one tensor cannot be two layouts' blocks."""
+    current = module._parameters.get(name)
+    if not isinstance(param, torch.Tensor) or current is None or current is param:
+        return
+    found = model_state.parameter_holding(param)
+    if found is None or not found[0].facts(TENSOR_PARALLEL):
+        return
+    layout = lambda spec: None if spec is None or spec.dim is None else (spec.dim, tuple(spec.global_shape))
+    ours, theirs = tensor_parallel_spec_of(current), tensor_parallel_spec_of(param)
+    if layout(ours) != layout(theirs):
+        state = found[0]
+        names = state.names_of(param)
+        slot = next((f"{n}.{name}" if n else name for n, m in state.model().named_modules() if m is module), name)
+        raise OptionsError(
+            f"{slot} tied to {names[0] if names else 'another parameter'} after dpar.parallelize, but tensor parallel "
+            f"placed them differently ({_layout_words(ours)} and {_layout_words(theirs)}): one tensor cannot be both. "
+            "Tie the weights before dpar.parallelize (model.tie_weights(), or the assignment itself), so that tensor "
+            "parallel places them once"
+        )
+
+
+def _layout_words(spec: TensorParallelSpec | None) -> str:
+    return "whole" if spec is None or spec.dim is None else f"split on dim {spec.dim}"
+
+
+_tie_hook_installed = False  # torch's parameter-registration hooks are process-wide only: one, registered once
+
+
 def install_markers(model: nn.Module, splits: Splits, mesh: DeviceMesh | None = None) -> None:
     """Swap each module's class so split parameters read as marked full tensors, and register their blocks
     (with ``mesh``, from ``state_dict_mesh``, they enter state dicts as DTensors)."""
+    global _tie_hook_installed
     state = model_state.state_of(model, create=True)
+    if not _tie_hook_installed:
+        register_module_parameter_registration_hook(_refuse_a_tie_across_layouts)
+        _tie_hook_installed = True
     for module, specs in splits.items():
         split = {n: s for n, s in specs.items() if s.dim is not None}
         for spec in split.values():
             state.set_fact(TENSOR_PARALLEL, spec.name, dataclasses.replace(spec, state_dict_mesh=mesh))
         if split:
-            module.__class__ = _marking_class(type(module), split)
+            module.__class__ = _marking_class(type(module), split, state)

@@ -3,7 +3,7 @@
 ``with torch.device("meta"): build()`` -> ``dpar.parallelize`` -> ``to_empty`` -> the model's own init of its
 non-persistent buffers -> weights loaded (``set_model_state_dict`` broadcast from rank 0, or ``dcp.load``) ->
 train, equal to torch DDP started from the same weights. See [Note: facts keyed by name, not by tensor] and
-[Note: buffers of a model born on meta] in core/model_state.py.
+[Note: state of a model born on meta] in core/model_state.py.
 """
 
 from __future__ import annotations

@@ -187,6 +187,29 @@ def test_a_compiled_model_accelerates_torch_compile_and_auto_batch_size_are_refu
             DparTrainer(llama(), args=training_arguments(root, ddp_backend=None, auto_find_batch_size=True))
 
 
+def _plain_trainer_around_fsdp(rank: int, world_size: int) -> str:
+    """Hugging Face's plain Trainer given a model under fsdp: it wraps the model in torch DDP when it trains."""
+    import dpar
+    import transformers as tf
+
+    model = llama()
+    dpar.parallelize(model, strategy="fsdp")
+    with tempfile.TemporaryDirectory() as root:
+        trainer = tf.Trainer(model=model, args=training_arguments(root), train_dataset=rows(8, 1))
+        try:
+            trainer.train()
+        except dpar.WrappedTwiceError as e:
+            return str(e)
+    return "trained"
+
+
+def test_the_plain_trainer_around_a_model_under_fsdp_is_refused_by_name() -> None:
+    for found in run_ranks(_plain_trainer_around_fsdp, 2, timeout_s=300):
+        assert found.startswith("a model dpar.parallelize placed is being wrapped in torch.nn.parallel."
+                                "DistributedDataParallel"), found
+        assert "DparTrainer" in found
+
+
 def _best_model_against_ddp(rank: int, world_size: int, strategy: str, root: str) -> dict[str, object]:
     import dpar
     import transformers as tf

@@ -39,6 +39,16 @@ def _one_device_init(name: str = "llama") -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _own_init(model: nn.Module) -> None:
+    """The model's own initializer called directly, as an HF user calls it after to_empty (see [Note: the model's
+    own initializer, called on a parallelized model] in api/initialization.py)."""
+    from transformers.initialization import guard_torch_init_functions
+
+    torch.manual_seed(SEED)
+    with torch.no_grad(), guard_torch_init_functions():
+        model.inner.apply(model.inner._init_weights)
+
+
 def _slice(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = batch(step, ROWS_PER_RANK * world_size)
     return x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -180,6 +190,10 @@ def _four(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init:
     got = dpar.checkpoint.full_state_dict(model)
     if rank == 0:
         found["init"] = _exact(got, init)
+    _own_init(model)
+    got = dpar.checkpoint.full_state_dict(model)
+    if rank == 0:
+        found["own init"] = _exact(got, init)
     dpar.checkpoint.load_safetensors(model, dirs["st_plain"])  # each rank reads its stage's rows of the file
     got = dpar.checkpoint.full_state_dict(model)
     if rank == 0:
@@ -206,6 +220,10 @@ def _two(rank: int, world_size: int, dirs: dict[str, str], weights: dict, init: 
     got = dpar.checkpoint.full_state_dict(model)
     if rank == 0:
         found["init"] = _exact(got, init)
+    _own_init(model)
+    got = dpar.checkpoint.full_state_dict(model)
+    if rank == 0:
+        found["own init"] = _exact(got, init)
     dpar.checkpoint.load_safetensors(model, dirs["st_plain"])
     got = dpar.checkpoint.full_state_dict(model)
     if rank == 0:
@@ -267,7 +285,7 @@ def test_a_pipeline_born_on_meta_trains_loads_saves_and_initializes(tmp_path) ->
     four = fours[0]
     four["optimizer"] = {n: s for r in fours for n, s in r["optimizer"].items()}
     assert four["vs torch ddp"] <= TOLERANCE, four["vs torch ddp"]
-    for case in ("safetensors out", "init", "safetensors in"):
+    for case in ("safetensors out", "init", "own init", "safetensors in"):
         assert four[case] is True, f"dp 2 x pp 2: {case}"
 
     gpt2_weights, gpt2_init = _weights("gpt2"), _one_device_init("gpt2")
@@ -278,7 +296,7 @@ def test_a_pipeline_born_on_meta_trains_loads_saves_and_initializes(tmp_path) ->
     two = twos[0]
     assert two["vs torch ddp"] <= TOLERANCE, two["vs torch ddp"]
     assert two["gpt2 vs torch ddp"] <= TOLERANCE, two["gpt2 vs torch ddp"]
-    cases = ("gpt2 init", "gpt2 safetensors out", "safetensors out", "init", "safetensors in", "dcp.load",
+    cases = ("gpt2 init", "gpt2 safetensors out", "safetensors out", "init", "own init", "safetensors in", "dcp.load",
              "ddp 2 -> pp 2", "pp 2 x dp 2 -> fsdp 2")
     for case in cases:
         assert two[case] is True, f"pp 2: {case}"
@@ -296,8 +314,9 @@ def test_a_pipeline_born_on_meta_trains_loads_saves_and_initializes(tmp_path) ->
 
 
 def test_a_step_before_the_state_is_materialized_is_refused_by_name() -> None:
-    """One process, no process group: a parameter left on meta, then a non-persistent buffer never written since
-    to_empty, are refused by name before any graph runs; once given values, the step is the plain model's."""
+    """One process, no process group: a parameter left on meta, then a parameter and a non-persistent buffer never
+    written since to_empty, are refused by name before any graph runs; once given values, the step is the plain
+    model's."""
     import pytest
 
     warnings.simplefilter("ignore", dpar.PipelineBubbleWarning)
@@ -309,11 +328,14 @@ def test_a_step_before_the_state_is_materialized_is_refused_by_name() -> None:
     with pytest.raises(dpar.UnmaterializedStateError, match=meta):
         step(x, y)
     model.to_empty(device="cpu")
+    unwritten = r"parameter inner\.model\.embed_tokens\.weight was on the meta device .* not been written"
+    with pytest.raises(dpar.UnmaterializedStateError, match=unwritten):
+        step(x, y)
+    model.load_state_dict(_weights())
     unwritten = r"buffer inner\.model\.rotary_emb\.inv_freq .* not been written"
     with pytest.raises(dpar.UnmaterializedStateError, match=unwritten):
         step(x, y)
     _init_rotary(model)
-    model.load_state_dict(_weights())
     plain = build("llama", LAYERS)
     assert step(x, y).item() == pytest.approx(token_loss(plain(x), y).item(), rel=1e-6)
 

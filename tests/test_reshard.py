@@ -148,13 +148,7 @@ def _born_on_meta_loaded_by_torch(rank: int, world_size: int, strategy: str, ful
     exact = _differences(full, loaded) if rank == 0 else None
     if want is None:
         return exact, None
-    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(tp.STEPS):
-        optimizer.zero_grad()
-        runner(*tp.rank_slice(tp.global_batch(step, tp.ROWS_PER_RANK * world_size), rank, world_size)).backward()
-        optimizer.step()
-    trained = dpar.checkpoint.full_state_dict(model)
+    trained = tp.train_compiled(rank, world_size, model)
     return exact, (tp.max_abs_diff(want, trained) if rank == 0 else None)
 
 

@@ -287,6 +287,20 @@ def train(rank: int, world_size: int, run: Run, prepare: Callable[[nn.Module], N
     return state
 
 
+def train_compiled(rank: int, world_size: int, model: nn.Module) -> dict:
+    """``model`` (placed by dpar.parallelize) compiled with dpar, trained STEPS with AdamW on this rank's slices;
+    its full state dict (rank 0's view)."""
+    import dpar
+
+    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    optimizer = _optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        runner(*rank_slice(global_batch(step, ROWS_PER_RANK * world_size), rank, world_size)).backward()
+        optimizer.step()
+    return dpar.checkpoint.full_state_dict(model)
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())

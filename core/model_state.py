@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parameter import UninitializedTensorMixin
 from torch.nn.modules.module import (
     register_module_buffer_registration_hook, register_module_parameter_registration_hook,
 )
@@ -261,18 +262,25 @@ def owners_of(tensors: Iterable[torch.Tensor]) -> list[ModelState | None]:
 def parameter_holding(tensor: torch.Tensor) -> tuple[ModelState, torch.Tensor] | None:
     """The parallelized model's parameter whose memory on this rank ``tensor`` is, whole (the parameter itself,
     its ``.data`` or ``detach()``), with that model's state; None for any other tensor."""
-    own_memory = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # no autograd node, unlike to_local()
-    local = own_memory(tensor)
-    key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.shape)
-    if key[0] == 0:
+    key = _memory_key(tensor)
+    if key is None:
         return None
     for model in list(_models):
         state = state_of(model)
         for param in model.parameters():
-            own = own_memory(param)
-            if (own.untyped_storage().data_ptr(), own.storage_offset(), own.shape) == key:
+            if _memory_key(param) == key:
                 return state, param
     return None
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple[int, int, torch.Size] | None:
+    """Where this rank's memory of ``tensor`` is (storage, offset, shape); None where it has none: meta, a lazy
+    module's ``UninitializedParameter``, an empty storage."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # no autograd node, unlike to_local()
+    if isinstance(local, UninitializedTensorMixin) or local.is_meta:
+        return None
+    pointer = local.untyped_storage().data_ptr()
+    return None if pointer == 0 else (pointer, local.storage_offset(), local.shape)
 
 
 def fact_of(kind: str, tensor: torch.Tensor) -> Any:

@@ -126,3 +126,14 @@ def test_every_pass_is_recorded_the_joint_graphs_included() -> None:
     assert any(d.startswith("unroll_group_batch: all_gather") for d in joint.op_count_diffs())
     assert any(d.startswith("tensor_parallel: all_reduce") for d in joint.op_count_diffs())
     assert "joint graph" not in {c.graph for c in r.collectives}  # its collectives are the others', not extra
+
+
+def test_a_lazy_module_builds_and_runs_after_tensor_parallel_was_inspected() -> None:
+    # tensor parallel's parameter-registration hook is process-wide; a lazy module registers a parameter
+    # with no memory (UninitializedParameter), which the hook must pass over
+    r = report("tp", 2)
+    torch.manual_seed(0)
+    lazy = nn.Sequential(nn.Linear(3, 4), nn.LazyLinear(2))
+    x = torch.randn(5, 3)
+    assert lazy(x).shape == (5, 2) and lazy[1].weight.shape == (2, 4)
+    assert r.memory.parameters == tp_block_bytes(2)

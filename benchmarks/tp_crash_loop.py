@@ -8,8 +8,10 @@ tensor-parallel runs about once in 16; only a loop of many runs shows it, or sho
     python benchmarks/tp_crash_loop.py gpt_sp titan_fsdp_tp hf_2d --runs 30 --load 2
 
 ``--load N`` runs N busy-looping processes beside the ranks (the "under load" figures). Environment variables
-(``GLIBC_TUNABLES``, ``MALLOC_PERTURB_``, ``LD_PRELOAD``) reach the ranks: set them on the command line. Run it
-from a directory with ``ulimit -c unlimited`` to keep a crashed rank's core for gdb. ``--steps`` trains more
+(``GLIBC_TUNABLES``, ``MALLOC_PERTURB_``, ``LD_PRELOAD``) reach the ranks: set them on the command line. A crash's
+report (every thread's Python stack on the crashed rank, its stderr's tail) is written to
+``crash-CASE-runN.txt`` in the working directory; run it there with ``ulimit -c unlimited`` to keep the
+crashed rank's core for gdb as well. ``--steps`` trains more
 steps after the one compile: a defect of the steady state would then crash most runs.
 
 [Note: what the crash loop has measured]
@@ -128,8 +130,10 @@ def main() -> None:
                     signal = re.search(r"died of signal (\d+)", str(exc))
                     if signal:
                         crashes += 1
-                        outcome = f"CRASH signal {signal.group(1)}"
-                        print(str(exc)[-3000:], file=sys.stderr)
+                        report = os.path.abspath(f"crash-{name}-run{run}.txt")
+                        with open(report, "w") as f:
+                            f.write(str(exc))  # every thread's stack of the crashed rank, and its stderr's tail
+                        outcome = f"CRASH signal {signal.group(1)}, report in {report}"
                     else:
                         failures += 1
                         outcome = "FAILED " + str(exc).splitlines()[0][:200]

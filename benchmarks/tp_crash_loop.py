@@ -29,6 +29,18 @@ hf_llama_tp run (2 ranks, each under ``valgrind --tool=memcheck --undef-value-er
 their gloo collectives and CPU flash attention, ``full_state_dict``, teardown) reported no invalid write, read
 or free on either rank but the dynamic loader's word-wise ``strncmp`` (its known false report); valgrind runs a
 process's threads one at a time, so a race between two threads can hide from it.
+
+2026-11-28, the same machine at a load average of 3-4 (the loop alone): titan_fsdp_tp (4 ranks, 5 steps) 2 crashes
+in 70 runs (run 16 of 30: SIGSEGV; run 32 of 40: SIGABRT "malloc(): unaligned tcache chunk detected") and 1 run of
+the 70 ended by dpar's stall check 30 s after every rank blocked in the backward's all-gathers, one rank one
+collective short on both of its 2-rank groups (gloo paired or lost a collective: the same defect or another).
+The core of the abort (gdb): the thread that found the heap corrupted is a gloo worker
+(``ProcessGroupGloo::runLoop`` -> ``AsyncAllgatherCoalescedWork::allgather_coalesced`` -> ``flattenDenseTensors``
+-> ``view`` -> ``malloc(8)``); the main thread was in ``c10d::wait_tensor`` inside a dpar forward graph, the
+heartbeat thread asleep in its 1 s wait. The corrupted list is that worker's own tcache, which holds small chunks
+this thread freed: something wrote into a chunk after the gloo worker freed it. With the heartbeat thread polling
+every 1 ms instead of 1 s (1000 times the frame walks and store writes) hf_llama_tp gave 0 crashes in 20 runs of
+20 steps under the checking allocator, which argues against that thread.
 """
 
 from __future__ import annotations

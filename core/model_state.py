@@ -85,6 +85,14 @@ class ModelState:
         finally:
             self.eager_forwards -= 1
 
+    def run_forward(self, forward: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """``forward(module, *args, **kwargs)`` for a swapped module's class: counted as an eager forward unless
+        Dynamo traces it (where ``reads_whole_parameters`` is already true and the count would trace to nothing)."""
+        if torch.compiler.is_compiling():
+            return forward(module, *args, **kwargs)
+        with self.eager_forward():
+            return forward(module, *args, **kwargs)
+
     def reads_whole_parameters(self) -> bool:
         """Whether a parallelized module's attribute reads its whole parameter here (see the Note below)."""
         return torch.compiler.is_compiling() or self.eager_forwards > 0
@@ -363,7 +371,7 @@ def check_materialized(state: list[tuple[str, str, torch.Tensor]]) -> None:
                 if tensor is None or (not is_meta(tensor) and max(tensor._version, local_part(tensor)._version) > 0):
                     del leaves[leaf]  # released to another pipeline rank's stage, or written in place since to_empty
                     continue
-                kind = "buffer" if isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter) else "parameter"
+                kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
                 raise UnmaterializedStateError(
                     f"{kind} {name} was on the meta device when dpar.parallelize ran and has not been written "
                     "since model.to_empty(): it holds uninitialized memory. Give it its values after to_empty with "

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -149,16 +151,21 @@ def register_step_pre_hook_first(optimizer: torch.optim.Optimizer, hook: Any) ->
     return handle
 
 
+def frame_running(code: types.CodeType, limit: int | None = None) -> types.FrameType | None:
+    """The innermost frame running ``code`` among the callers of the function that asks (the nearest ``limit`` of
+    them, or all): how dpar tells which torch function is reading a module when torch passes no flag."""
+    frame = sys._getframe(2)
+    for _ in itertools.count() if limit is None else range(limit):
+        if frame is None or frame.f_code is code:
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def inside_ddp_constructor() -> bool:
     """Whether torch DDP's ``__init__`` is on the Python stack (it reads each module's own parameters to build its
     reducer and broadcast them): no public call says a module is being wrapped."""
-    code = torch.nn.parallel.DistributedDataParallel.__init__.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return frame_running(torch.nn.parallel.DistributedDataParallel.__init__.__code__) is not None
 
 
 def active_ddp_module() -> torch.nn.Module | None:
@@ -274,7 +281,7 @@ def must_recompute(node: torch.fx.Node) -> bool:
 __all__ = [
     "C10D_FUNCTIONAL", "DispatchKey", "active_ddp_module", "OpOverload", "grouped_mm", "FailOnRecompileLimitHit", "FakeScriptObject", "FakeTensorMode", "PRIVATE_NAMES",
     "ShortenTraceback", "Unsupported", "aot_autograd", "compute_local_shape_and_global_offset", "default_store",
-    "detect_fake_mode", "dtensor_op_handlers", "foreach_devices", "inside_ddp_constructor", "full_state_dict_loader_code", "functional_collectives", "functorch_config", "groups_and_ranks",
+    "detect_fake_mode", "dtensor_op_handlers", "foreach_devices", "frame_running", "inside_ddp_constructor", "full_state_dict_loader_code", "functional_collectives", "functorch_config", "groups_and_ranks",
     "inductor", "must_recompute", "python_meta_kernels_lifted", "pad_tensor", "per_chunk_shard_reducer", "pytree", "register_dynamo_backend",
     "register_fake_backend", "register_step_pre_hook_first", "resolve", "resolve_process_group", "sequence_number", "set_shard_reducer",
     "stable_topological_sort", "torch_function_of_subclasses_disabled", "trace_structured", "use_grad_for_differentiable",

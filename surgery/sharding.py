@@ -81,10 +81,7 @@ def _gathering_class(
         if param_dtype is not None:
             cast = lambda v: v.to(param_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
             args, kwargs = tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
-        if torch.compiler.is_compiling():
-            return cls.forward(self, *args, **kwargs)
-        with state.eager_forward():
-            return cls.forward(self, *args, **kwargs)
+        return state.run_forward(cls.forward, self, args, kwargs)
 
     def named_parameters(
         self: nn.Module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

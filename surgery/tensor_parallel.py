@@ -10,7 +10,6 @@ while training, so they are runtime's; the runtime never imports surgery.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Iterator
 
 import torch
@@ -23,7 +22,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from dpar.core import model_state
 from dpar.core.errors import OptionsError
 from dpar.core.facts import TENSOR_PARALLEL, TensorParallelSpec, can_split, local_block, tensor_parallel_spec_of
-from dpar.core.torch_internals import full_state_dict_loader_code
+from dpar.core.torch_internals import frame_running, full_state_dict_loader_code
 from dpar.surgery.sharding import refuse_torch_ddp
 from dpar.runtime.parameter_writes import TensorParallelBlock, as_block_parameter
 from dpar.runtime.tensor_parallel import as_block, as_dtensor, whole_parameter
@@ -52,15 +51,9 @@ from dpar.runtime.tensor_parallel import as_block, as_dtensor, whole_parameter
 
 def _in_torch_full_state_dict_load() -> bool:
     """Whether torch's ``set_model_state_dict`` of a full state dict is asking (see the Note above)."""
-    frame, loader = sys._getframe(1), full_state_dict_loader_code()
-    for _ in range(256):  # its generators recurse once per module level
-        if frame is None:
-            return False
-        if frame.f_code is loader:
-            info = frame.f_locals.get("info")
-            return bool(getattr(info, "full_state_dict", False) or getattr(info, "broadcast_from_rank0", False))
-        frame = frame.f_back
-    return False
+    frame = frame_running(full_state_dict_loader_code(), limit=256)  # its generators recurse once per module level
+    info = None if frame is None else frame.f_locals.get("info")
+    return bool(getattr(info, "full_state_dict", False) or getattr(info, "broadcast_from_rank0", False))
 
 
 
@@ -87,10 +80,7 @@ def _marking_class(
         return property(read)
 
     def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
-        if torch.compiler.is_compiling():
-            return cls.forward(self, *args, **kwargs)
-        with state.eager_forward():
-            return cls.forward(self, *args, **kwargs)
+        return state.run_forward(cls.forward, self, args, kwargs)
 
     def _save_to_state_dict(self: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
         cls._save_to_state_dict(self, destination, prefix, keep_vars)

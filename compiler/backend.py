@@ -22,6 +22,7 @@ from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
 from dpar.core.errors import OptionsError
 from dpar.core.facts import period_of, tensor_parallel_spec_of
 from dpar.runtime.finite_gradients import FiniteGradients
+from dpar.runtime.liveness import compiling
 from dpar.core.model_state import check_materialized
 from dpar.core.torch_internals import register_dynamo_backend, resolve_process_group
 from dpar.runtime.optimizer_hooks import hand_down
@@ -38,6 +39,7 @@ def _single_device_hook(
     return lower(gm, example_inputs)
 
 
+@compiling()  # a rank compiling is not stalled: see [Note: a rank that vanishes]
 def dpar_backend(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],

@@ -26,7 +26,7 @@ or about to enter, a collective with it. What a survivor sees depends on how it 
   about 14 s; ``SILENT_AFTER_S`` is longer than ``LOST_AFTER_S`` because ending a process is final,
   and a live rank whose threads are starved (swapping, a C call holding the GIL) must not be taken
   for dead. Nor does the thread watch while this rank compiles (Dynamo's or AOTAutograd's compile,
-  dpar's passes or a check across ranks on its main thread's stack): a compiling rank is blocked
+  dpar's passes or a check across ranks, as its main thread records it): a compiling rank is blocked
   in no transport, its checks wait with their own bounds and named errors, and its peers compile
   the same graph, holding the GIL for long stretches (Python's compile() of a large generated
   graph, a full garbage collection). On a machine with ten runnable threads per core that silenced
@@ -44,8 +44,9 @@ later pairing; a pair of different sizes never completes), or its transport lost
 would wait the process group's timeout (30 min by default), spinning or not, with no error.
 
 The heartbeat tells it: it carries this rank's collectives issued per group (c10d's sequence
-numbers, as in peer_progress.py) and whether the main thread is blocked in a graph's
-``wait_tensor``. A rank blocked in such a wait inside a dpar graph, whose counts have not moved for
+numbers, as in peer_progress.py) and whether the main thread is blocked inside a dpar graph (it is
+inside one and its CPU clock stood still since the last beat: a collective's wait). A rank blocked
+so, whose counts have not moved for
 ``STALLED_AFTER_S``, while every other rank is alive and has issued at least as many collectives on
 every group they share and none since, waits for a collective every member of its group has issued:
 nothing it waits for can still be on its way, so the pairing is wrong. It prints
@@ -75,7 +76,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import linecache
 import os
 import sys
 import threading
@@ -83,6 +83,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+import torch._dynamo.callback
 import torch.distributed as dist
 from functorch.compile import make_boxed_func
 
@@ -90,6 +92,10 @@ from dpar.core.errors import CollectiveStallError, RankLostError
 from dpar.core.world import collectives_issued, default_store
 
 _HEARTBEAT = "dpar/heartbeat"
+_LIBRARY_DIRS = (
+    os.path.dirname(torch.__file__),
+    *(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) for d in ("api", "compiler", "runtime")),
+)
 LOST_AFTER_S = 3.0
 """After a collective failed: a rank whose heartbeat does not move for this long is gone (three beats)."""
 WATCH_AFTER_S = 3.0
@@ -125,6 +131,8 @@ class _Progress:
     phase: str = "start"  # the role of the graph called last: forward, backward, inference
     changed_at: float = dataclasses.field(default_factory=time.monotonic)
     inside: bool = False  # the main thread is inside a compiled graph now
+    compiling: int = 0  # compiles and checks across ranks the main thread is inside now (nested)
+    location: str = "an unknown place"  # the user code from which the main thread last entered a graph or a check
 
     def where(self) -> str:
         if self.step == 0:
@@ -150,7 +158,81 @@ PIPELINE_STEP = "pipeline step"  # one call of dpar.pipeline's step: forward and
 def _enter(phase: str) -> None:
     if phase == PIPELINE_STEP or (phase == "forward" and _progress.phase != "forward"):
         _progress.step += 1
+    if phase != _progress.phase:  # a few times a step: the walk costs microseconds
+        record_location()
     _progress.phase, _progress.changed_at = phase, time.monotonic()
+
+
+# [Note: no thread reads another thread's frames]
+# The daemon thread (peer_progress.py) used to find where the main thread was by walking its frames
+# (``sys._current_frames()`` and ``f_back``): the user code it was in, whether it was compiling, the
+# graph line at which it waited. Under torch.compile that is not safe. Frames that Dynamo runs or is
+# compiling are not plain interpreter frames, and a frame object made for one from another thread can
+# outlive it: ``benchmarks/frame_walk_crash.py`` (no dpar: a model under torch.compile, recompiled
+# now and then, and a thread walking the main thread's frames) dies of SIGSEGV inside ``f_back``
+# within 30-90 s, 4 runs of 5 on torch 2.13 and Python 3.11, and never without the walking thread.
+# So the main thread says where it is itself, in ``_progress``: the user code it entered a graph or a
+# check from (``record_location``, walking its own frames, on a phase change and at each check), and
+# whether it compiles (``compiling()`` around dpar's backend, its lowering and its checks, and
+# Dynamo's own compile callbacks). Whether it waits for a collective is read from its CPU clock
+# (``_main_thread_idle``), which the kernel keeps for every thread: a thread blocked in a wait uses
+# none, one that computes uses most of a core.
+
+
+def record_location(depth: int = 3) -> None:
+    """Remember the innermost ``depth`` frames of user code on the main thread (not torch's, dpar's or
+    generated code). Called on the main thread only: see [Note: no thread reads another thread's frames]."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    frame: Any = sys._getframe(1)
+    user: list[str] = []
+    while frame is not None and len(user) < depth:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_LIBRARY_DIRS) and not filename.startswith("<"):
+            user.append(f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}")
+        frame = frame.f_back
+    _progress.location = " -> ".join(reversed(user)) or "an unknown place"
+
+
+def where_recorded() -> str:
+    """The user code from which the main thread last entered a graph or a check (its own record)."""
+    return _progress.location
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """The main thread compiles a graph or waits at a check across ranks: its peers are not watched
+    meanwhile (see [Note: a rank that vanishes])."""
+    _follow_dynamo_compiles()
+    _progress.compiling += 1
+    try:
+        yield
+    finally:
+        _progress.compiling -= 1
+
+
+_dynamo_compiling = [False]
+
+
+def _dynamo_started(_: Any) -> None:
+    _dynamo_compiling[0] = True
+
+
+def _dynamo_ended(_: Any) -> None:
+    _dynamo_compiling[0] = False
+
+
+def _follow_dynamo_compiles() -> None:
+    """Have Dynamo say when it compiles (its frames' tracing, AOTAutograd's lazy backward): registered
+    again after ``torch._dynamo.reset()``, which clears the callbacks."""
+    handler = torch._dynamo.callback.callback_handler
+    if _dynamo_started not in handler.start_callbacks:
+        handler.register_start_callback(_dynamo_started)
+        handler.register_end_callback(_dynamo_ended)
+
+
+def _compiling() -> bool:
+    return _progress.compiling > 0 or _dynamo_compiling[0]
 
 
 class Watched:
@@ -188,7 +270,8 @@ def watching(phase: str) -> Iterator[None]:
 
 
 def beat(store: dist.Store, rank: int, count: int) -> None:
-    heartbeat = {"beat": count, "step": _progress.step, "phase": _progress.phase, "waiting": _blocked_in_wait()}
+    _waiting[0] = _blocked_in_wait()
+    heartbeat = {"beat": count, "step": _progress.step, "phase": _progress.phase, "waiting": _waiting[0]}
     issued = _issued()
     if issued is not None:
         heartbeat["issued"] = issued
@@ -203,22 +286,31 @@ def _issued() -> dict[str, int] | None:
         return None
 
 
-_TORCH_DIR = os.path.dirname(os.path.dirname(dist.__file__))
+_waiting = [""]  # what the main thread waits for, as of the last beat ("" if it does not)
+_IDLE_CPU_FRACTION = 0.05
+_main_cpu: list[tuple[float, float]] = []  # (wall clock, the main thread's CPU seconds) at the last beat
+
+
+def _main_thread_idle() -> bool:
+    """Whether the main thread used almost no CPU since the last beat: blocked (a collective's wait), not
+    computing. See [Note: no thread reads another thread's frames]."""
+    try:
+        cpu = time.clock_gettime(time.pthread_getcpuclockid(threading.main_thread().ident))
+    except (AttributeError, OSError):  # no per-thread CPU clock here: never taken for blocked
+        return False
+    wall = time.monotonic()
+    last = _main_cpu[-1] if _main_cpu else None
+    _main_cpu[:] = [(wall, cpu)]
+    return last is not None and cpu - last[1] < _IDLE_CPU_FRACTION * (wall - last[0])
 
 
 def _blocked_in_wait() -> str:
-    """The graph's line at which the main thread waits for a collective (``wait_tensor``) inside a dpar
-    graph, "" if it does not: the source line of its innermost frame outside torch (the graph's
-    generated code, eager's or Inductor's; torch's op dispatch runs beneath it)."""
-    if not _progress.inside or _progress.phase == PIPELINE_STEP:
+    """What the main thread waits for inside a dpar graph ("a collective in the backward graph"), "" if
+    it is not inside one, or computes there (its CPU clock moved since the last beat)."""
+    idle = _main_thread_idle()  # sampled every beat, so the interval is one beat
+    if not _progress.inside or _progress.phase == PIPELINE_STEP or not idle:
         return ""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
-        frame = frame.f_back
-    if frame is None:
-        return ""
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno, frame.f_globals).strip()
-    return line[:_QUOTED] if "wait_tensor" in line else ""
+    return f"a collective in the {_progress.phase} graph"
 
 
 def mark_left(store: dist.Store, rank: int, why: str) -> None:
@@ -242,27 +334,6 @@ def _heartbeats(store: dist.Store, ranks: Sequence[int]) -> dict[int, dict[str, 
 
 def _others(rank: int, world_size: int) -> list[int]:
     return [r for r in range(world_size) if r != rank]
-
-
-_DPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_COMPILE_FRAMES = tuple(
-    os.path.join(_TORCH_DIR, *path)
-    for path in (("_dynamo", "convert_frame.py"), ("_functorch", "_aot_autograd", "graph_compile.py"))
-) + (
-    os.path.join(_DPAR_DIR, "compiler", "pass_listing.py"),  # dpar's passes, a backward variant built on first use
-    os.path.join(_DPAR_DIR, "runtime", "agreement.py"),  # a check across ranks: bounded, with its own errors
-)
-
-
-def _compiling() -> bool:
-    """Whether the main thread is compiling a graph or at a check across ranks (one of ``_COMPILE_FRAMES``
-    on its stack)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    while frame is not None:
-        if frame.f_code.co_filename in _COMPILE_FRAMES:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def watch(store: dist.Store, me: int, world_size: int) -> None:
@@ -299,7 +370,7 @@ def _watch_for_stall(store: dist.Store, me: int, world_size: int, heartbeats: di
     mine = _issued()
     if mine is None or dist.get_backend() != "gloo":  # NCCL's waits do not block the CPU; its watchdog times out
         return
-    waiting = _blocked_in_wait()
+    waiting = _waiting[0]
     issued = {me: mine} if waiting else {}
     issued.update({r: h["issued"] for r, h in heartbeats.items() if "issued" in h})
     for rank in list(_issued_since):
@@ -319,13 +390,13 @@ def _watch_for_stall(store: dist.Store, me: int, world_size: int, heartbeats: di
         return  # a peer is behind this rank: it is the one to tell (or it is late)
     lines = [
         f"  rank {r} ({_Progress(step=heartbeats[r]['step'], phase=heartbeats[r]['phase']).where()}, "
-        + (f"blocked at `{heartbeats[r]['waiting']}`" if heartbeats[r].get("waiting") else "not in a wait") + "): "
+        + (f"blocked in {heartbeats[r]['waiting']}" if heartbeats[r].get("waiting") else "not in a wait") + "): "
         + ", ".join(f"{theirs} collectives issued on group {g}, this rank {ours}" for g, (theirs, ours) in groups.items())
         for r, groups in shared.items()
     ]
     stalled_s = now - max(since for _, since in _issued_since.values())
     message = (
-        f"rank {me} is blocked in a collective {_progress.where()} (at `{waiting}`), and no rank has issued another for "
+        f"rank {me} is blocked in a collective {_progress.where()} (in {waiting}), and no rank has issued another for "
         f"{stalled_s:.0f} s, though every rank is alive and has issued at least the collectives this rank has:\n"
         + "\n".join(lines)
         + "\nThe collective this rank waits for was paired with a different one on another rank (gloo pairs a "

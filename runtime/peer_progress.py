@@ -19,7 +19,9 @@ went on computing would look the same; dpar's graphs wait for theirs.)
 
 Each rank runs one daemon thread, started at its first check, that looks for a
 question in the store once a second on its own connection and answers with its
-counts and where its main thread is: one store lookup a second per rank,
+counts and where its main thread last said it was (it never reads the main
+thread's frames: [Note: no thread reads another thread's frames] in
+``liveness.py``): one store lookup a second per rank,
 whatever the step time, and nothing added to a training step. A rank asks only
 after waiting at a check for a second. The same thread publishes this rank's
 heartbeat (one store write a second) and watches for a silent rank: see
@@ -31,12 +33,9 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
-import os
-import sys
 import threading
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 
 from dpar.runtime import liveness
@@ -50,10 +49,6 @@ _ANSWER = "dpar/progress/answer"
 # would send nothing, but it logs a warning with a C++ stack on every rank whose store server
 # (rank 0) exits first, that is at the end of most runs.
 POLL_INTERVAL_S = 1.0
-_LIBRARY_DIRS = (
-    os.path.dirname(torch.__file__),
-    *(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) for d in ("api", "compiler", "runtime")),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +105,7 @@ def _answer_queries(store: dist.Store, rank: int, world_size: int, checks: Calla
             liveness.watch(store, rank, world_size)
             while store.check([f"{_QUERY}/{query}"]):
                 if rank in json.loads(store.get(f"{_QUERY}/{query}"))["ranks"]:
-                    report = PeerReport(rank, collectives_issued(), checks(), _main_thread_location())
+                    report = PeerReport(rank, collectives_issued(), checks(), liveness.where_recorded())
                     store.set(f"{_ANSWER}/{query}/{rank}", json.dumps(dataclasses.asdict(report)))
                 query += 1
             if _stop.wait(POLL_INTERVAL_S) or not dist.is_initialized():
@@ -119,18 +114,6 @@ def _answer_queries(store: dist.Store, rank: int, world_size: int, checks: Calla
         pass  # the store is gone (an asking rank treats the silence as unknown), or the process group is
     finally:  # however the thread ends, others must not take the heartbeat's end for a vanished rank
         liveness.mark_left(store, rank, "its program ended or raised (see its log)")
-
-
-def _main_thread_location(depth: int = 3) -> str:
-    """The innermost ``depth`` frames of user code on the main thread (not torch's, dpar's or generated code)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    user = []
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_LIBRARY_DIRS) and not filename.startswith("<"):
-            user.append(f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}")
-        frame = frame.f_back
-    return " -> ".join(reversed(user[:depth])) or "an unknown place"
 
 
 def ask(ranks: list[int], timeout_s: float) -> dict[int, PeerReport]:

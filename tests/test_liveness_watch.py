@@ -7,6 +7,7 @@ import json
 import time
 
 import torch.distributed as dist
+from torch._dynamo.callback import CallbackTrigger, callback_handler
 
 from dpar.runtime import liveness
 
@@ -32,9 +33,20 @@ def test_a_silent_peer_ends_a_rank_that_waits(monkeypatch, capsys) -> None:
 
 def test_a_silent_peer_does_not_end_a_rank_that_compiles(monkeypatch, capsys) -> None:
     """Both compile the same graph, and a peer holding the GIL (a large compile(), a full collection)
-    on a loaded machine is silent for seconds while alive: this rank waits at its checks instead."""
-    for compile_frame in liveness._COMPILE_FRAMES:
-        namespace: dict = {}
-        exec(compile("def compiling(watch):\n    watch()\n", compile_frame, "exec"), namespace)
-        assert _silent_peer_seen_from(monkeypatch, namespace["compiling"]) == [], compile_frame
-    assert "RankLostError" not in capsys.readouterr().err
+    on a loaded machine is silent for seconds while alive: this rank waits at its checks instead. The
+    main thread says it compiles (dpar's backend, lowering and checks; Dynamo's compile callbacks)."""
+
+    def in_dpar(watch) -> None:
+        with liveness.compiling():
+            watch()
+
+    def in_dynamo(watch) -> None:
+        with liveness.compiling():
+            pass  # dpar's backend has run once: Dynamo now tells dpar when it compiles
+        with callback_handler.install_callbacks(CallbackTrigger.DYNAMO, "0/0"):
+            watch()
+
+    for compiling in (in_dpar, in_dynamo):
+        assert _silent_peer_seen_from(monkeypatch, compiling) == [], compiling.__name__
+    assert _silent_peer_seen_from(monkeypatch, lambda watch: watch()) == [1]  # and after both, it watches again
+    assert "RankLostError" in capsys.readouterr().err

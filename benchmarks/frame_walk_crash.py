@@ -9,11 +9,12 @@ globals. ``still`` is the same process without that thread.
     python benchmarks/frame_walk_crash.py --runs 5 --seconds 90
 
 [Note: what the frame walk does to a compiling process]
-torch 2.13.0+cpu, Python 3.11.7, 2 shared cores, 2026-11-28: ``walk`` died of SIGSEGV in 4 of 5 runs of 90 s
-(30-90 s in, ~7 million walks a minute), every time in the walking thread, inside ``f_back``
-(``PyFrame_GetBack`` -> ``_PyFrame_IsIncomplete`` on a frame that was no longer there) while the main thread
-was inside Dynamo's compile; ``still`` 0 of 3. Without recompiles (one compile, then 5,000 steps of the
-compiled model) 7.8 million walks crashed nothing. dpar's daemon thread did such walks (a few a second, more
+torch 2.13.0+cpu, Python 3.11.7, 2 shared cores, 2026-11-28: ``walk`` died of SIGSEGV in 4 of 5 runs of 90-120 s
+on a quiet machine and in 1 of 4 runs of 60 s beside a test suite (the walking thread then got
+the GIL less: 12 thousand to 1.9 million walks a run); ``still`` in none of 3 (one run of 120 s quiet, two of
+60 s beside the suite). The core of a crash: the walking thread, inside ``f_back`` (``PyFrame_GetBack`` ->
+``_PyFrame_IsIncomplete`` on a frame that was no longer there), the main thread inside Dynamo's compile.
+Without recompiles (one compile, then 5,000 steps of the compiled model) 7.8 million walks crashed nothing. dpar's daemon thread did such walks (a few a second, more
 while ranks waited for each other at a check); it no longer does: [Note: no thread reads another thread's
 frames] in runtime/liveness.py.
 """

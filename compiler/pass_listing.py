@@ -56,6 +56,7 @@ from dpar.compiler.passes.all_gather_ranges import UpdatedRange, all_gather_upda
 from dpar.compiler.passes.broadcast_buffers import average_inputs_pass, buffer_broadcast_groups
 from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.recompute import keep_collectives_in_forward, tag_recompute
+from dpar.compiler.passes.gloo_all_gathers import isolate_all_gathers, on_gloo
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.pipeline_parallel.data_parallel import StageGradientBuckets
 from dpar.compiler.pipeline_parallel.schedules import ZERO_BUBBLE
@@ -95,8 +96,11 @@ def optimizer_passes(
     if strategy is not Strategy.ZERO1:
         return []
     name, size = group
-    return [("all_gather_updated_ranges",
-             lambda g: all_gather_updated_ranges(g, example_inputs, ranges, group_name=name, world_size=size))]
+    passes: list[Pass] = [("all_gather_updated_ranges",
+                           lambda g: all_gather_updated_ranges(g, example_inputs, ranges, group_name=name, world_size=size))]
+    if name and on_gloo(name):  # [Note: an all-gather alone on gloo]
+        passes.append(("isolate_all_gathers", isolate_all_gathers))
+    return passes
 
 
 JOINT_LABEL = "joint graph"
@@ -114,6 +118,8 @@ def lower_checked(
     """Record the post-pass graph, agree on its collectives across ranks, then compile it, watched for a
     rank that vanishes (runtime/liveness.py)."""
     with compiling():  # the backward is lowered on its first call, inside the step
+        if world.backend == "gloo":  # [Note: an all-gather alone on gloo]
+            gm = isolate_all_gathers(gm)
         refresh_fake_values(gm, example_inputs)
         found = collectives(gm)
         record(label, gm, found)
@@ -335,7 +341,10 @@ class PipelinePassListing:
         """The stage's first forward of a step (fsdp only)."""
         if self.mode is not DataParallel.FSDP:
             return []
-        return [("gather_parameters", lambda g: gather_parameters(g, graphs, layout, self.group_name))]
+        passes: list[Pass] = [("gather_parameters", lambda g: gather_parameters(g, graphs, layout, self.group_name))]
+        if self.group_name and on_gloo(self.group_name):  # [Note: an all-gather alone on gloo]
+            passes.append(("isolate_all_gathers", isolate_all_gathers))
+        return passes
 
     def sync_passes(
         self, graphs: StageGraphs | None = None, planned: StageGradientBuckets | ShardLayout | None = None

@@ -169,8 +169,8 @@ def _enter(phase: str) -> None:
 # graph line at which it waited. Under torch.compile that is not safe. Frames that Dynamo runs or is
 # compiling are not plain interpreter frames, and a frame object made for one from another thread can
 # outlive it: ``benchmarks/frame_walk_crash.py`` (no dpar: a model under torch.compile, recompiled
-# now and then, and a thread walking the main thread's frames) dies of SIGSEGV inside ``f_back``
-# within 30-90 s, 4 runs of 5 on torch 2.13 and Python 3.11, and never without the walking thread.
+# now and then, and a thread walking the main thread's frames) died of SIGSEGV inside ``f_back`` in
+# 4 of 5 runs of 90-120 s on torch 2.13 and Python 3.11, and in none without the walking thread.
 # So the main thread says where it is itself, in ``_progress``: the user code it entered a graph or a
 # check from (``record_location``, walking its own frames, on a phase change and at each check), and
 # whether it compiles (``compiling()`` around dpar's backend, its lowering and its checks, and

@@ -41,6 +41,11 @@ heartbeat thread asleep in its 1 s wait. The corrupted list is that worker's own
 this thread freed: something wrote into a chunk after the gloo worker freed it. With the heartbeat thread polling
 every 1 ms instead of 1 s (1000 times the frame walks and store writes) hf_llama_tp gave 0 crashes in 20 runs of
 20 steps under the checking allocator, which argues against that thread.
+
+The cause, found after: an all-gather on a gloo group beside another collective of that group in flight
+(benchmarks/gloo_all_gather_race.py reproduces it without dpar; [Note: an all-gather alone on gloo] in
+compiler/passes/gloo_all_gathers.py). The core above fits: the worker was in ``AsyncAllgatherCoalescedWork``,
+and the corrupted cache entry held a tensor version counter's vtable, written over a chunk that was freed twice.
 """
 
 from __future__ import annotations

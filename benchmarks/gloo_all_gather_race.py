@@ -14,14 +14,16 @@ each input once issued, the waits later), and allocates a few small tensors mean
     python benchmarks/gloo_all_gather_race.py --runs 3 --seconds 60
 
 [Note: what the gloo all-gather race measured]
-torch 2.13.0+cpu, Python 3.11.7, glibc 2.36, 2 shared cores, 2026-11-28, runs of 60 s (the same program
-before it took this form; exit status of the four ranks): ``gathers`` a rank died in 3 of 3 runs (SIGABRT
-with "malloc(): unaligned tcache chunk detected" or "malloc_consolidate(): unaligned fastbin chunk
-detected", or SIGSEGV), also in 3 of 3 with 1-D inputs, in 2 of 2 with two sub-groups per rank (a 2 x 2 mesh)
-and in 1 of 2 with each input kept alive to its wait; ``gather-beside-reduce`` 2 of 3; all-gathers waited one at a
-time with nothing else in flight 0 of 3; ``reduces`` 0 of 3; ``scatters`` 0 of 3; ``gather-alone`` 0 of 3.
+torch 2.13.0+cpu, Python 3.11.7, glibc 2.36, 2 shared cores, 2026-11-28, runs of 45-60 s (the first 3 of each
+schedule with the same program before it took this form, the fourth with this script): ``gathers`` a rank died
+in 4 of 4 runs (SIGABRT with "malloc(): unaligned tcache chunk detected" or "malloc_consolidate(): unaligned
+fastbin chunk detected", or SIGSEGV), also in 3 of 3 with 1-D inputs, in 2 of 2 with two sub-groups per rank
+(a 2 x 2 mesh) and in 1 of 2 with each input kept alive to its wait; ``gather-beside-reduce`` 2 of 3;
+all-gathers waited one at a time with nothing else in flight 0 of 3; ``reduces`` 0 of 3; ``scatters`` 0 of 3;
+``gather-alone`` 0 of 4.
 The first two die the way dpar's tensor-parallel runs on gloo died: the heap found corrupted by a gloo worker
-thread inside ``AsyncAllgatherCoalescedWork``. Not measured on other torch versions.
+thread inside ``AsyncAllgatherCoalescedWork``. torch 2.14.1 (the same day, ``gathers``, 45 s): 2 of 2 runs
+(SIGABRT, SIGSEGV). Not measured on earlier versions.
 """
 
 from __future__ import annotations

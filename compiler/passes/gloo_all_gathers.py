@@ -2,7 +2,7 @@
 
 [Note: an all-gather alone on gloo]
 An all-gather on a gloo process group while another collective of that group is in flight corrupts the heap
-of the process (torch 2.13.0: gloo's ``allgather_into_tensor_coalesced``, which the functional
+of the process (torch 2.13.0 and 2.14.1: gloo's ``allgather_into_tensor_coalesced``, which the functional
 ``all_gather_into_tensor`` runs on, on one of the group's two worker threads while the other runs the other
 collective). ``benchmarks/gloo_all_gather_race.py`` shows it without dpar, four ranks, functional collectives
 on a 2-rank sub-group, 60 s a run: all-gathers four in flight, a rank died (glibc's "malloc(): unaligned

@@ -14,6 +14,18 @@ from training import STEPS, Case, global_batch, loss_of, make_optimizer, seeded_
 ROWS = 8  # global batch
 
 
+def compiled_tp_mlp(rank: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The smallest tensor-parallel run: the MLP under tp, compiled with aot_eager, and this rank's (x, y)."""
+    from models import MLP
+
+    torch.manual_seed(0)
+    model = MLP()
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
+    dpar.parallelize(model, strategy="tp", example_inputs=(x,))
+    return torch.compile(model, backend="dpar", options={"compiler": "aot_eager"}), x, y
+
+
 def mesh_of(strategy: str, world_size: int):
     if strategy == "tp":
         return init_device_mesh("cpu", (world_size,))

@@ -17,13 +17,12 @@ import time
 import torch
 
 from distributed import run_ranks
-from models import MLP
+from tensor_parallel_training import compiled_tp_mlp
 
 LATE_S = 2.5
 
 
 def _train(rank: int, world_size: int) -> dict[str, object]:
-    import dpar
     from dpar.runtime import liveness
 
     calls: list[str] = []
@@ -34,12 +33,7 @@ def _train(rank: int, world_size: int) -> dict[str, object]:
         return current_frames()
 
     sys._current_frames = counted
-    torch.manual_seed(0)
-    model = MLP()
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
-    dpar.parallelize(model, strategy="tp", example_inputs=(x,))
-    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    runner, x, y = compiled_tp_mlp(rank)
     waits: list[str] = []
     for step in range(1, 4):
         loss = torch.nn.functional.mse_loss(runner(x), y)

@@ -96,11 +96,9 @@ def optimizer_passes(
     if strategy is not Strategy.ZERO1:
         return []
     name, size = group
-    passes: list[Pass] = [("all_gather_updated_ranges",
-                           lambda g: all_gather_updated_ranges(g, example_inputs, ranges, group_name=name, world_size=size))]
-    if name and on_gloo(name):  # [Note: an all-gather alone on gloo]
-        passes.append(("isolate_all_gathers", isolate_all_gathers))
-    return passes
+    # One all-gather and nothing else in flight: alone on gloo as it is ([Note: an all-gather alone on gloo]).
+    return [("all_gather_updated_ranges",
+             lambda g: all_gather_updated_ranges(g, example_inputs, ranges, group_name=name, world_size=size))]
 
 
 JOINT_LABEL = "joint graph"

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives  # the traceable collectives
 import torch.utils._pytree as pytree  # the flattening every torch tracer uses; no public twin
 from torch._C import DispatchKey
+from torch._dynamo.callback import callback_handler as dynamo_compile_callbacks  # Dynamo's compile start/end hooks
 from torch._dynamo.exc import FailOnRecompileLimitHit, ShortenTraceback, Unsupported
 from torch._guards import detect_fake_mode
 from torch._library.fake_class_registry import FakeScriptObject
@@ -54,6 +55,9 @@ PRIVATE_NAMES: tuple[tuple[str, str | None], ...] = (
     ("torch.distributed._functional_collectives", None),
     ("torch.utils._pytree", None),
     ("torch._C", "DispatchKey"),
+    ("torch._dynamo.callback", "callback_handler.register_start_callback"),
+    ("torch._dynamo.callback", "callback_handler.register_end_callback"),
+    ("torch._dynamo.callback", "callback_handler.start_callbacks"),
     ("torch._dynamo.exc", "FailOnRecompileLimitHit"),
     ("torch._dynamo.exc", "ShortenTraceback"),
     ("torch._dynamo.exc", "Unsupported"),
@@ -281,7 +285,7 @@ def must_recompute(node: torch.fx.Node) -> bool:
 __all__ = [
     "C10D_FUNCTIONAL", "DispatchKey", "active_ddp_module", "OpOverload", "grouped_mm", "FailOnRecompileLimitHit", "FakeScriptObject", "FakeTensorMode", "PRIVATE_NAMES",
     "ShortenTraceback", "Unsupported", "aot_autograd", "compute_local_shape_and_global_offset", "default_store",
-    "detect_fake_mode", "dtensor_op_handlers", "foreach_devices", "frame_running", "inside_ddp_constructor", "full_state_dict_loader_code", "functional_collectives", "functorch_config", "groups_and_ranks",
+    "detect_fake_mode", "dtensor_op_handlers", "dynamo_compile_callbacks", "foreach_devices", "frame_running", "inside_ddp_constructor", "full_state_dict_loader_code", "functional_collectives", "functorch_config", "groups_and_ranks",
     "inductor", "must_recompute", "python_meta_kernels_lifted", "pad_tensor", "per_chunk_shard_reducer", "pytree", "register_dynamo_backend",
     "register_fake_backend", "register_step_pre_hook_first", "resolve", "resolve_process_group", "sequence_number", "set_shard_reducer",
     "stable_topological_sort", "torch_function_of_subclasses_disabled", "trace_structured", "use_grad_for_differentiable",

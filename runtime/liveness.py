@@ -84,11 +84,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch._dynamo.callback
 import torch.distributed as dist
 from functorch.compile import make_boxed_func
 
 from dpar.core.errors import CollectiveStallError, RankLostError
+from dpar.core.torch_internals import dynamo_compile_callbacks
 from dpar.core.world import collectives_issued, default_store
 
 _HEARTBEAT = "dpar/heartbeat"
@@ -225,10 +225,9 @@ def _dynamo_ended(_: Any) -> None:
 def _follow_dynamo_compiles() -> None:
     """Have Dynamo say when it compiles (its frames' tracing, AOTAutograd's lazy backward): registered
     again after ``torch._dynamo.reset()``, which clears the callbacks."""
-    handler = torch._dynamo.callback.callback_handler
-    if _dynamo_started not in handler.start_callbacks:
-        handler.register_start_callback(_dynamo_started)
-        handler.register_end_callback(_dynamo_ended)
+    if _dynamo_started not in dynamo_compile_callbacks.start_callbacks:
+        dynamo_compile_callbacks.register_start_callback(_dynamo_started)
+        dynamo_compile_callbacks.register_end_callback(_dynamo_ended)
 
 
 def _compiling() -> bool:

@@ -46,6 +46,9 @@ The cause, found after: an all-gather on a gloo group beside another collective 
 (benchmarks/gloo_all_gather_race.py reproduces it without dpar; [Note: an all-gather alone on gloo] in
 compiler/passes/gloo_all_gathers.py). The core above fits: the worker was in ``AsyncAllgatherCoalescedWork``,
 and the corrupted cache entry held a tensor version counter's vtable, written over a chunk that was freed twice.
+With each all-gather alone on gloo: titan_fsdp_tp 0 crashes, 0 stalls, 0 failures in 41 runs of 5 steps (2026-11-28,
+50-55 s a run). Before it, 2 crashes and 1 stall in 70: 41 clean runs alone would happen by chance about one time in
+six; the reproducer without dpar is the proof.
 """
 
 from __future__ import annotations

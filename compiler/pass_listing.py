@@ -104,6 +104,7 @@ def optimizer_passes(
 JOINT_LABEL = "joint graph"
 
 
+@compiling()  # the backward is lowered on its first call, inside the step
 def lower_checked(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -115,25 +116,24 @@ def lower_checked(
 ) -> Callable[..., Any]:
     """Record the post-pass graph, agree on its collectives across ranks, then compile it, watched for a
     rank that vanishes (runtime/liveness.py)."""
-    with compiling():  # the backward is lowered on its first call, inside the step
-        if world.backend == "gloo":  # [Note: an all-gather alone on gloo]
-            gm = isolate_all_gathers(gm)
-        refresh_fake_values(gm, example_inputs)
-        found = collectives(gm)
-        record(label, gm, found)
-        if found and world.backend != "fake":  # a fake group simulates ranks that do not exist
-            # Sub-groups of a mesh have a different name on each rank: compare their sizes, and a sub-group
-            # collective's shape only between the ranks of its group ([Note: what only a sub-group agrees on]).
-            members = {c.group: group_ranks(c.group) for c in found}
-            lines, within = [], []
-            for c in found:
-                ranks = members[c.group]
-                whole_world = len(ranks) == world.size
-                lines.append(c.fingerprint(f"over {len(ranks)} ranks", shape=whole_world))
-                within.append(None if whole_world else (f"shape [{', '.join(c.shape)}]", ranks))
-            agree(world, label, lines, options.check_timeout_s, within=within)
-        compiled = lower(gm, example_inputs)
-        return compiled if world.backend == "fake" else Watched(compiled, role.value)
+    if world.backend == "gloo":  # [Note: an all-gather alone on gloo]
+        gm = isolate_all_gathers(gm)
+    refresh_fake_values(gm, example_inputs)
+    found = collectives(gm)
+    record(label, gm, found)
+    if found and world.backend != "fake":  # a fake group simulates ranks that do not exist
+        # Sub-groups of a mesh have a different name on each rank: compare their sizes, and a sub-group
+        # collective's shape only between the ranks of its group ([Note: what only a sub-group agrees on]).
+        members = {c.group: group_ranks(c.group) for c in found}
+        lines, within = [], []
+        for c in found:
+            ranks = members[c.group]
+            whole_world = len(ranks) == world.size
+            lines.append(c.fingerprint(f"over {len(ranks)} ranks", shape=whole_world))
+            within.append(None if whole_world else (f"shape [{', '.join(c.shape)}]", ranks))
+        agree(world, label, lines, options.check_timeout_s, within=within)
+    compiled = lower(gm, example_inputs)
+    return compiled if world.backend == "fake" else Watched(compiled, role.value)
 
 
 class PassListing:

@@ -28,6 +28,7 @@ _checks_started = 0
 _ASK_AFTER_S = 1.0
 
 
+@liveness.compiling()  # a check is not a stall: see [Note: a rank that vanishes]
 def agree(
     world: World,
     what: str,
@@ -45,34 +46,33 @@ def agree(
     """
     global _checks_started
     liveness.record_location()
-    with liveness.compiling():  # a check is not a stall: see [Note: a rank that vanishes]
-        seq = _checks_started
-        _checks_started += 1
-        start_answering(dist.get_rank(), lambda: _checks_started)
-        store = default_store()
-        prefix = f"dpar/agree/{world.group_name}/{seq}"
-        within = within if within is not None else [None] * len(lines)
-        store.set(f"{prefix}/{world.rank}", json.dumps({"what": what, "lines": lines, "within": within}))
-        keys = [f"{prefix}/{r}" for r in range(world.size)]
-        _wait_for_ranks(store, keys, world, f"{what} (check #{seq})", timeout_s)
-        for other in range(world.size):
-            if other == world.rank:
-                continue
-            theirs = json.loads(store.get(keys[other]))
-            if theirs["lines"] != lines or theirs["what"] != what:
-                raise CollectiveMismatchError(
-                    _describe_difference(
-                        subject, world.rank, what, lines, other, theirs["what"], theirs["lines"]
-                    )
+    seq = _checks_started
+    _checks_started += 1
+    start_answering(dist.get_rank(), lambda: _checks_started)
+    store = default_store()
+    prefix = f"dpar/agree/{world.group_name}/{seq}"
+    within = within if within is not None else [None] * len(lines)
+    store.set(f"{prefix}/{world.rank}", json.dumps({"what": what, "lines": lines, "within": within}))
+    keys = [f"{prefix}/{r}" for r in range(world.size)]
+    _wait_for_ranks(store, keys, world, f"{what} (check #{seq})", timeout_s)
+    for other in range(world.size):
+        if other == world.rank:
+            continue
+        theirs = json.loads(store.get(keys[other]))
+        if theirs["lines"] != lines or theirs["what"] != what:
+            raise CollectiveMismatchError(
+                _describe_difference(
+                    subject, world.rank, what, lines, other, theirs["what"], theirs["lines"]
                 )
-            peer = global_rank(world, other)
-            shared = [w is not None and peer in w[1] for w in within]  # the lines agree, so the groups' sizes do
-            mine_in = [_with_detail(line, w, s) for line, w, s in zip(lines, within, shared)]
-            theirs_in = [_with_detail(line, w, s) for line, w, s in zip(theirs["lines"], theirs["within"], shared)]
-            if mine_in != theirs_in:
-                raise CollectiveMismatchError(
-                    _describe_difference(subject, world.rank, what, mine_in, other, theirs["what"], theirs_in)
-                )
+            )
+        peer = global_rank(world, other)
+        shared = [w is not None and peer in w[1] for w in within]  # the lines agree, so the groups' sizes do
+        mine_in = [_with_detail(line, w, s) for line, w, s in zip(lines, within, shared)]
+        theirs_in = [_with_detail(line, w, s) for line, w, s in zip(theirs["lines"], theirs["within"], shared)]
+        if mine_in != theirs_in:
+            raise CollectiveMismatchError(
+                _describe_difference(subject, world.rank, what, mine_in, other, theirs["what"], theirs_in)
+            )
 
 
 # [Note: what only a sub-group agrees on]

@@ -78,6 +78,7 @@ import dataclasses
 import json
 import os
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -92,9 +93,10 @@ from dpar.core.torch_internals import dynamo_compile_callbacks
 from dpar.core.world import collectives_issued, default_store
 
 _HEARTBEAT = "dpar/heartbeat"
-_LIBRARY_DIRS = (
+_LIBRARY_DIRS = (  # frames that are not the user's code: torch's, dpar's, and Python's own (contextlib's ``with``)
     os.path.dirname(torch.__file__),
     *(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) for d in ("api", "compiler", "runtime")),
+    sysconfig.get_path("stdlib"),
 )
 LOST_AFTER_S = 3.0
 """After a collective failed: a rank whose heartbeat does not move for this long is gone (three beats)."""
@@ -132,6 +134,7 @@ class _Progress:
     changed_at: float = dataclasses.field(default_factory=time.monotonic)
     inside: bool = False  # the main thread is inside a compiled graph now
     compiling: int = 0  # compiles and checks across ranks the main thread is inside now (nested)
+    dynamo_compiling: bool = False  # between Dynamo's compile-start and compile-end callbacks
     location: str = "an unknown place"  # the user code from which the main thread last entered a graph or a check
 
     def where(self) -> str:
@@ -211,15 +214,12 @@ def compiling() -> Iterator[None]:
         _progress.compiling -= 1
 
 
-_dynamo_compiling = [False]
-
-
 def _dynamo_started(_: Any) -> None:
-    _dynamo_compiling[0] = True
+    _progress.dynamo_compiling = True
 
 
 def _dynamo_ended(_: Any) -> None:
-    _dynamo_compiling[0] = False
+    _progress.dynamo_compiling = False
 
 
 def _follow_dynamo_compiles() -> None:
@@ -231,7 +231,7 @@ def _follow_dynamo_compiles() -> None:
 
 
 def _compiling() -> bool:
-    return _progress.compiling > 0 or _dynamo_compiling[0]
+    return _progress.compiling > 0 or _progress.dynamo_compiling
 
 
 class Watched:

@@ -35,36 +35,37 @@ _ALL_GATHERS = (C10D_FUNCTIONAL.all_gather_into_tensor.default, C10D_FUNCTIONAL.
 def isolate_all_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     """Move the waits of collectives in flight to just before each all-gather, and its own wait (through the
     ``getitem`` of a coalesced one) to just after it."""
-    in_flight: dict[fx.Node, list[fx.Node]] = {}  # collective -> its waits not yet passed
+    pending: list[fx.Node] = []  # waits of the collectives issued so far, not yet passed
     for node in list(gm.graph.nodes):
         if node.target in _ALL_GATHERS:
-            for waits in in_flight.values():
-                for wait in waits:
-                    node.prepend(wait)
-            in_flight.clear()
-            parts = [u for u in node.users if u.target is operator.getitem] or [node]
+            for wait in pending:
+                node.prepend(wait)
+            pending.clear()
             anchor = node
-            for part in parts:
+            for part in _parts(node):
                 if part is not node:
                     anchor.append(part)
                     anchor = part
-                for wait in [u for u in part.users if u.target is WAIT]:
+                for wait in _waits(part):
                     anchor.append(wait)
                     anchor = wait
-        elif is_communication(node) and node.target is not WAIT:
-            in_flight[node] = _waits_of(node)
         elif node.target is WAIT:
-            for waits in in_flight.values():
-                if node in waits:
-                    waits.remove(node)
+            if node in pending:
+                pending.remove(node)
+        elif is_communication(node):
+            pending += [wait for part in _parts(node) for wait in _waits(part)]
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _waits_of(collective: fx.Node) -> list[fx.Node]:
-    parts = [u for u in collective.users if u.target is operator.getitem] or [collective]
-    return [w for part in parts for w in part.users if w.target is WAIT]
+def _parts(collective: fx.Node) -> list[fx.Node]:
+    """A coalesced collective's ``getitem`` nodes, or the collective itself."""
+    return [u for u in collective.users if u.target is operator.getitem] or [collective]
+
+
+def _waits(part: fx.Node) -> list[fx.Node]:
+    return [u for u in part.users if u.target is WAIT]
 
 
 def on_gloo(group_name: str) -> bool:

@@ -28,7 +28,7 @@ from dpar.core.plan import (
 from dpar.core import model_state
 from dpar import initialization
 from dpar.runtime import eager_guard, forward_scope, optimizer_hooks, parameter_writes
-from dpar.surgery import local_sgd, sharding, tensor_parallel, zero1
+from dpar.surgery import expert_parallel, local_sgd, sharding, tensor_parallel, zero1
 from dpar.core.errors import ActivationPolicyError, OptionsError, ProcessGroupError
 
 if TYPE_CHECKING:
@@ -223,6 +223,8 @@ def _place(
     """Apply each axis role of ``chosen`` to ``model`` (tensor split first: buckets are laid out from the
     split parameters), record the plan, then the data-parallel mode's own step."""
     dp_mesh, tp_mesh = _sub_meshes(chosen, mesh)
+    if chosen.expert_parallel:  # the experts' blocks enter state dicts as Shard(0) DTensors over the ep mesh
+        expert_parallel.split_experts(model, mesh, mesh)
     splits = _split_tensor(model, chosen, tp_mesh, tp_plan, example_inputs) if tp_mesh is not None else None
     buckets = _shard(model, dp_mesh, bucket_cap_mb, options["param_dtype"]) if chosen.shards_parameters else ()
     if splits is not None:
@@ -234,7 +236,7 @@ def _place(
     ), model)
     if chosen.data_parallel in _APPLY_MODE:
         _APPLY_MODE[chosen.data_parallel](model, mesh, options["sync_every"], options["outer_optimizer"])
-    if chosen.shards_parameters or chosen.tensor_parallel:
+    if chosen.shards_parameters or chosen.tensor_parallel or chosen.expert_parallel:
         optimizer_hooks.watch_optimizers()
         parameter_writes.replay_writes_at_full_size()  # see [Note: a write the part cannot take as it stands]
         initialization.replay_own_initializers(model)  # see [Note: the model's own initializer, called on a ...]
@@ -296,6 +298,7 @@ def _mesh_refusal(strategy: Strategy, world: int, shape: tuple[int, ...] | None,
         )
     fix = {
         Strategy.TP: "for a 2-D mesh use 'ddp+tp' or 'fsdp+tp'",
+        Strategy.EP: f"pass init_device_mesh(device, ({world},), mesh_dim_names=('ep',)) or omit mesh",
         Strategy.ZERO1: "omit mesh (it replicates over the whole world)",
         Strategy.LOCAL_SGD: "omit mesh (it replicates over the whole world)",
     }.get(strategy, f"pass init_device_mesh(device, ({world},)) or omit mesh (for a 2-D mesh use strategy='hsdp')")
@@ -307,10 +310,16 @@ def _checked_mesh(strategy: Strategy, mesh: DeviceMesh | None, world: int, devic
     """``mesh`` (default: the whole world, for a strategy of one axis) with one axis per role of ``strategy``;
     a data and a tensor axis are found by name (``dp``, ``tp``)."""
     ndim = len(strategy.roles)
-    mesh = mesh if mesh is not None or ndim == 2 else init_device_mesh(device_type, (world,))
+    names = strategy.mesh_dim_names
+    if mesh is None and ndim == 1:
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=names if strategy.expert_parallel else None)
     if mesh is None or mesh.ndim != ndim or mesh.size() != world:
         raise OptionsError(_mesh_refusal(strategy, world, None if mesh is None else tuple(mesh.shape), device_type))
-    names = strategy.mesh_dim_names
+    if strategy.expert_parallel and mesh.mesh_dim_names not in (None, names):
+        raise OptionsError(
+            f"strategy {strategy.value!r} needs the mesh's dimensions named {names}, got {mesh.mesh_dim_names}; "
+            f"pass init_device_mesh(..., mesh_dim_names={names})"
+        )
     if ndim == 2 and strategy.tensor_parallel and sorted(mesh.mesh_dim_names or ()) != sorted(names):
         raise OptionsError(
             f"strategy {strategy.value!r} needs the 2-D mesh's dimensions named {names}, got "

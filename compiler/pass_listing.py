@@ -61,14 +61,14 @@ from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.pipeline_parallel.data_parallel import StageGradientBuckets
 from dpar.compiler.pipeline_parallel.schedules import ZERO_BUBBLE
 from dpar.compiler.pipeline_parallel.sharded import ShardLayout, gather_parameters, reduce_scatter_gradients, scattered_variant
-from dpar.core.plan import AxisRole, DataParallel, ParallelPlan, Strategy
+from dpar.core.plan import AxisRole, DataParallel, MeshAxis, ParallelPlan, Strategy
 from dpar.compiler.registry import STAGES_KEY, PassStage, record
 from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout
 from dpar.compiler.tensor_parallel import TensorParallel
 from dpar.runtime.agreement import agree
 from dpar.runtime.gradient_sync import BackwardDispatch, ForwardDispatch, Variant
 from dpar.runtime.liveness import Watched, compiling
-from dpar.core.facts import period_of
+from dpar.core.facts import period_of, tensor_parallel_spec_of
 from dpar.core.pipeline_program import StageGraphs, SyncVariant
 from dpar.runtime.local_sgd import choose_variant
 from dpar.core.world import World, group_ranks
@@ -145,7 +145,7 @@ class PassListing:
         self.sharded = ShardedGroups(inputs, plan) if plan.strategy.shards_parameters else None
         replicate = plan.axis(AxisRole.REPLICATE)
         self.gradients = (
-            GradientBuckets(inputs, replicate, options.bucket_cap_bytes, from_cost=options.bucket_cap_mb is None)
+            GradientBuckets(*self._replicated(inputs), options.bucket_cap_bytes, from_cost=options.bucket_cap_mb is None)
             if plan.strategy.all_reduces_gradients else None
         )
         self.replicate = replicate
@@ -157,6 +157,16 @@ class PassListing:
             ("average", ("average_parameters", self._average_parameters)) if plan.strategy is Strategy.LOCAL_SGD else None
         )
         self.buffer_groups: dict[str, list[int]] = {}  # group -> positions of its buffers among the flat inputs
+
+    def _replicated(self, inputs: Sequence[GraphInput]) -> tuple[list[GraphInput], MeshAxis]:
+        """The inputs whose gradients ddp's buckets all-reduce, and over which axis: under ep, every parameter but
+        the experts' blocks, over the ep axis (each expert's gradient is whole on its rank: see [Note: routed
+        tokens in fixed-size buffers])."""
+        expert = self.plan.axis(AxisRole.EXPERT)
+        if expert is None:
+            return list(inputs), self.plan.axis(AxisRole.REPLICATE)
+        return [i for i in inputs if i.kind is not InputKind.PARAMETER or tensor_parallel_spec_of(i.tensor()) is None
+                or tensor_parallel_spec_of(i.tensor()).dim is None], expert
 
     # The stages, in the order a graph meets them.
 

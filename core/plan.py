@@ -35,6 +35,7 @@ class AxisRole(enum.Enum):
     REPLICATE = "replicate"  # whole copies of what it holds; gradients all-reduced over it
     SHARD = "shard"  # parameters, gradients and optimizer state split along dim 0 over it
     TENSOR = "tensor"  # layers split Megatron-style; activations cross it
+    EXPERT = "expert"  # routed experts split over it, tokens sent to them; fed different rows, the rest replicated
     # A pipeline axis (stages) is the next role.
 
 
@@ -76,6 +77,7 @@ class Strategy(enum.Enum):
     ZERO2_TP = "zero2+tp"
     FSDP_TP = "fsdp+tp"
     LOCAL_SGD = "local_sgd"
+    EP = "ep"
 
     @classmethod
     def parse(cls, name: str, auto: bool = True) -> Strategy:
@@ -86,7 +88,7 @@ class Strategy(enum.Enum):
     def compose(cls, data_parallel: DataParallel | None, tensor_parallel: bool) -> Strategy:
         """The strategy of one data axis doing ``data_parallel`` (None: no data axis), with a tensor axis or not."""
         return next(s for s in cls if s.data_parallel is data_parallel and s.tensor_parallel is tensor_parallel
-                    and len(s.roles) == (data_parallel is not None) + tensor_parallel)
+                    and not s.expert_parallel and len(s.roles) == (data_parallel is not None) + tensor_parallel)
 
     @property
     def data_parallel(self) -> DataParallel | None:
@@ -104,11 +106,16 @@ class Strategy(enum.Enum):
         else each axis named by its role (the names of an unnamed mesh's axes)."""
         if len(self.roles) == 2 and self.tensor_parallel:
             return ("dp", "tp")
-        return tuple(role.value for role in self.roles)
+        return tuple("ep" if role is AxisRole.EXPERT else role.value for role in self.roles)
 
     @property
     def tensor_parallel(self) -> bool:
         return AxisRole.TENSOR in self.roles
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Routed experts split over an "ep" axis (runtime/expert_parallel.py)."""
+        return AxisRole.EXPERT in self.roles
 
     @property
     def shards_parameters(self) -> bool:
@@ -130,7 +137,7 @@ class Strategy(enum.Enum):
     @property
     def identical_gradients(self) -> bool:
         """Every rank ends the backward with the same whole reduced gradients (ddp, zero1)."""
-        return self.all_reduces_gradients and not self.tensor_parallel
+        return self.all_reduces_gradients and not self.tensor_parallel and not self.expert_parallel
 
     @property
     def buckets_laid_out_by(self) -> str | None:
@@ -150,6 +157,8 @@ _SHAPES: dict[Strategy, tuple[DataParallel | None, tuple[AxisRole, ...]]] = {
     Strategy.ZERO2_TP: (DataParallel.ZERO2, (AxisRole.SHARD, AxisRole.TENSOR)),
     Strategy.FSDP_TP: (DataParallel.FSDP, (AxisRole.SHARD, AxisRole.TENSOR)),
     Strategy.LOCAL_SGD: (DataParallel.LOCAL_SGD, (AxisRole.REPLICATE,)),
+    # The ep axis is a data axis too: the parameters outside the experts are ddp's over it.
+    Strategy.EP: (DataParallel.DDP, (AxisRole.EXPERT,)),
 }
 
 _NO_BUCKETS = {

@@ -48,11 +48,16 @@ except ImportError:
 # A reduce-scatter of one tensor, traceable: torch 2.13 renamed 2.11's reduce_scatter_tensor (the GPU machines' torch)
 # to reduce_scatter_single, and the old name warns there.
 reduce_scatter_single = getattr(functional_collectives, "reduce_scatter_single", None) or functional_collectives.reduce_scatter_tensor
+# Expert parallel's token exchange: the traceable all-to-all, and its autograd form (the transposed all-to-all backward).
+all_to_all_single = functional_collectives.all_to_all_single
+all_to_all_single_autograd = functional_collectives.all_to_all_single_autograd
 grouped_mm = torch._grouped_mm  # MoE experts' batched matmul (torchtitan's DeepSeek), which tp must follow
 
 # (module, attribute): what the test resolves. An attribute of None: the module itself.
 PRIVATE_NAMES: tuple[tuple[str, str | None], ...] = (
     ("torch.distributed._functional_collectives", None),
+    ("torch.distributed._functional_collectives", "all_to_all_single"),
+    ("torch.distributed._functional_collectives", "all_to_all_single_autograd"),
     ("torch.utils._pytree", None),
     ("torch._C", "DispatchKey"),
     ("torch._dynamo.callback", "callback_handler.register_start_callback"),

@@ -26,6 +26,7 @@ from dpar.planner.layout import MODES
 STRATEGIES = tuple(
     s.value for s in Strategy
     if s.data_parallel in (None, *MODES.values()) and sum(r is not AxisRole.TENSOR for r in s.roles) <= 1
+    and not s.expert_parallel  # the planner does not price the experts' exchange yet
 )
 LAYOUT_MODE = {mode: name for name, mode in MODES.items()}
 PREFERRED = {"embedding": ("vocab",)}  # a Linear is column or row by what arrives

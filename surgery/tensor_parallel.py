@@ -10,7 +10,8 @@ while training, so they are runtime's; the runtime never imports surgery.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,14 +59,16 @@ def _in_torch_full_state_dict_load() -> bool:
 
 
 def _marking_class(
-    cls: type[nn.Module], splits: dict[str, TensorParallelSpec], state: model_state.ModelState
+    cls: type[nn.Module], splits: dict[str, TensorParallelSpec], state: model_state.ModelState,
+    own_forward: Callable[..., Any] | None = None,
 ) -> type[nn.Module]:
     """A subclass of ``cls`` whose split parameters read as marked full tensors in a forward and as their blocks
     everywhere else (see [Note: a parameter is its parameter] in core/model_state.py), and are written to (and
     read from) state dicts as DTensors of their whole shape (see [Note: a split parameter in a state dict]).
 
     Where ``cls`` already reads a parameter through a property (fsdp's gather
-    over the data-parallel dimension), the marker wraps what that returns.
+    over the data-parallel dimension), the marker wraps what that returns. With ``own_forward`` (expert
+    parallel's exchange) the forward reads the blocks themselves: that forward replaces ``cls``'s, unmarked.
     """
 
     def marked(name: str, spec: TensorParallelSpec) -> property:
@@ -120,9 +123,9 @@ def _marking_class(
                 param = as_dtensor(param, param)  # a view: torch's in-place copy lands in the parameter
             yield name, param
 
-    members: dict[str, object] = {name: marked(name, spec) for name, spec in splits.items()}
+    members: dict[str, object] = {name: marked(name, spec) for name, spec in splits.items()} if own_forward is None else {}
     members["named_parameters"] = named_parameters
-    members["forward"] = forward
+    members["forward"] = forward if own_forward is None else own_forward
     members["_apply"] = _apply
     members["_save_to_state_dict"] = _save_to_state_dict
     members["_load_from_state_dict"] = _load_from_state_dict
@@ -225,9 +228,13 @@ def _layout_words(spec: TensorParallelSpec | None) -> str:
 _tie_hook_installed = False  # torch's parameter-registration hooks are process-wide only: one, registered once
 
 
-def install_markers(model: nn.Module, splits: Splits, mesh: DeviceMesh | None = None) -> None:
+def install_markers(
+    model: nn.Module, splits: Splits, mesh: DeviceMesh | None = None,
+    own_forwards: dict[nn.Module, Callable[..., Any]] | None = None,
+) -> None:
     """Swap each module's class so split parameters read as marked full tensors, and register their blocks
-    (with ``mesh``, from ``state_dict_mesh``, they enter state dicts as DTensors)."""
+    (with ``mesh``, from ``state_dict_mesh``, they enter state dicts as DTensors). A module in ``own_forwards``
+    (expert parallel's) reads its blocks as they are, through the forward given for it."""
     global _tie_hook_installed
     state = model_state.state_of(model, create=True)
     if not _tie_hook_installed:
@@ -238,4 +245,5 @@ def install_markers(model: nn.Module, splits: Splits, mesh: DeviceMesh | None = 
         for spec in split.values():
             state.set_fact(TENSOR_PARALLEL, spec.name, dataclasses.replace(spec, state_dict_mesh=mesh))
         if split:
-            module.__class__ = _marking_class(type(module), split, state)
+            own = (own_forwards or {}).get(module)
+            module.__class__ = _marking_class(type(module), split, state, own)

@@ -26,9 +26,10 @@ def named(predicate) -> set[str]:
 
 
 def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
-    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "auto")
+    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "ep", "auto")
     assert TENSOR_PARALLEL == ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
-    assert named(lambda s: s.all_reduces_gradients) == {"ddp", "ddp+tp", "zero1"}
+    assert named(lambda s: s.all_reduces_gradients) == {"ddp", "ddp+tp", "zero1", "ep"}
+    assert named(lambda s: s.expert_parallel) == {"ep"}
     assert named(lambda s: s.identical_gradients) == {"ddp", "zero1"}
     assert named(lambda s: s.shards_parameters) == {"zero2", "fsdp", "hsdp", "zero2+tp", "fsdp+tp"}
     assert named(lambda s: s.reshard_after_forward) == {"fsdp", "hsdp", "fsdp+tp"}
@@ -36,6 +37,7 @@ def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
     assert PRICED == ("ddp", "zero2", "fsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp")
     assert S.HSDP.roles == (AxisRole.REPLICATE, AxisRole.SHARD) and S.HSDP.mesh_dim_names == ("replicate", "shard")
     assert S.FSDP_TP.mesh_dim_names == ("dp", "tp") and S.FSDP.mesh_dim_names == ("shard",)
+    assert S.EP.roles == (AxisRole.EXPERT,) and S.EP.mesh_dim_names == ("ep",)
     table = {name: (s.strategy, s.local_state, s.shards_parameters, s.takes_bucket_cap, s.reduces_gradients)
              for name, s in INSPECTED.items()}
     assert table == {
@@ -49,7 +51,7 @@ def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
 
 def test_compose_inverts_mode_and_tensor_axis() -> None:
     for s in Strategy:
-        if sum(r is not AxisRole.TENSOR for r in s.roles) <= 1:  # hsdp has two data axes
+        if sum(r is not AxisRole.TENSOR for r in s.roles) <= 1 and not s.expert_parallel:  # hsdp: two data axes
             assert Strategy.compose(s.data_parallel, s.tensor_parallel) is s
     assert {layout.strategy for layout in layouts((2, 2), None)} == {"ddp", "zero2", "fsdp", "ddp+tp", "zero2+tp", "fsdp+tp"}
     assert {layout.strategy for layout in layouts((4,), ("tp",))} == {"tp"}

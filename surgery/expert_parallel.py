@@ -1,0 +1,80 @@
+"""Expert parallel's surgery: each routed experts module keeps its rank's experts, and its forward exchanges tokens.
+
+An experts module is what Hugging Face's mixture-of-experts layers call with the router's choice: it has
+``num_experts`` and weights of shape ``(num_experts, ...)`` (``gate_up_proj``, ``down_proj``), and its forward takes
+``(hidden_states, top_k_index, top_k_weights)``. Each weight becomes this rank's block of experts along dim 0 (a
+split parameter like tensor parallel's, so state dicts, writes and initializers treat it alike: see
+surgery/tensor_parallel.py), and the module's forward becomes runtime/expert_parallel.py's exchange around its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dpar.core.errors import OptionsError
+from dpar.runtime.expert_parallel import ExpertLayout, exchange
+from dpar.surgery import tensor_parallel
+
+ROUTED_ARGUMENTS = 3  # hidden_states, top_k_index, top_k_weights
+
+
+def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's routed experts modules by name (see the module docstring for what one is)."""
+    found = {}
+    for name, module in model.named_modules():
+        count = getattr(module, "num_experts", None)
+        own = list(module.parameters(recurse=False))
+        if not isinstance(count, int) or isinstance(count, bool) or not own:
+            continue
+        if not all(p.ndim >= 2 and p.shape[0] == count for p in own) or not any(p.ndim >= 3 for p in own):
+            continue
+        arguments = [p for p in inspect.signature(type(module).forward).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(arguments) == 1 + ROUTED_ARGUMENTS:
+            found[name] = module
+    return found
+
+
+def split_experts(model: nn.Module, ep_mesh: DeviceMesh, state_dict_mesh: DeviceMesh) -> None:
+    """Keep this rank's experts of every experts module (rank 0's values), and swap each module's forward for the
+    exchange over ``ep_mesh``; refuses a model with no experts module, or experts the ep degree does not divide."""
+    found = experts_modules(model)
+    ep = ep_mesh.size()
+    if not found:
+        raise OptionsError(
+            f"expert parallelism spreads routed experts over the 'ep' axis, but {type(model).__name__} has no experts "
+            "module: a module with num_experts, weights of shape (num_experts, ...) and forward(hidden_states, "
+            "top_k_index, top_k_weights), as Hugging Face's mixture-of-experts layers have. For a dense model "
+            "choose a strategy without 'ep' (ddp, fsdp, ...)"
+        )
+    for name, module in found.items():
+        if module.num_experts % ep:
+            raise OptionsError(
+                f"{name} has {module.num_experts} experts, which {ep} ranks of the 'ep' axis cannot hold in equal "
+                f"numbers; choose an ep degree that divides {module.num_experts}"
+            )
+    group = ep_mesh.get_group()
+    dims = {f"{name}.{p}": 0 for name, module in found.items() for p, _ in module.named_parameters(recurse=False)}
+    splits = tensor_parallel.split_parameters(model, dims, group)
+    forwards = {}
+    for module in found.values():
+        layout = ExpertLayout(module.num_experts, ep, group.group_name)
+        module.num_experts = layout.local  # what its own forward computes over
+        if hasattr(module, "_is_expert_parallel"):  # Hugging Face's experts: ids of local are empty slots
+            module._is_expert_parallel = True
+        forwards[module] = _exchanging(type(module).forward, layout)
+    tensor_parallel.install_markers(model, {m: s for m, s in splits.items() if m in forwards}, state_dict_mesh, forwards)
+
+
+def _exchanging(forward: Callable[..., Any], layout: ExpertLayout) -> Callable[..., Any]:
+    """The experts module's forward under expert parallelism: its own ``forward`` inside the exchange."""
+
+    def exchanging(module: nn.Module, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        return exchange(module, forward, layout, hidden_states, top_k_index, top_k_weights)
+
+    return exchanging

@@ -38,6 +38,12 @@ def _config(name: str):
             **small, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
             max_position_embeddings=32,
         )
+    if name == "qwen3_moe":  # its load-balancing loss in the loss (output_router_logits)
+        return tf.Qwen3MoeConfig(
+            **small, moe_intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, num_experts=4,
+            num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=True,
+            max_position_embeddings=32,
+        )
     raise KeyError(name)
 
 
@@ -52,7 +58,7 @@ def _hf(name: str) -> nn.Module:
             setattr(config, key, 0.0)
     model_class = {
         "llama": tf.LlamaForCausalLM, "bert": tf.BertForMaskedLM, "gpt2": tf.GPT2LMHeadModel,
-        "t5": tf.T5ForConditionalGeneration, "mixtral": tf.MixtralForCausalLM,
+        "t5": tf.T5ForConditionalGeneration, "mixtral": tf.MixtralForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
     }[name]
     return model_class(config)
 
@@ -73,7 +79,7 @@ class HuggingFaceLM(nn.Module):
         return self.inner(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
 
 
-HF_MODELS = ("llama", "bert", "gpt2", "t5", "mixtral")
+HF_MODELS = ("llama", "bert", "gpt2", "t5", "mixtral", "qwen3_moe")
 
 
 class BasicBlock(nn.Module):
@@ -201,6 +207,12 @@ class NanoGPTLM(nn.Module):
             return self.inner(ids, labels.masked_fill(labels < 0, 0).roll(-1, 1))
 
 
+def _own_moe() -> nn.Module:
+    from moe_models import OwnMoE
+
+    return OwnMoE(vocab=VOCAB)
+
+
 # Models beside the Hugging Face ones: name -> builder.
 OTHER_MODELS: dict[str, Callable[[], nn.Module]] = {
     "resnet": ResNet,
@@ -208,6 +220,7 @@ OTHER_MODELS: dict[str, Callable[[], nn.Module]] = {
     "titan_deepseek": lambda: TorchtitanLM("titan_deepseek"),
     "nanogpt": NanoGPTLM,
     "nanogpt_bf16": lambda: NanoGPTLM(autocast=True),
+    "own_moe": lambda: _own_moe(),
 }
 
 

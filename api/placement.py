@@ -224,7 +224,9 @@ def _place(
     split parameters), record the plan, then the data-parallel mode's own step."""
     dp_mesh, tp_mesh = _sub_meshes(chosen, mesh)
     if chosen.expert_parallel:  # the experts' blocks enter state dicts as Shard(0) DTensors over the ep mesh
-        expert_parallel.split_experts(model, mesh, mesh)
+        ep_mesh = mesh["ep"] if mesh.ndim == 2 else mesh
+        expert_parallel.split_experts(
+            model, ep_mesh, ep_mesh if mesh.ndim == 1 else tensor_parallel.state_dict_mesh(ep_mesh, mesh["dp"], mesh, "ep"))
     splits = _split_tensor(model, chosen, tp_mesh, tp_plan, example_inputs) if tp_mesh is not None else None
     buckets = _shard(model, dp_mesh, bucket_cap_mb, options["param_dtype"]) if chosen.shards_parameters else ()
     if splits is not None:
@@ -315,7 +317,7 @@ def _checked_mesh(strategy: Strategy, mesh: DeviceMesh | None, world: int, devic
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=names if strategy.expert_parallel else None)
     if mesh is None or mesh.ndim != ndim or mesh.size() != world:
         raise OptionsError(_mesh_refusal(strategy, world, None if mesh is None else tuple(mesh.shape), device_type))
-    if strategy.expert_parallel and mesh.mesh_dim_names not in (None, names):
+    if strategy.expert_parallel and mesh.mesh_dim_names not in ((None, names) if ndim == 1 else (names,)):
         raise OptionsError(
             f"strategy {strategy.value!r} needs the mesh's dimensions named {names}, got {mesh.mesh_dim_names}; "
             f"pass init_device_mesh(..., mesh_dim_names={names})"

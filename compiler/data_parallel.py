@@ -81,39 +81,43 @@ def broadcast_buffers(gm: fx.GraphModule, groups: dict[str, list[int]]) -> fx.Gr
 
 
 class GradientBuckets:
-    """ddp's gradient buckets over the replicate axis, planned from the backward graph: from cost
-    under ``cap_bytes`` (see [Note: the bucket schedule]), or with ``from_cost=False`` (the user set
-    ``bucket_cap_mb``) by DDP's greedy rule, as a DDP user setting it expects."""
+    """ddp's gradient buckets, planned from the backward graph: from cost under ``cap_bytes`` (see [Note: the
+    bucket schedule]), or with ``from_cost=False`` (the user set ``bucket_cap_mb``) by DDP's greedy rule, as a
+    DDP user setting it expects. ``groups`` pairs parameters with the axis their gradients average over: one
+    group under ddp (the replicate axis); under ddp+ep the experts' blocks over "dp" and the rest over the world."""
 
-    def __init__(self, inputs: Sequence[GraphInput], axis: MeshAxis, cap_bytes: int, *, from_cost: bool = True) -> None:
-        self.inputs, self.axis, self.cap_bytes, self.from_cost = list(inputs), axis, cap_bytes, from_cost
-        self.buckets: list[Bucket] = []
+    def __init__(self, groups: Sequence[tuple[Sequence[GraphInput], MeshAxis]], cap_bytes: int, *,
+                 from_cost: bool = True) -> None:
+        self.groups = [(list(inputs), axis) for inputs, axis in groups]
+        self.cap_bytes, self.from_cost = cap_bytes, from_cost
+        self.buckets: list[list[Bucket]] = [[] for _ in self.groups]  # per group
 
     def plan(self, backward: fx.GraphModule) -> None:
-        if self.from_cost:
-            spec = spec_of_tensors(i.tensor() for i in self.inputs if i.kind is InputKind.PARAMETER)
-            self.buckets = scheduled_buckets(backward, self.inputs, self.axis.size, spec, self.cap_bytes)
-        else:
-            self.buckets = plan_buckets(gradients_of(backward, self.inputs), self.cap_bytes)
-        log.info(
-            "buckets: %s",
-            [(b.index, str(b.dtype), b.nbytes, [g.name for g in b.gradients], b.reason) for b in self.buckets],
-        )
+        for index, (inputs, axis) in enumerate(self.groups):
+            if self.from_cost:
+                spec = spec_of_tensors(i.tensor() for i in inputs if i.kind is InputKind.PARAMETER)
+                self.buckets[index] = scheduled_buckets(backward, inputs, axis.size, spec, self.cap_bytes)
+            else:
+                self.buckets[index] = plan_buckets(gradients_of(backward, inputs), self.cap_bytes)
+            log.info(
+                "buckets over %s: %s", axis.name,
+                [(b.index, str(b.dtype), b.nbytes, [g.name for g in b.gradients], b.reason) for b in self.buckets[index]],
+            )
 
     @property
     def accumulation_order(self) -> list[int]:
-        """Backward outputs whose accumulated gradients a ``SYNC_ACCUMULATED`` backward takes as inputs."""
-        return accumulated_gradient_order(self.buckets)
+        """Backward outputs whose accumulated gradients a ``SYNC_ACCUMULATED`` backward takes as inputs (group
+        after group, as ``all_reduce`` appends their inputs)."""
+        return [i for buckets in self.buckets for i in accumulated_gradient_order(buckets)]
 
     def all_reduce(self, gm: fx.GraphModule, variant: Variant) -> fx.GraphModule:
-        return all_reduce_gradients_pass(
-            gm,
-            self.buckets,
-            group_name=self.axis.group_name,
-            world_size=self.axis.size,
-            accumulate=variant is Variant.SYNC_ACCUMULATED,
-        )
+        for (_, axis), buckets in zip(self.groups, self.buckets):
+            gm = all_reduce_gradients_pass(
+                gm, buckets, group_name=axis.group_name, world_size=axis.size,
+                accumulate=variant is Variant.SYNC_ACCUMULATED,
+            )
+        return gm
 
     def parameters(self) -> dict[int, Callable[[], torch.Tensor | None]]:
         """Each parameter's live tensor by forward-input index, for the backward's dispatch."""
-        return {i.index: i.tensor for i in self.inputs if i.kind is InputKind.PARAMETER}
+        return {i.index: i.tensor for inputs, _ in self.groups for i in inputs if i.kind is InputKind.PARAMETER}

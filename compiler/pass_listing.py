@@ -145,7 +145,7 @@ class PassListing:
         self.sharded = ShardedGroups(inputs, plan) if plan.strategy.shards_parameters else None
         replicate = plan.axis(AxisRole.REPLICATE)
         self.gradients = (
-            GradientBuckets(*self._replicated(inputs), options.bucket_cap_bytes, from_cost=options.bucket_cap_mb is None)
+            GradientBuckets(self._replicated(inputs), options.bucket_cap_bytes, from_cost=options.bucket_cap_mb is None)
             if plan.strategy.all_reduces_gradients else None
         )
         self.replicate = replicate
@@ -158,15 +158,20 @@ class PassListing:
         )
         self.buffer_groups: dict[str, list[int]] = {}  # group -> positions of its buffers among the flat inputs
 
-    def _replicated(self, inputs: Sequence[GraphInput]) -> tuple[list[GraphInput], MeshAxis]:
-        """The inputs whose gradients ddp's buckets all-reduce, and over which axis: under ep, every parameter but
-        the experts' blocks, over the ep axis (each expert's gradient is whole on its rank: see [Note: routed
-        tokens in fixed-size buffers])."""
+    def _replicated(self, inputs: Sequence[GraphInput]) -> list[tuple[list[GraphInput], MeshAxis]]:
+        """The inputs whose gradients ddp's buckets all-reduce, grouped by the axis they average over. Under ep
+        the experts' blocks are whole on their rank over the ep axis (see [Note: routed tokens in fixed-size
+        buffers]): they average over "dp" only (ddp+ep; ep alone: nowhere), the rest over every rank."""
         expert = self.plan.axis(AxisRole.EXPERT)
+        replicate = self.plan.axis(AxisRole.REPLICATE)
         if expert is None:
-            return list(inputs), self.plan.axis(AxisRole.REPLICATE)
-        return [i for i in inputs if i.kind is not InputKind.PARAMETER or tensor_parallel_spec_of(i.tensor()) is None
-                or tensor_parallel_spec_of(i.tensor()).dim is None], expert
+            return [(list(inputs), replicate)]
+        is_expert = lambda i: i.kind is InputKind.PARAMETER and getattr(tensor_parallel_spec_of(i.tensor()), "dim", None) is not None
+        world = MeshAxis("world", AxisRole.REPLICATE, self.world.size, self.world.group_name)
+        groups = [([i for i in inputs if not is_expert(i)], world)]
+        if replicate is not None:
+            groups.append(([i for i in inputs if is_expert(i)], replicate))
+        return groups
 
     # The stages, in the order a graph meets them.
 

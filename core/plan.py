@@ -78,6 +78,7 @@ class Strategy(enum.Enum):
     FSDP_TP = "fsdp+tp"
     LOCAL_SGD = "local_sgd"
     EP = "ep"
+    DDP_EP = "ddp+ep"
 
     @classmethod
     def parse(cls, name: str, auto: bool = True) -> Strategy:
@@ -102,10 +103,10 @@ class Strategy(enum.Enum):
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        """The mesh's dimension names: ``("dp", "tp")`` with a data and a tensor axis (required by name),
-        else each axis named by its role (the names of an unnamed mesh's axes)."""
-        if len(self.roles) == 2 and self.tensor_parallel:
-            return ("dp", "tp")
+        """The mesh's dimension names: ``("dp", "tp")`` with a data and a tensor axis, ``("dp", "ep")`` with an
+        expert axis (required by name), else each axis named by its role (the names of an unnamed mesh's axes)."""
+        if len(self.roles) == 2 and (self.tensor_parallel or self.expert_parallel):
+            return ("dp", "tp" if self.tensor_parallel else "ep")
         return tuple("ep" if role is AxisRole.EXPERT else role.value for role in self.roles)
 
     @property
@@ -159,6 +160,7 @@ _SHAPES: dict[Strategy, tuple[DataParallel | None, tuple[AxisRole, ...]]] = {
     Strategy.LOCAL_SGD: (DataParallel.LOCAL_SGD, (AxisRole.REPLICATE,)),
     # The ep axis is a data axis too: the parameters outside the experts are ddp's over it.
     Strategy.EP: (DataParallel.DDP, (AxisRole.EXPERT,)),
+    Strategy.DDP_EP: (DataParallel.DDP, (AxisRole.REPLICATE, AxisRole.EXPERT)),
 }
 
 _NO_BUCKETS = {

@@ -186,14 +186,17 @@ def split_parameters(
     return splits
 
 
-def state_dict_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, mesh: DeviceMesh | None) -> DeviceMesh:
+def state_dict_mesh(
+    tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, mesh: DeviceMesh | None, split_axis: str = "tp"
+) -> DeviceMesh:
     """The mesh split parameters' state-dict DTensors live on: the tensor-parallel one, or ("tp", "dp") over the
-    two existing groups of a 2-D ``mesh`` (tensor parallel first: see [Note: a split parameter in a state dict])."""
+    two existing groups of a 2-D ``mesh`` (tensor parallel first: see [Note: a split parameter in a state dict]);
+    ``split_axis="ep"`` for experts split over an expert axis, ("ep", "dp")."""
     if dp_mesh is None:
         return tp_mesh
-    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("tp"), 0)
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(split_axis), 0)
     return DeviceMesh.from_group(
-        [tp_mesh.get_group(), dp_mesh.get_group()], tp_mesh.device_type, ranks, mesh_dim_names=("tp", "dp")
+        [tp_mesh.get_group(), dp_mesh.get_group()], tp_mesh.device_type, ranks, mesh_dim_names=(split_axis, "dp")
     )
 
 

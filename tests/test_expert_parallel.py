@@ -14,7 +14,6 @@ import pytest
 
 from distributed import run_ranks
 
-MODELS = ("own_moe", "mixtral", "qwen3_moe")
 NUDGE = 1e-7
 
 
@@ -27,39 +26,43 @@ def _nudge(model) -> None:
             p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * NUDGE)
 
 
-def _against_torch_ddp(rank: int, world_size: int, models: tuple[str, ...]) -> dict | None:
+def _against_torch_ddp(rank: int, world_size: int, cases: tuple[tuple[str, str, tuple[int, ...] | None], ...]) -> dict | None:
     import torch
     import torch._dynamo
 
     from dpar.compiler import registry
     from third_party import Run, max_abs_diff, train
 
-    found = {}
-    for name in models:
-        reference = train(rank, world_size, Run(name, "torch_ddp"))
-        control = train(rank, world_size, Run(name, "torch_ddp"), prepare=_nudge)
+    found, references = {}, {}
+    for name, strategy, mesh_shape in cases:
+        if name not in references:
+            references[name] = (train(rank, world_size, Run(name, "torch_ddp")),
+                                train(rank, world_size, Run(name, "torch_ddp"), prepare=_nudge))
+        reference, control = references[name]
         torch._dynamo.reset()
         with registry.recording() as graphs:
-            state, compiled = _train_ep(rank, world_size, name, graphs)
+            state, compiled = _train(rank, world_size, name, strategy, mesh_shape, graphs)
         kinds = [c.kind for g in graphs if g.label == "forward graph" for c in g.collectives]
-        found[name] = dict(
-            graphs_after_each_step=compiled,
+        label = f"{strategy} {mesh_shape or world_size}, {name}"
+        found[label] = dict(
+            graphs_after_each_step=compiled, all_to_alls=kinds.count("all_to_all"),
             gap=max_abs_diff(reference, state) if rank == 0 else None,
             control=max_abs_diff(reference, control) if rank == 0 else None,
-            all_to_alls=kinds.count("all_to_all"),
         )
         if name == "own_moe":
             double = lambda model: model.double()
             torch._dynamo.reset()
             reference = train(rank, world_size, Run(name, "torch_ddp"), prepare=double)
-            state = _train_ep(rank, world_size, name, [], prepare=double)[0]
-            found[name]["float64"] = max_abs_diff(reference, state) if rank == 0 else None
+            state = _train(rank, world_size, name, strategy, mesh_shape, [], prepare=double)[0]
+            found[label]["float64"] = max_abs_diff(reference, state) if rank == 0 else None
     return found if rank == 0 else None
 
 
-def _train_ep(rank: int, world_size: int, name: str, graphs: list, prepare=None) -> tuple[dict | None, list[int]]:
-    """third_party.train's loop under "ep", counting the graphs compiled after each step."""
+def _train(rank: int, world_size: int, name: str, strategy: str, mesh_shape: tuple[int, ...] | None, graphs: list,
+           prepare=None) -> tuple[dict | None, list[int]]:
+    """third_party.train's loop, counting the graphs compiled after each step."""
     import torch
+    from torch.distributed.device_mesh import init_device_mesh
 
     import dpar
     from third_party import ROWS_PER_RANK, STEPS, build, global_batch, rank_slice
@@ -67,7 +70,8 @@ def _train_ep(rank: int, world_size: int, name: str, graphs: list, prepare=None)
     model = build(name)
     if prepare is not None:
         prepare(model)
-    dpar.parallelize(model, strategy="ep")
+    mesh = None if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "ep"))
+    dpar.parallelize(model, strategy=strategy, mesh=mesh)
     runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = []
@@ -79,14 +83,20 @@ def _train_ep(rank: int, world_size: int, name: str, graphs: list, prepare=None)
     return dpar.checkpoint.full_state_dict(model), compiled
 
 
+CASES = {
+    2: tuple((name, "ep", None) for name in ("own_moe", "mixtral", "qwen3_moe")),
+    4: (("own_moe", "ep", None), ("mixtral", "ep", None), ("own_moe", "ddp+ep", (2, 2)), ("qwen3_moe", "ddp+ep", (2, 2))),
+}
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ep_trains_as_torch_ddp(world_size: int) -> None:
-    found = run_ranks(_against_torch_ddp, world_size, MODELS, timeout_s=1200)[0]
+    found = run_ranks(_against_torch_ddp, world_size, CASES[world_size], timeout_s=1200)[0]
     for name, figures in found.items():
-        print(f"ep {world_size}, {name}: {figures}")
+        print(f"{name}: {figures}")
     for name, f in found.items():
         assert f["all_to_alls"] == 2 * 3, (name, f)  # per MoE layer: tokens and their experts out, outputs back
         assert f["gap"] <= max(10 * f["control"], 1e-6), (name, f)
         assert f["control"] > 0
         assert len(set(f["graphs_after_each_step"])) == 1, (name, f)  # nothing compiled after the first step
-    assert found["own_moe"]["float64"] < 1e-9
+    assert all(f["float64"] < 1e-9 for name, f in found.items() if name.endswith("own_moe"))

@@ -100,3 +100,122 @@ def test_ep_trains_as_torch_ddp(world_size: int) -> None:
         assert f["control"] > 0
         assert len(set(f["graphs_after_each_step"])) == 1, (name, f)  # nothing compiled after the first step
     assert all(f["float64"] < 1e-9 for name, f in found.items() if name.endswith("own_moe"))
+
+
+# Refused by name before the first step, and the structure on a fake world of four ranks (nothing sent).
+
+def _own_moe(num_experts: int = 4):
+    import torch
+
+    from moe_models import OwnMoE
+
+    torch.manual_seed(0)
+    return OwnMoE(num_experts=num_experts)
+
+
+def test_a_model_without_routed_experts_is_refused_under_ep(world_of_four) -> None:
+    import torch.nn as nn
+
+    import dpar
+    from dpar.core.errors import OptionsError
+
+    with pytest.raises(OptionsError, match=r"Sequential has no experts module: a module with num_experts"):
+        dpar.parallelize(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), strategy="ep")
+
+
+def test_experts_the_ep_degree_does_not_divide_are_refused(world_of_four) -> None:
+    import dpar
+    from dpar.core.errors import OptionsError
+
+    with pytest.raises(OptionsError, match=r"blocks.0.experts has 6 experts, which 4 ranks of the 'ep' axis cannot hold"):
+        dpar.parallelize(_own_moe(6), strategy="ep")
+
+
+@pytest.mark.parametrize("strategy, shape, names, message", [
+    ("ddp+ep", (2, 2), ("dp", "tp"), r"needs the mesh's dimensions named \('dp', 'ep'\), got \('dp', 'tp'\)"),
+    ("ddp+ep", (2, 2), ("ep", "dp"), r"needs the mesh's dimensions named \('dp', 'ep'\), got \('ep', 'dp'\)"),
+    ("ep", (2, 2), ("dp", "ep"), r"strategy 'ep' needs a 1-D mesh over the whole world \(4 ranks\)"),
+])
+def test_a_mesh_not_named_for_its_axes_is_refused(world_of_four, strategy, shape, names, message) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpar
+    from dpar.core.errors import OptionsError
+
+    with pytest.raises(OptionsError, match=message):
+        dpar.parallelize(_own_moe(), strategy=strategy, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
+
+
+def test_each_rank_holds_its_experts_and_the_state_dict_holds_them_whole(world_of_four) -> None:
+    """ep 4 on four fake ranks: one expert of four per rank, Shard(0) DTensors of the whole (4, ...) shape in the
+    state dict; the forward's all-to-alls carry 4 x T x k rows of the hidden width (fixed-size buffers)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    import dpar
+    from third_party import global_batch
+
+    model = _own_moe()
+    dpar.parallelize(model, strategy="ep")
+    experts = model.blocks[0].experts
+    assert experts.w_in.shape == (1, 64, 32) and experts.num_experts == 1
+    entry = model.state_dict()["blocks.0.experts.w_in"]
+    assert isinstance(entry, DTensor) and entry.shape == (4, 64, 32) and entry.placements == (Shard(0),)
+    assert isinstance(model.state_dict()["blocks.0.router.weight"], torch.Tensor)
+    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    ids, labels, mask = (t[:2] for t in global_batch(0, 8))  # this rank's 2 rows of 8 tokens, top-2
+    runner(ids, labels, mask).backward()
+    forward = next(g for g in world_of_four if g.label == "forward graph")
+    exchanged = [c for c in forward.collectives if c.kind == "all_to_all"]
+    assert len(exchanged) == 6
+    tokens = [c for c in exchanged if c.dtype == torch.float32]
+    assert {c.bytes for c in tokens} == {4 * 16 * 2 * 32 * 4}  # ep x pairs x width x 4 bytes, each way
+
+
+def _reshard(rank: int, world_size: int, directory: str) -> dict | None:
+    """ep 4 trains 2 steps and saves (DCP); ddp+ep (2 x 2, ep 2) and fsdp 4 load it from other weights: their
+    parameters equal the saved ones exactly, and one more step of ddp+ep equals one more step of ep 4."""
+    import torch
+    import torch._dynamo
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpar
+    from third_party import global_batch, max_abs_diff, rank_slice
+
+    def trained(strategy: str, seed: int, steps: range, mesh=None, load: bool = False) -> tuple:
+        torch._dynamo.reset()
+        model = _own_moe()
+        if seed:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1.0)
+        dpar.parallelize(model, strategy=strategy, mesh=mesh)
+        runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if load:
+            dpar.checkpoint.load(model, optimizer, directory)
+        loaded = dpar.checkpoint.full_state_dict(model)
+        for step in steps:
+            optimizer.zero_grad()
+            runner(*rank_slice(global_batch(step, 2 * world_size), rank, world_size)).backward()
+            optimizer.step()
+            if step == 1:
+                dpar.checkpoint.save(model, optimizer, directory)
+                saved = dpar.checkpoint.full_state_dict(model)
+        return (saved if not load else loaded), dpar.checkpoint.full_state_dict(model)
+
+    saved, continued = trained("ep", 0, range(3))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    loaded, resumed = trained("ddp+ep", 1, range(2, 3), mesh=mesh, load=True)
+    fsdp_loaded, _ = trained("fsdp", 1, range(0), load=True)
+    if rank:
+        return None
+    return dict(loaded=max_abs_diff(saved, loaded), fsdp_loaded=max_abs_diff(saved, fsdp_loaded),
+                resumed=max_abs_diff(continued, resumed), moved=max_abs_diff(saved, continued))
+
+
+def test_a_checkpoint_reshards_between_ep_degrees_and_to_fsdp(tmp_path) -> None:
+    found = run_ranks(_reshard, 4, str(tmp_path / "ckpt"), timeout_s=600)[0]
+    print(f"ep 4 -> ddp+ep (ep 2), fsdp: {found}")
+    assert found["loaded"] == 0.0 and found["fsdp_loaded"] == 0.0
+    assert found["resumed"] < 1e-6 < found["moved"]

@@ -174,7 +174,8 @@ def test_each_rank_holds_its_experts_and_the_state_dict_holds_them_whole(world_o
 
 def _reshard(rank: int, world_size: int, directory: str) -> dict | None:
     """ep 4 trains 2 steps and saves (DCP); ddp+ep (2 x 2, ep 2) and fsdp 4 load it from other weights: their
-    parameters equal the saved ones exactly, and one more step of ddp+ep equals one more step of ep 4."""
+    parameters equal the saved ones exactly, and one more step of ddp+ep equals one more step of ep 4. Its
+    safetensors export loads back into ep 4 exactly."""
     import torch
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
@@ -201,6 +202,7 @@ def _reshard(rank: int, world_size: int, directory: str) -> dict | None:
             optimizer.step()
             if step == 1:
                 dpar.checkpoint.save(model, optimizer, directory)
+                dpar.checkpoint.save_safetensors(model, directory + "-safetensors")
                 saved = dpar.checkpoint.full_state_dict(model)
         return (saved if not load else loaded), dpar.checkpoint.full_state_dict(model)
 
@@ -208,14 +210,20 @@ def _reshard(rank: int, world_size: int, directory: str) -> dict | None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     loaded, resumed = trained("ddp+ep", 1, range(2, 3), mesh=mesh, load=True)
     fsdp_loaded, _ = trained("fsdp", 1, range(0), load=True)
+    torch._dynamo.reset()
+    model = _own_moe()
+    dpar.parallelize(model, strategy="ep")
+    dpar.checkpoint.load_safetensors(model, directory + "-safetensors")
+    from_safetensors = dpar.checkpoint.full_state_dict(model)
     if rank:
         return None
     return dict(loaded=max_abs_diff(saved, loaded), fsdp_loaded=max_abs_diff(saved, fsdp_loaded),
+                safetensors=max_abs_diff(saved, from_safetensors),
                 resumed=max_abs_diff(continued, resumed), moved=max_abs_diff(saved, continued))
 
 
-def test_a_checkpoint_reshards_between_ep_degrees_and_to_fsdp(tmp_path) -> None:
+def test_a_checkpoint_reshards_between_ep_degrees_and_to_fsdp_and_safetensors_round_trip(tmp_path) -> None:
     found = run_ranks(_reshard, 4, str(tmp_path / "ckpt"), timeout_s=600)[0]
     print(f"ep 4 -> ddp+ep (ep 2), fsdp: {found}")
-    assert found["loaded"] == 0.0 and found["fsdp_loaded"] == 0.0
+    assert found["loaded"] == 0.0 and found["fsdp_loaded"] == 0.0 and found["safetensors"] == 0.0
     assert found["resumed"] < 1e-6 < found["moved"]

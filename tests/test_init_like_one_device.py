@@ -80,7 +80,7 @@ def _parallelized(rank: int, world_size: int, model: nn.Module, strategy: str, m
 
     kwargs = {"sync_every": 2} if strategy == "local_sgd" else {}
     if mesh_shape is not None:
-        names = ("replicate", "shard") if strategy == "hsdp" else ("dp", "tp")
+        names = ("replicate", "shard") if strategy == "hsdp" else ("dp", "ep") if strategy.endswith("+ep") else ("dp", "tp")
         kwargs["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     rows = third_party.ROWS_PER_RANK * world_size
     example = third_party.rank_slice(third_party.global_batch(0, rows), rank, world_size)
@@ -145,10 +145,12 @@ TWO_RANKS = [
     (name, strategy, (1, 2) if strategy == "fsdp+tp" else None)
     for name in ("stack", "stack+custom", *HF)
     for strategy in ("ddp", "fsdp", "zero2", "tp", "fsdp+tp")
-] + [("meta:llama", "fsdp", None), ("meta:llama", "tp", None), ("meta:llama", "fsdp+tp", (1, 2))]
+] + [("meta:llama", "fsdp", None), ("meta:llama", "tp", None), ("meta:llama", "fsdp+tp", (1, 2)),
+      ("mixtral", "ep", None), ("meta:qwen3_moe", "ep", None)]
 FOUR_RANKS = [
     ("gpt2", "fsdp", None), ("gpt2", "hsdp", (2, 2)), ("gpt2", "ddp+tp", (2, 2)), ("gpt2", "fsdp+tp", (2, 2)),
     ("stack", "zero1", None), ("stack", "local_sgd", None), ("stack", "zero2+tp", (2, 2)),
+    ("meta:mixtral", "ep", None), ("qwen3_moe", "ddp+ep", (2, 2)),
 ]
 TORCHTITAN = [("titan_llama3", "fsdp+tp", (1, 2))]
 

@@ -31,9 +31,10 @@ class InspectedStrategy:
 
     @property
     def local_state(self) -> bool:
-        """Memory at rest is read off rank 0's own tensors (a tensor-parallel block, an hsdp or 2-D shard),
+        """Memory at rest is read off rank 0's own tensors (a tensor-parallel block, its experts, an hsdp or 2-D shard),
         not from a formula in N over the whole world."""
-        return self.strategy is None or self.strategy.tensor_parallel or len(self.strategy.roles) > 1
+        return (self.strategy is None or self.strategy.tensor_parallel or self.strategy.expert_parallel
+                or len(self.strategy.roles) > 1)
 
     @property
     def shards_parameters(self) -> bool:
@@ -86,6 +87,7 @@ STRATEGIES: dict[str, InspectedStrategy] = {
     **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.DDP, Strategy.ZERO2, Strategy.FSDP, Strategy.HSDP, Strategy.TP)},
     "tp+sp": InspectedStrategy("tp+sp", Strategy.TP, (("sequence_parallel", True),)),
     **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.DDP_TP, Strategy.ZERO2_TP, Strategy.FSDP_TP)},
+    **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.EP, Strategy.DDP_EP)},
     "auto": InspectedStrategy("auto", None),
 }
 

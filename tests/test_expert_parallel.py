@@ -227,3 +227,23 @@ def test_a_checkpoint_reshards_between_ep_degrees_and_to_fsdp_and_safetensors_ro
     print(f"ep 4 -> ddp+ep (ep 2), fsdp: {found}")
     assert found["loaded"] == 0.0 and found["fsdp_loaded"] == 0.0 and found["safetensors"] == 0.0
     assert found["resumed"] < 1e-6 < found["moved"]
+
+
+def test_inspection_shows_each_ranks_experts_and_prices_the_all_to_alls() -> None:
+    """dpar.explain at 8 simulated ranks, own MoE with 8 experts: under ep a rank holds the parameters outside the
+    experts and 1 expert of 8 (ddp: all of them); the forward's all-to-alls carry 8 x T x k rows of the width and
+    are priced by the α-β model."""
+    import dpar
+    from third_party import global_batch
+
+    batch = tuple(t[:2] for t in global_batch(0, 16))  # this rank's 2 rows of 8 tokens
+    reports = {strategy: dpar.explain(_own_moe(8), batch, strategy=strategy, world_size=8) for strategy in ("ddp", "ep")}
+    model = _own_moe(8)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 4
+    rest = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * 4
+    assert reports["ddp"].memory.parameters == experts + rest
+    assert reports["ep"].memory.parameters == experts // 8 + rest
+    exchanged = [c for c in reports["ep"].collectives if c.kind == "all_to_all" and c.dtype == "float32"]
+    assert len(exchanged) == 2 * 2 + 2 * 2  # tokens out and back per layer, forward and backward
+    assert {c.bytes for c in exchanged} == {8 * 16 * 2 * 32 * 4}
+    assert all(c.seconds > 0 for c in exchanged)

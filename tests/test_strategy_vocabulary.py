@@ -26,10 +26,10 @@ def named(predicate) -> set[str]:
 
 
 def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
-    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "ep", "auto")
+    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "ep", "ddp+ep", "auto")
     assert TENSOR_PARALLEL == ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
-    assert named(lambda s: s.all_reduces_gradients) == {"ddp", "ddp+tp", "zero1", "ep"}
-    assert named(lambda s: s.expert_parallel) == {"ep"}
+    assert named(lambda s: s.all_reduces_gradients) == {"ddp", "ddp+tp", "zero1", "ep", "ddp+ep"}
+    assert named(lambda s: s.expert_parallel) == {"ep", "ddp+ep"}
     assert named(lambda s: s.identical_gradients) == {"ddp", "zero1"}
     assert named(lambda s: s.shards_parameters) == {"zero2", "fsdp", "hsdp", "zero2+tp", "fsdp+tp"}
     assert named(lambda s: s.reshard_after_forward) == {"fsdp", "hsdp", "fsdp+tp"}
@@ -37,7 +37,7 @@ def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
     assert PRICED == ("ddp", "zero2", "fsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp")
     assert S.HSDP.roles == (AxisRole.REPLICATE, AxisRole.SHARD) and S.HSDP.mesh_dim_names == ("replicate", "shard")
     assert S.FSDP_TP.mesh_dim_names == ("dp", "tp") and S.FSDP.mesh_dim_names == ("shard",)
-    assert S.EP.roles == (AxisRole.EXPERT,) and S.EP.mesh_dim_names == ("ep",)
+    assert S.EP.roles == (AxisRole.EXPERT,) and S.EP.mesh_dim_names == ("ep",) and S.DDP_EP.mesh_dim_names == ("dp", "ep")
     table = {name: (s.strategy, s.local_state, s.shards_parameters, s.takes_bucket_cap, s.reduces_gradients)
              for name, s in INSPECTED.items()}
     assert table == {
@@ -46,6 +46,7 @@ def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
         "tp": (S.TP, True, False, False, False), "tp+sp": (S.TP, True, False, False, False),
         "ddp+tp": (S.DDP_TP, True, False, False, True), "zero2+tp": (S.ZERO2_TP, True, False, True, True),
         "fsdp+tp": (S.FSDP_TP, True, False, True, True), "auto": (None, True, False, False, False),
+        "ep": (S.EP, True, False, False, True), "ddp+ep": (S.DDP_EP, True, False, False, True),
     }
 
 

@@ -68,32 +68,69 @@ class _ScaledGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def exchange(
-    module: nn.Module, forward: Callable[..., torch.Tensor], layout: ExpertLayout,
-    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+def _exchanged(
+    rows: torch.Tensor, expert: torch.Tensor, layout: ExpertLayout,
+    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """The experts module's output for this rank's tokens, its experts spread over the ep group: dispatch,
-    ``forward`` on this rank's experts, combine (see [Note: routed tokens in fixed-size buffers])."""
-    tokens, width = hidden_states.shape
-    k = top_k_index.shape[-1]
-    pairs, ep, local = tokens * k, layout.ep_size, layout.local
-    device = hidden_states.device
-    expert = top_k_index.reshape(-1)
+    """``compute(rows, local ids)`` run on the ranks holding each row's ``expert``, its output back in ``rows``'
+    order: one (pair) row each, sent in fixed-size buffers (see [Note: routed tokens in fixed-size buffers])."""
+    pairs, width = rows.shape
+    ep, local = layout.ep_size, layout.local
     owner = torch.div(expert, local, rounding_mode="floor")
     order = torch.argsort(owner, stable=True)
     owner_sorted = owner[order]
     counts = nn.functional.one_hot(owner, ep).sum(0)
     first = counts.cumsum(0) - counts
     # The slot of each pair (in owner order) in the send buffer: block ``owner``, then its place among them.
-    slot = owner_sorted * pairs + torch.arange(pairs, device=device) - first[owner_sorted]
-    send = hidden_states.new_zeros(ep * pairs, width).index_copy(0, slot, hidden_states[order // k])
-    send_expert = torch.full((ep * pairs,), local, dtype=expert.dtype, device=device).index_copy(
+    slot = owner_sorted * pairs + torch.arange(pairs, device=rows.device) - first[owner_sorted]
+    send = rows.new_zeros(ep * pairs, width).index_copy(0, slot, rows[order])
+    send_expert = torch.full((ep * pairs,), local, dtype=expert.dtype, device=rows.device).index_copy(
         0, slot, expert[order] - owner_sorted * local)
     received = all_to_all_single_autograd(send, None, None, layout.group_name)
     received_expert = all_to_all_single(send_expert, None, None, layout.group_name)
-    ones = torch.ones(ep * pairs, 1, dtype=top_k_weights.dtype, device=device)
-    computed = forward(module, _ScaledGradient.apply(received, float(ep)), received_expert.unsqueeze(-1), ones)
+    computed = compute(_ScaledGradient.apply(received, float(ep)), received_expert)
     returned = all_to_all_single_autograd(_ScaledGradient.apply(computed, 1.0 / ep), None, None, layout.group_name)
-    outputs = hidden_states.new_zeros(pairs, width).index_copy(0, order, returned.index_select(0, slot))
+    return rows.new_zeros(pairs, width).index_copy(0, order, returned.index_select(0, slot))
+
+
+def exchange(
+    module: nn.Module, forward: Callable[..., torch.Tensor], layout: ExpertLayout,
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """A routed experts module's output (Hugging Face's convention: every token, its k experts and weights), its
+    experts spread over the ep group: ``forward`` runs on each rank's experts with top_k 1 and weight 1, and the
+    routing weights apply here, as the module applies them."""
+    tokens, width = hidden_states.shape
+    k = top_k_index.shape[-1]
+    rows = hidden_states.unsqueeze(1).expand(tokens, k, width).reshape(tokens * k, width)
+
+    def compute(received: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(received.shape[0], 1, dtype=top_k_weights.dtype, device=received.device)
+        return forward(module, received, expert.unsqueeze(-1), ones)
+
+    outputs = _exchanged(rows, top_k_index.reshape(-1), layout, compute)
     weighted = outputs * top_k_weights.reshape(-1, 1)
     return weighted.view(tokens, k, width).sum(dim=1).to(hidden_states.dtype)
+
+
+def exchange_grouped(
+    module: nn.Module, forward: Callable[..., torch.Tensor], layout: ExpertLayout,
+    rows: torch.Tensor, tokens_per_expert: torch.Tensor,
+) -> torch.Tensor:
+    """A grouped experts module's output (torchtitan's convention: rows sorted by expert, a count per expert),
+    its experts spread over the ep group. Each rank sorts the rows it receives by its local expert, empty slots
+    last, and calls ``forward`` with its local counts; a grouped matmul leaves the rows past the last offset
+    undefined, so empty slots are zeroed on the way in and replaced by zeros on the way out (both ways of the
+    backward too)."""
+    experts = torch.arange(layout.num_experts, device=rows.device)
+    expert = torch.repeat_interleave(experts, tokens_per_expert, output_size=rows.shape[0])
+
+    def compute(received: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        by_expert = torch.argsort(expert, stable=True)
+        empty = (expert[by_expert] == layout.local).unsqueeze(-1)
+        counts = nn.functional.one_hot(expert, layout.local + 1).sum(0)[:layout.local]
+        out = forward(module, received[by_expert].masked_fill(empty, 0.0), counts)
+        out = torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
+        return out.new_zeros(out.shape).index_copy(0, by_expert, out)
+
+    return _exchanged(rows, expert, layout, compute)

@@ -1,8 +1,9 @@
 """Expert parallel's surgery: each routed experts module keeps its rank's experts, and its forward exchanges tokens.
 
-An experts module is what Hugging Face's mixture-of-experts layers call with the router's choice: it has
-``num_experts`` and weights of shape ``(num_experts, ...)`` (``gate_up_proj``, ``down_proj``), and its forward takes
-``(hidden_states, top_k_index, top_k_weights)``. Each weight becomes this rank's block of experts along dim 0 (a
+An experts module is what a mixture-of-experts layer calls with the router's choice: it has ``num_experts`` and
+weights of shape ``(num_experts, ...)``, and its forward takes either ``(hidden_states, top_k_index, top_k_weights)``
+(Hugging Face's experts: ``gate_up_proj``, ``down_proj``) or ``(rows sorted by expert, tokens per expert)``
+(torchtitan's ``GroupedExperts``: ``w1``, ``w2``, ``w3``). Each weight becomes this rank's block of experts along dim 0 (a
 split parameter like tensor parallel's, so state dicts, writes and initializers treat it alike: see
 surgery/tensor_parallel.py), and the module's forward becomes runtime/expert_parallel.py's exchange around its own.
 """
@@ -17,10 +18,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dpar.core.errors import OptionsError
-from dpar.runtime.expert_parallel import ExpertLayout, exchange
+from dpar.runtime.expert_parallel import ExpertLayout, exchange, exchange_grouped
 from dpar.surgery import tensor_parallel
 
-ROUTED_ARGUMENTS = 3  # hidden_states, top_k_index, top_k_weights
+# The experts module's calling conventions, by the number of arguments its forward takes.
+ROUTED = 3  # Hugging Face's: hidden_states, top_k_index, top_k_weights
+GROUPED = 2  # torchtitan's GroupedExperts: rows sorted by expert, tokens per expert
 
 
 def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -33,9 +36,7 @@ def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
             continue
         if not all(p.ndim >= 2 and p.shape[0] == count for p in own) or not any(p.ndim >= 3 for p in own):
             continue
-        arguments = [p for p in inspect.signature(type(module).forward).parameters.values()
-                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(arguments) == 1 + ROUTED_ARGUMENTS:
+        if _convention(module) in (ROUTED, GROUPED):
             found[name] = module
     return found
 
@@ -49,7 +50,8 @@ def split_experts(model: nn.Module, ep_mesh: DeviceMesh, state_dict_mesh: Device
         raise OptionsError(
             f"expert parallelism spreads routed experts over the 'ep' axis, but {type(model).__name__} has no experts "
             "module: a module with num_experts, weights of shape (num_experts, ...) and forward(hidden_states, "
-            "top_k_index, top_k_weights), as Hugging Face's mixture-of-experts layers have. For a dense model "
+            "top_k_index, top_k_weights) (Hugging Face's) or forward(rows sorted by expert, tokens per expert) "
+            "(torchtitan's GroupedExperts). For a dense model "
             "choose a strategy without 'ep' (ddp, fsdp, ...)"
         )
     for name, module in found.items():
@@ -64,11 +66,29 @@ def split_experts(model: nn.Module, ep_mesh: DeviceMesh, state_dict_mesh: Device
     forwards = {}
     for module in found.values():
         layout = ExpertLayout(module.num_experts, ep, group.group_name)
-        module.num_experts = layout.local  # what its own forward computes over
-        if hasattr(module, "_is_expert_parallel"):  # Hugging Face's experts: ids of local are empty slots
+        forward = type(module).forward
+        if _convention(module) == ROUTED:  # Hugging Face's forward counts its experts; ids of local are empty slots
+            module.num_experts = layout.local
             module._is_expert_parallel = True
-        forwards[module] = _exchanging(type(module).forward, layout)
+            forwards[module] = _exchanging(forward, layout)
+        else:  # torchtitan's reads no count (its MoE sizes buffers by num_experts: left whole)
+            forwards[module] = _exchanging_grouped(forward, layout)
     tensor_parallel.install_markers(model, {m: s for m, s in splits.items() if m in forwards}, state_dict_mesh, forwards)
+
+
+def _convention(module: nn.Module) -> int:
+    arguments = [p for p in inspect.signature(type(module).forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(arguments) - 1
+
+
+def _exchanging_grouped(forward: Callable[..., Any], layout: ExpertLayout) -> Callable[..., Any]:
+    """A grouped experts module's forward under expert parallelism: its own ``forward`` inside the exchange."""
+
+    def exchanging(module: nn.Module, rows: Any, tokens_per_expert: Any) -> Any:
+        return exchange_grouped(module, forward, layout, rows, tokens_per_expert)
+
+    return exchanging
 
 
 def _exchanging(forward: Callable[..., Any], layout: ExpertLayout) -> Callable[..., Any]:

@@ -158,7 +158,7 @@ class CausalSDPA(nn.Module):
         return out.transpose(1, 2)
 
 
-TORCHTITAN_MODELS = ("titan_llama3", "titan_deepseek")
+TORCHTITAN_MODELS = ("titan_llama3", "titan_deepseek", "titan_qwen3_moe")
 
 
 def needs_torchtitan(name: str) -> None:
@@ -177,11 +177,16 @@ class TorchtitanLM(nn.Module):
 
     def __init__(self, name: str) -> None:
         super().__init__()
+        flavor = "debugmodel"
         if name == "titan_llama3":
             from torchtitan.models.llama3 import model_registry
+        elif name == "titan_qwen3_moe":
+            from torchtitan.models.qwen3 import model_registry
+
+            flavor = "debugmodel_moe"
         else:
             from torchtitan.models.deepseek_v3 import model_registry
-        self.inner = model_registry("debugmodel").model.build()
+        self.inner = model_registry(flavor).model.build()
         for layer in self.inner.layers.values():
             layer.attention.inner_attention = CausalSDPA()
         with torch.no_grad():
@@ -218,6 +223,7 @@ OTHER_MODELS: dict[str, Callable[[], nn.Module]] = {
     "resnet": ResNet,
     "titan_llama3": lambda: TorchtitanLM("titan_llama3"),
     "titan_deepseek": lambda: TorchtitanLM("titan_deepseek"),
+    "titan_qwen3_moe": lambda: TorchtitanLM("titan_qwen3_moe"),
     "nanogpt": NanoGPTLM,
     "nanogpt_bf16": lambda: NanoGPTLM(autocast=True),
     "own_moe": lambda: _own_moe(),

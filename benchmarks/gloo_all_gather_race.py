@@ -9,7 +9,9 @@ each input once issued, the waits later), and allocates a few small tensors mean
 - ``gather-beside-reduce``: all-reduces in flight, each all-gather waited at once;
 - ``gather-alone``: all-reduces in flight, but before each all-gather every collective in flight is waited,
   and the all-gather is waited at once (what dpar's graphs do on gloo: compiler/passes/gloo_all_gathers.py);
-- ``reduces``: four all-reduces in flight at a time; ``scatters``: four reduce-scatters.
+- ``reduces``: four all-reduces in flight at a time; ``scatters``: four reduce-scatters;
+- ``all-to-alls``: four all-to-alls in flight; ``all-to-all-beside-reduce``: all-reduces in flight, each
+  all-to-all waited at once (what expert parallel's graphs did before the pass isolated all-to-alls too).
 
     python benchmarks/gloo_all_gather_race.py --runs 3 --seconds 60
 
@@ -39,7 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 c10d = torch.ops._c10d_functional
-SCHEDULES = ("gathers", "gather-beside-reduce", "gather-alone", "reduces", "scatters")
+SCHEDULES = ("gathers", "gather-beside-reduce", "gather-alone", "reduces", "scatters", "all-to-alls",
+             "all-to-all-beside-reduce")
 
 
 def _round(schedule: str, group: str) -> None:
@@ -53,6 +56,12 @@ def _round(schedule: str, group: str) -> None:
             in_flight.append(c10d.all_reduce(x, "sum", group))
         elif schedule == "scatters":
             in_flight.append(c10d.reduce_scatter_tensor(x, "sum", 2, group))
+        elif schedule == "all-to-alls":
+            in_flight.append(c10d.all_to_all_single(x, [8, 8], [8, 8], group))
+        elif schedule == "all-to-all-beside-reduce":
+            in_flight.append(c10d.all_reduce(x, "sum", group))
+            in_flight.append(c10d.wait_tensor(c10d.all_to_all_single(x * 1.0, [8, 8], [8, 8], group)))
+            in_flight.append(c10d.all_reduce(x * 2.0, "sum", group))
         else:
             in_flight.append(c10d.all_reduce(x, "sum", group))
             if schedule == "gather-alone":

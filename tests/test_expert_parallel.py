@@ -93,18 +93,21 @@ CASES = {
     2: tuple((name, "ep", None) for name in ("own_moe", "mixtral", "qwen3_moe")),
     # torchtitan's MoE debug models (bf16 grouped matmuls, 5 and 8 MoE layers), trained with SGD: AdamW turns the
     # tiny gradients of barely routed experts into steps of size lr, which a 1e-7 nudge already moves by 4e-3.
-    "titan": tuple((name, "ep", None) for name in ("titan_deepseek", "titan_qwen3_moe")),
+    # One launch per model: one process training both under ep loses a rank (docs/limitations.md).
+    "titan_deepseek": (("titan_deepseek", "ep", None),),
+    "titan_qwen3_moe": (("titan_qwen3_moe", "ep", None),),
     4: (("own_moe", "ep", None), ("mixtral", "ep", None), ("own_moe", "ddp+ep", (2, 2)), ("qwen3_moe", "ddp+ep", (2, 2))),
 }
 
 
-@pytest.mark.parametrize("case", [2, 4, pytest.param("titan", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("case", [2, 4, *(pytest.param(name, marks=pytest.mark.extended)
+                                           for name in ("titan_deepseek", "titan_qwen3_moe"))])
 def test_ep_trains_as_torch_ddp(case: int | str) -> None:
     from third_party import needs_torchtitan
 
-    if case == "titan":
-        needs_torchtitan("titan_deepseek")
-    found = run_ranks(_against_torch_ddp, 2 if case == "titan" else case, CASES[case], timeout_s=1200)[0]
+    if isinstance(case, str):
+        needs_torchtitan(case)
+    found = run_ranks(_against_torch_ddp, 2 if isinstance(case, str) else case, CASES[case], timeout_s=1200)[0]
     for name, figures in found.items():
         print(f"{name}: {figures}")
     for name, f in found.items():

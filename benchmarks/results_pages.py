@@ -143,7 +143,8 @@ def index(pages: list[Path]) -> str:
         name = path.name.removesuffix(".json")
         lines.append(f"| [{name}]({name}.md) | {committed_on(path)} | `{COMMANDS.get(name, ('', ''))[0]}` |")
     lines += ["", "Also here: [plan_sweep.md](plan_sweep.md) (the planner's modelled sweep, written by "
-              "`benchmarks/plan_sweep.py`), `plan_sweep.png`, `local_sgd.png`, and `profiles/` "
+              "`benchmarks/plan_sweep.py`), [expert_parallel_step_time.md](expert_parallel_step_time.md) (written "
+              "by `benchmarks/expert_parallel_step_time.py`), `plan_sweep.png`, `local_sgd.png`, and `profiles/` "
               "(`torch.profiler` traces of `benchmarks/step_breakdown.py`)."]
     return "\n".join(lines) + "\n"
 

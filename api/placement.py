@@ -224,9 +224,8 @@ def _place(
     split parameters), record the plan, then the data-parallel mode's own step."""
     dp_mesh, tp_mesh = _sub_meshes(chosen, mesh)
     if chosen.expert_parallel:  # the experts' blocks enter state dicts as Shard(0) DTensors over the ep mesh
-        ep_mesh = mesh["ep"] if mesh.ndim == 2 else mesh
-        expert_parallel.split_experts(
-            model, ep_mesh, ep_mesh if mesh.ndim == 1 else tensor_parallel.state_dict_mesh(ep_mesh, mesh["dp"], mesh, "ep"))
+        ep_mesh, replicas = (mesh["ep"], mesh["dp"]) if mesh.ndim == 2 else (mesh, None)
+        expert_parallel.split_experts(model, ep_mesh, tensor_parallel.state_dict_mesh(ep_mesh, replicas, mesh, "ep"))
     splits = _split_tensor(model, chosen, tp_mesh, tp_plan, example_inputs) if tp_mesh is not None else None
     buckets = _shard(model, dp_mesh, bucket_cap_mb, options["param_dtype"]) if chosen.shards_parameters else ()
     if splits is not None:

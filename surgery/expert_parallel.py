@@ -70,9 +70,9 @@ def split_experts(model: nn.Module, ep_mesh: DeviceMesh, state_dict_mesh: Device
         if _convention(module) == ROUTED:  # Hugging Face's forward counts its experts; ids of local are empty slots
             module.num_experts = layout.local
             module._is_expert_parallel = True
-            forwards[module] = _exchanging(forward, layout)
+            forwards[module] = _exchanging(exchange, forward, layout)
         else:  # torchtitan's reads no count (its MoE sizes buffers by num_experts: left whole)
-            forwards[module] = _exchanging_grouped(forward, layout)
+            forwards[module] = _exchanging(exchange_grouped, forward, layout)
     tensor_parallel.install_markers(model, {m: s for m, s in splits.items() if m in forwards}, state_dict_mesh, forwards)
 
 
@@ -82,19 +82,11 @@ def _convention(module: nn.Module) -> int:
     return len(arguments) - 1
 
 
-def _exchanging_grouped(forward: Callable[..., Any], layout: ExpertLayout) -> Callable[..., Any]:
-    """A grouped experts module's forward under expert parallelism: its own ``forward`` inside the exchange."""
+def _exchanging(run: Callable[..., Any], forward: Callable[..., Any], layout: ExpertLayout) -> Callable[..., Any]:
+    """The experts module's forward under expert parallelism: its own ``forward`` inside ``run`` (runtime's
+    ``exchange`` or ``exchange_grouped``, by the module's convention)."""
 
-    def exchanging(module: nn.Module, rows: Any, tokens_per_expert: Any) -> Any:
-        return exchange_grouped(module, forward, layout, rows, tokens_per_expert)
-
-    return exchanging
-
-
-def _exchanging(forward: Callable[..., Any], layout: ExpertLayout) -> Callable[..., Any]:
-    """The experts module's forward under expert parallelism: its own ``forward`` inside the exchange."""
-
-    def exchanging(module: nn.Module, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-        return exchange(module, forward, layout, hidden_states, top_k_index, top_k_weights)
+    def exchanging(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return run(module, forward, layout, *args, **kwargs)
 
     return exchanging

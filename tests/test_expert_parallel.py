@@ -191,7 +191,7 @@ def test_each_rank_holds_its_experts_and_the_state_dict_holds_them_whole(world_o
 def _reshard(rank: int, world_size: int, directory: str) -> dict | None:
     """ep 4 trains 2 steps and saves (DCP); ddp+ep (2 x 2, ep 2) and fsdp 4 load it from other weights: their
     parameters equal the saved ones exactly, and one more step of ddp+ep equals one more step of ep 4. Its
-    safetensors export loads back into ep 4 exactly."""
+    safetensors export loads back into ep 4 exactly; writes through the experts module reach its experts."""
     import torch
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
@@ -231,16 +231,47 @@ def _reshard(rank: int, world_size: int, directory: str) -> dict | None:
     dpar.parallelize(model, strategy="ep")
     dpar.checkpoint.load_safetensors(model, directory + "-safetensors")
     from_safetensors = dpar.checkpoint.full_state_dict(model)
+    writes = _writes_through_the_module(rank)
     if rank:
         return None
-    return dict(loaded=max_abs_diff(saved, loaded), fsdp_loaded=max_abs_diff(saved, fsdp_loaded),
+    return dict(writes=writes, loaded=max_abs_diff(saved, loaded), fsdp_loaded=max_abs_diff(saved, fsdp_loaded),
                 safetensors=max_abs_diff(saved, from_safetensors),
                 resumed=max_abs_diff(continued, resumed), moved=max_abs_diff(saved, continued))
+
+
+def _writes_through_the_module(rank: int) -> dict[str, bool]:
+    """Writes a user makes on the experts module after parallelize("ep"), each against the same write on the whole
+    model in one process: the full state dict equal bit for bit (and the weight frozen, for requires_grad_)."""
+    import torch
+    import torch.nn as nn
+
+    import dpar
+
+    experts = lambda m, layer: m.blocks[layer].experts
+    writes = {
+        "copy_": lambda m: experts(m, 0).w_in.copy_(torch.arange(4 * 64 * 32.0).view(4, 64, 32)),
+        "fill_": lambda m: experts(m, 0).b_in.fill_(0.25),
+        "mul_": lambda m: experts(m, 1).w_out.mul_(3.0),
+        "nn.init.normal_": lambda m: (torch.manual_seed(3), nn.init.normal_(experts(m, 1).w_out, std=0.5)),
+        "requires_grad_": lambda m: experts(m, 0).w_in.requires_grad_(False),
+    }
+    found = {}
+    for name, write in writes.items():
+        whole, model = _own_moe(), _own_moe()
+        dpar.parallelize(model, strategy="ep")
+        with torch.no_grad():
+            write(whole)
+            write(model)
+        state, expected = dpar.checkpoint.full_state_dict(model), whole.state_dict()
+        same = rank != 0 or all(torch.equal(state[k], expected[k]) for k in expected)
+        found[name] = same and experts(model, 0).w_in.requires_grad == experts(whole, 0).w_in.requires_grad
+    return found
 
 
 def test_a_checkpoint_reshards_between_ep_degrees_and_to_fsdp_and_safetensors_round_trip(tmp_path) -> None:
     found = run_ranks(_reshard, 4, str(tmp_path / "ckpt"), timeout_s=600)[0]
     print(f"ep 4 -> ddp+ep (ep 2), fsdp: {found}")
+    assert found.pop("writes") == dict.fromkeys(("copy_", "fill_", "mul_", "nn.init.normal_", "requires_grad_"), True)
     assert found["loaded"] == 0.0 and found["fsdp_loaded"] == 0.0 and found["safetensors"] == 0.0
     assert found["resumed"] < 1e-6 < found["moved"]
 

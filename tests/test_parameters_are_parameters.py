@@ -251,7 +251,7 @@ def _own_init(name: str, model: nn.Module) -> None:
 # `-m extended`: HF Llama's fsdp+tp (its 2-D shard of a block is fsdp's and tp's paths together) and torchtitan's
 # Llama 3 (its init_weights() is replayed by the same wrapper as HF's _init_weights; dpar.init_weights replays it by
 # default in tests/test_init_like_one_device.py).
-MODEL_INIT_CASES = (("llama", "fsdp", None), ("llama", "tp", None))
+MODEL_INIT_CASES = (("llama", "fsdp", None), ("llama", "tp", None), ("mixtral", "ep", None))
 EXTENDED_INIT_CASES = (("llama", "fsdp+tp", (1, 2)), ("titan_llama3", "fsdp", None))
 
 

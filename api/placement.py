@@ -42,9 +42,10 @@ def _taking(accepts: Callable[[Strategy], bool], auto: bool = False) -> frozense
     return frozenset(s.value for s in Strategy if accepts(s)) | ({"auto"} if auto else set())
 
 
-_MIXED_PRECISION = _taking(lambda s: s.shards_parameters and not s.tensor_parallel, auto=True)  # auto: its plan decides
+_MIXED_PRECISION = _taking(  # auto: its plan decides
+    lambda s: s.shards_parameters and not s.tensor_parallel and not s.expert_parallel, auto=True)
 _DTYPES_REFUSED = (
-    "{option} applies to the sharded strategies without a tensor axis ("
+    "{option} applies to the sharded strategies without a tensor or expert axis ("
     + ", ".join(sorted(_MIXED_PRECISION - {"auto"})) + "), which gather parameters in param_dtype and "
     "reduce-scatter gradients in reduce_dtype; for {strategy!r} use torch.autocast"
 )
@@ -223,13 +224,20 @@ def _place(
     """Apply each axis role of ``chosen`` to ``model`` (tensor split first: buckets are laid out from the
     split parameters), record the plan, then the data-parallel mode's own step."""
     dp_mesh, tp_mesh = _sub_meshes(chosen, mesh)
-    if chosen.expert_parallel:  # the experts' blocks enter state dicts as Shard(0) DTensors over the ep mesh
-        ep_mesh, replicas = (mesh["ep"], mesh["dp"]) if mesh.ndim == 2 else (mesh, None)
-        expert_parallel.split_experts(model, ep_mesh, tensor_parallel.state_dict_mesh(ep_mesh, replicas, mesh, "ep"))
+    experts = ep_mesh = experts_dp_mesh = None
+    if chosen.expert_parallel:
+        ep_mesh, experts_dp_mesh = (mesh["ep"], mesh["dp"]) if mesh.ndim == 2 else (mesh, None)
+        experts = expert_parallel.split_experts(model, ep_mesh)
     splits = _split_tensor(model, chosen, tp_mesh, tp_plan, example_inputs) if tp_mesh is not None else None
-    buckets = _shard(model, dp_mesh, bucket_cap_mb, options["param_dtype"]) if chosen.shards_parameters else ()
+    if chosen.shards_parameters:  # under fsdp+ep the experts' blocks over "dp", the rest over every rank
+        meshes = dict.fromkeys(experts.parameter_names(), experts_dp_mesh) if experts is not None else None
+        buckets = _shard(model, dp_mesh, bucket_cap_mb, options["param_dtype"], meshes)
+    else:
+        buckets = ()
     if splits is not None:
         tensor_parallel.install_markers(model, splits, tensor_parallel.state_dict_mesh(tp_mesh, dp_mesh, mesh))
+    if experts is not None:  # the experts' blocks enter state dicts as Shard(0) DTensors over the ep mesh
+        experts.install(model, tensor_parallel.state_dict_mesh(ep_mesh, experts_dp_mesh, mesh, "ep"))
     attach(ParallelPlan(  # kept in model's ModelState (see [Note: facts keyed by name, not by tensor])
         chosen, _axes(mesh, _roles(chosen, mesh)), buckets, max_inflight_gathers, options["param_dtype"],
         options["reduce_dtype"], options["sequence_parallel"], options["same_batch_in_tp_group"], options["sync_every"],
@@ -337,7 +345,10 @@ def _roles(strategy: Strategy, mesh: DeviceMesh) -> tuple[AxisRole, ...]:
 
 
 def _sub_meshes(strategy: Strategy, mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """(the data axes' mesh, the tensor axis's mesh), None where the strategy has no such axis."""
+    """(the data axes' mesh, the tensor axis's mesh), None where the strategy has no such axis. Under ep the
+    parameters outside the experts are data parallel over every rank: a 1-D mesh of the whole world."""
+    if strategy.expert_parallel:
+        return (mesh if mesh.ndim == 1 else DeviceMesh(mesh.device_type, torch.arange(mesh.size()))), None
     if not strategy.tensor_parallel:
         return mesh, None
     return (mesh["dp"], mesh["tp"]) if mesh.ndim == 2 else (None, mesh)
@@ -364,12 +375,14 @@ def _split_tensor(
 
 
 def _shard(
-    model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float | None, param_dtype: torch.dtype | None
+    model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float | None, param_dtype: torch.dtype | None,
+    meshes: dict[str, DeviceMesh] | None = None,
 ) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """The shard axis (with any replicate axis beside it, hsdp): each parameter becomes its dim-0 shard over
-    ``mesh``'s last dimension; returns the bucket table, laid out from the (tensor-split) parameters first."""
+    ``mesh``'s last dimension (or over ``meshes[name]``); returns the bucket table, laid out from the
+    (tensor- or expert-split) parameters first."""
     buckets = _bucket_table(model, bucket_cap_mb)
-    sharding.shard_parameters(model, mesh, param_dtype=param_dtype)
+    sharding.shard_parameters(model, mesh, param_dtype=param_dtype, meshes=meshes)
     return buckets
 
 

@@ -63,12 +63,12 @@ from dpar.compiler.pipeline_parallel.schedules import ZERO_BUBBLE
 from dpar.compiler.pipeline_parallel.sharded import ShardLayout, gather_parameters, reduce_scatter_gradients, scattered_variant
 from dpar.core.plan import AxisRole, DataParallel, MeshAxis, ParallelPlan, Strategy
 from dpar.compiler.registry import STAGES_KEY, PassStage, record
-from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout
+from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout, holds_a_block
 from dpar.compiler.tensor_parallel import TensorParallel
 from dpar.runtime.agreement import agree
 from dpar.runtime.gradient_sync import BackwardDispatch, ForwardDispatch, Variant
 from dpar.runtime.liveness import Watched, compiling
-from dpar.core.facts import period_of, tensor_parallel_spec_of
+from dpar.core.facts import period_of
 from dpar.core.pipeline_program import StageGraphs, SyncVariant
 from dpar.runtime.local_sgd import choose_variant
 from dpar.core.world import World, group_ranks
@@ -142,7 +142,7 @@ class PassListing:
     def __init__(self, plan: ParallelPlan, inputs: Sequence[GraphInput], world: World, options: Options) -> None:
         self.plan, self.inputs, self.world, self.options = plan, list(inputs), world, options
         self.tensor = TensorParallel(inputs, plan) if plan.strategy.tensor_parallel else None
-        self.sharded = ShardedGroups(inputs, plan) if plan.strategy.shards_parameters else None
+        self.sharded = ShardedGroups(inputs, plan, self._world_axis()) if plan.strategy.shards_parameters else None
         replicate = plan.axis(AxisRole.REPLICATE)
         self.gradients = (
             GradientBuckets(self._replicated(inputs), options.bucket_cap_bytes, from_cost=options.bucket_cap_mb is None)
@@ -162,16 +162,17 @@ class PassListing:
         """The inputs whose gradients ddp's buckets all-reduce, grouped by the axis they average over. Under ep
         the experts' blocks are whole on their rank over the ep axis (see [Note: routed tokens in fixed-size
         buffers]): they average over "dp" only (ddp+ep; ep alone: nowhere), the rest over every rank."""
-        expert = self.plan.axis(AxisRole.EXPERT)
         replicate = self.plan.axis(AxisRole.REPLICATE)
-        if expert is None:
+        if not self.plan.strategy.expert_parallel:
             return [(list(inputs), replicate)]
-        is_expert = lambda i: i.kind is InputKind.PARAMETER and getattr(tensor_parallel_spec_of(i.tensor()), "dim", None) is not None
-        world = MeshAxis("world", AxisRole.REPLICATE, self.world.size, self.world.group_name)
-        groups = [([i for i in inputs if not is_expert(i)], world)]
+        groups = [([i for i in inputs if not holds_a_block(i)], self._world_axis())]
         if replicate is not None:
-            groups.append(([i for i in inputs if is_expert(i)], replicate))
+            groups.append(([i for i in inputs if holds_a_block(i)], replicate))
         return groups
+
+    def _world_axis(self) -> MeshAxis:
+        """Every rank, as one data axis: under ep the parameters outside the experts are data parallel over it."""
+        return MeshAxis("world", AxisRole.REPLICATE, self.world.size, self.world.group_name)
 
     # The stages, in the order a graph meets them.
 

@@ -19,8 +19,8 @@ from dpar.compiler.options import DDP_BUCKET_CAP_MB
 from dpar.compiler.passes.prefetch import prefetch_all_gathers_pass, prefetch_distance
 from dpar.compiler.passes.reduce_scatter import bucket_reduce_scatters_pass
 from dpar.compiler.passes.reshard import tag_gathers
-from dpar.core.plan import AxisRole, ParallelPlan
-from dpar.core.facts import spec_of
+from dpar.core.plan import AxisRole, MeshAxis, ParallelPlan
+from dpar.core.facts import spec_of, tensor_parallel_spec_of
 from dpar.core.torch_internals import FakeScriptObject
 
 log = logging.getLogger("dpar")
@@ -47,17 +47,27 @@ def flat_layout(inputs: Sequence[GraphInput], example_inputs: Sequence[Any]) -> 
     return layout
 
 
+def holds_a_block(inp: GraphInput) -> bool:
+    """A parameter held as this rank's block of it (split by tensor parallel, or an experts module's experts)."""
+    return inp.kind is InputKind.PARAMETER and getattr(tensor_parallel_spec_of(inp.tensor()), "dim", None) is not None
+
+
 class ShardedGroups:
     """The plan's buckets as the graphs see them (flat input and gradient positions), and the
-    passes that gather, reduce-scatter and prefetch them over the shard axis."""
+    passes that gather, reduce-scatter and prefetch them over the shard axis.
 
-    def __init__(self, inputs: Sequence[GraphInput], plan: ParallelPlan) -> None:
+    Under zero2/fsdp+ep the experts' blocks are sharded over the shard axis ("dp") and the other
+    parameters over every rank (``world``): each bucket splits in two, one per axis."""
+
+    def __init__(self, inputs: Sequence[GraphInput], plan: ParallelPlan, world: MeshAxis) -> None:
         self.inputs, self.plan = list(inputs), plan
         shard, replicate = plan.axis(AxisRole.SHARD), plan.axis(AxisRole.REPLICATE)
         assert shard is not None, "a sharded strategy's plan has a shard axis"
         self.shard = shard
+        self.world = world if plan.strategy.expert_parallel else shard
         self.replicate = (replicate.group_name, replicate.size) if replicate is not None else None  # hsdp
         self.groups: list[ParameterGroup] = []
+        self.axis_of: dict[str, MeshAxis] = {}  # group name -> the axis it is gathered and reduce-scattered over
 
     def plan_groups(self, flat_values: Sequence[Any]) -> None:
         """Group the sharded parameters' flat positions by bucket, from the flat forward inputs."""
@@ -66,12 +76,19 @@ class ShardedGroups:
         for inp in self.inputs:
             spec = spec_of(inp.tensor()) if inp.kind is InputKind.PARAMETER else None
             if spec is not None:
-                by_bucket.setdefault(self.plan.bucket_of(spec.name), []).append(layout[inp.index])
+                axis = self.shard if holds_a_block(inp) else self.world
+                name = self.plan.bucket_of(spec.name) + ("" if axis is self.shard else " (world)")
+                self.axis_of[name] = axis
+                by_bucket.setdefault(name, []).append(layout[inp.index])
         self.groups = [
             ParameterGroup(name, tuple(i for i, _ in pairs), tuple(g for _, g in pairs))
             for name, pairs in by_bucket.items()
         ]
         log.info("sharded buckets: %s", [(g.name, len(g.inputs)) for g in self.groups])
+
+    def _by_axis(self) -> list[tuple[MeshAxis, list[ParameterGroup]]]:
+        axes = dict.fromkeys(self.axis_of[g.name] for g in self.groups)  # the world's first, as the buckets go
+        return [(axis, [g for g in self.groups if self.axis_of[g.name] is axis]) for axis in axes]
 
     def tag_gathers(self, joint: fx.GraphModule) -> fx.GraphModule:
         """Plan the groups from the joint graph's inputs, and tag what the backward gathers again."""
@@ -80,13 +97,17 @@ class ShardedGroups:
         return tag_gathers(joint, self.groups, reshard_after_forward=self.plan.strategy.reshard_after_forward)
 
     def all_gathers(self, gm: fx.GraphModule) -> fx.GraphModule:
-        return bucket_all_gathers_pass(gm, self.groups, group_name=self.shard.group_name, world_size=self.shard.size)
+        for axis, groups in self._by_axis():
+            gm = bucket_all_gathers_pass(gm, groups, group_name=axis.group_name, world_size=axis.size)
+        return gm
 
     def reduce_scatters(self, gm: fx.GraphModule) -> fx.GraphModule:
-        return bucket_reduce_scatters_pass(
-            gm, self.groups, group_name=self.shard.group_name, world_size=self.shard.size,
-            reduce_dtype=self.plan.reduce_dtype, replicate=self.replicate,
-        )
+        for axis, groups in self._by_axis():
+            gm = bucket_reduce_scatters_pass(
+                gm, groups, group_name=axis.group_name, world_size=axis.size,
+                reduce_dtype=self.plan.reduce_dtype, replicate=self.replicate,
+            )
+        return gm
 
     def prefetch(self, gm: fx.GraphModule) -> fx.GraphModule:
         distance = self.plan.max_inflight_gathers

@@ -79,6 +79,8 @@ class Strategy(enum.Enum):
     LOCAL_SGD = "local_sgd"
     EP = "ep"
     DDP_EP = "ddp+ep"
+    ZERO2_EP = "zero2+ep"
+    FSDP_EP = "fsdp+ep"
 
     @classmethod
     def parse(cls, name: str, auto: bool = True) -> Strategy:
@@ -161,6 +163,9 @@ _SHAPES: dict[Strategy, tuple[DataParallel | None, tuple[AxisRole, ...]]] = {
     # The ep axis is a data axis too: the parameters outside the experts are ddp's over it.
     Strategy.EP: (DataParallel.DDP, (AxisRole.EXPERT,)),
     Strategy.DDP_EP: (DataParallel.DDP, (AxisRole.REPLICATE, AxisRole.EXPERT)),
+    # The experts' blocks sharded over "dp", the rest over every rank (see ShardedGroups).
+    Strategy.ZERO2_EP: (DataParallel.ZERO2, (AxisRole.SHARD, AxisRole.EXPERT)),
+    Strategy.FSDP_EP: (DataParallel.FSDP, (AxisRole.SHARD, AxisRole.EXPERT)),
 }
 
 _NO_BUCKETS = {

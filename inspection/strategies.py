@@ -87,7 +87,7 @@ STRATEGIES: dict[str, InspectedStrategy] = {
     **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.DDP, Strategy.ZERO2, Strategy.FSDP, Strategy.HSDP, Strategy.TP)},
     "tp+sp": InspectedStrategy("tp+sp", Strategy.TP, (("sequence_parallel", True),)),
     **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.DDP_TP, Strategy.ZERO2_TP, Strategy.FSDP_TP)},
-    **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.EP, Strategy.DDP_EP)},
+    **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.EP, Strategy.DDP_EP, Strategy.ZERO2_EP, Strategy.FSDP_EP)},
     "auto": InspectedStrategy("auto", None),
 }
 

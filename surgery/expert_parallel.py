@@ -10,6 +10,7 @@ surgery/tensor_parallel.py), and the module's forward becomes runtime/expert_par
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -41,9 +42,25 @@ def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def split_experts(model: nn.Module, ep_mesh: DeviceMesh, state_dict_mesh: DeviceMesh) -> None:
-    """Keep this rank's experts of every experts module (rank 0's values), and swap each module's forward for the
-    exchange over ``ep_mesh``; refuses a model with no experts module, or experts the ep degree does not divide."""
+@dataclasses.dataclass(frozen=True)
+class ExpertSplit:
+    """What ``split_experts`` did: each experts module's split weights, and the forward that exchanges its tokens
+    (for ``tensor_parallel.install_markers``, after any sharding of the blocks over "dp")."""
+
+    splits: tensor_parallel.Splits
+    forwards: dict[nn.Module, Callable[..., Any]]
+
+    def parameter_names(self) -> list[str]:
+        return [spec.name for specs in self.splits.values() for spec in specs.values()]
+
+    def install(self, model: nn.Module, state_dict_mesh: DeviceMesh) -> None:
+        tensor_parallel.install_markers(model, self.splits, state_dict_mesh, self.forwards)
+
+
+def split_experts(model: nn.Module, ep_mesh: DeviceMesh) -> ExpertSplit:
+    """Keep this rank's experts of every experts module (rank 0's values), and build each module's forward that
+    exchanges tokens over ``ep_mesh``; refuses a model with no experts module, or experts the ep degree does not
+    divide."""
     found = experts_modules(model)
     ep = ep_mesh.size()
     if not found:
@@ -73,7 +90,7 @@ def split_experts(model: nn.Module, ep_mesh: DeviceMesh, state_dict_mesh: Device
             forwards[module] = _exchanging(exchange, forward, layout)
         else:  # torchtitan's reads no count (its MoE sizes buffers by num_experts: left whole)
             forwards[module] = _exchanging(exchange_grouped, forward, layout)
-    tensor_parallel.install_markers(model, {m: s for m, s in splits.items() if m in forwards}, state_dict_mesh, forwards)
+    return ExpertSplit({m: s for m, s in splits.items() if m in forwards}, forwards)
 
 
 def _convention(module: nn.Module) -> int:

@@ -96,16 +96,18 @@ def _gathering_class(
     return type(f"Sharded{cls.__name__}", (cls,), members)
 
 
-def shard_parameters(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None) -> list[ShardSpec]:
-    """Replace every parameter of ``model`` by its dim-0 shard over ``mesh``, in place."""
+def shard_parameters(
+    model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+    meshes: dict[str, DeviceMesh] | None = None,
+) -> list[ShardSpec]:
+    """Replace every parameter of ``model`` by its dim-0 shard over ``mesh`` (or over ``meshes[name]``: under
+    fsdp+ep the experts' blocks over "dp", the rest over every rank), in place."""
     scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
     if scalars:  # refuse before anything is replaced
         raise OptionsError(
             f"parameter {scalars[0]} is a scalar, which cannot be sharded on dim 0; "
             "give it shape [1] or keep the model unsharded"
         )
-    # 1-D: shard over the mesh. 2-D (hsdp): replicate over dim 0, shard over dim 1.
-    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
     specs = []
     state = model_state.state_of(model, create=True)
     shard_of: dict[int, nn.Parameter] = {}  # tied weights: one shard, read by every owner
@@ -119,8 +121,11 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtyp
                 module._parameters[name] = shard_of[id(full)]
                 continue
             qualified = f"{module_name}.{name}" if module_name else name
+            over = (meshes or {}).get(qualified, mesh)
+            # 1-D: shard over the mesh. 2-D (hsdp): replicate over dim 0, shard over dim 1.
+            placements = [Shard(0)] if over.ndim == 1 else [Replicate(), Shard(0)]
             shard = nn.Parameter(
-                distribute_tensor(full.detach(), mesh, placements), requires_grad=full.requires_grad
+                distribute_tensor(full.detach(), over, placements), requires_grad=full.requires_grad
             )
             spec = ShardSpec(name=qualified, global_shape=tuple(full.shape))
             module._parameters[name] = shard_of[id(full)] = shard

@@ -96,7 +96,9 @@ CASES = {
     # One launch per model: one process training both under ep loses a rank (docs/limitations.md).
     "titan_deepseek": (("titan_deepseek", "ep", None),),
     "titan_qwen3_moe": (("titan_qwen3_moe", "ep", None),),
-    4: (("own_moe", "ep", None), ("mixtral", "ep", None), ("own_moe", "ddp+ep", (2, 2)), ("qwen3_moe", "ddp+ep", (2, 2))),
+    # On ("dp", "ep") meshes: the experts' blocks replicated (ddp+ep) or sharded (zero2+ep, fsdp+ep) over "dp".
+    4: (("own_moe", "ep", None), ("own_moe", "ddp+ep", (2, 2)), ("own_moe", "fsdp+ep", (2, 2)),
+        ("qwen3_moe", "fsdp+ep", (2, 2)), ("mixtral", "zero2+ep", (2, 2))),
 }
 
 
@@ -188,9 +190,45 @@ def test_each_rank_holds_its_experts_and_the_state_dict_holds_them_whole(world_o
     assert {c.bytes for c in tokens} == {4 * 16 * 2 * 32 * 4}  # ep x pairs x width x 4 bytes, each way
 
 
+def test_fsdp_ep_shards_the_experts_over_dp_and_the_rest_over_every_rank(world_of_four) -> None:
+    """fsdp+ep on a (2, 2) ("dp", "ep") mesh of fake ranks: a rank holds 2 experts of 4 (ep 2), each sharded over
+    "dp" (1 of them in its shard), and 1/4 of every other parameter; the graphs gather and reduce-scatter the experts
+    over "dp" and the rest over the world, one bucket per block and axis."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import dpar
+    from third_party import global_batch
+
+    model = _own_moe()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    dpar.parallelize(model, strategy="fsdp+ep", mesh=mesh)
+    w_in = model.blocks[0].experts.w_in
+    assert w_in.shape == (2, 64, 32) and w_in.to_local().shape == (1, 64, 32) and w_in.device_mesh == mesh["dp"]
+    state = model.state_dict()
+    assert state["blocks.0.experts.w_in"].shape == (4, 64, 32)
+    assert state["blocks.0.experts.w_in"].placements == (Shard(0), Shard(0))
+    assert state["blocks.0.router.weight"].placements == (Shard(0),) and state["blocks.0.router.weight"].device_mesh.size() == 4
+    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    runner(*(t[:2] for t in global_batch(0, 8))).backward()
+    world, dp = dist.group.WORLD.group_name, mesh["dp"].get_group().group_name
+    experts_shard = sum(p.numel() for n, p in _own_moe().named_parameters() if ".experts." in n) * 4 // 4
+    rest_shard = sum(p.numel() for n, p in _own_moe().named_parameters() if ".experts." not in n) * 4 // 4
+    forward = next(g for g in world_of_four if g.label == "forward graph")
+    gathered = {group: sum(c.bytes for c in forward.collectives if c.kind == "all_gather" and c.group == group)
+                for group in (world, dp)}
+    assert gathered == {world: rest_shard, dp: experts_shard}  # fsdp: every shard gathered once in the forward
+    backward = next(g for g in world_of_four if g.label == "backward graph")
+    scattered = {group: [c for c in backward.collectives if c.kind == "reduce_scatter" and c.group == group]
+                 for group in (world, dp)}
+    assert len(scattered[dp]) == 2 and len(scattered[world]) == 3  # per block, plus the root bucket over the world
+
+
 def _reshard(rank: int, world_size: int, directory: str) -> dict | None:
-    """ep 4 trains 2 steps and saves (DCP); ddp+ep (2 x 2, ep 2) and fsdp 4 load it from other weights: their
-    parameters equal the saved ones exactly, and one more step of ddp+ep equals one more step of ep 4. Its
+    """ep 4 trains 2 steps and saves (DCP); fsdp+ep (2 x 2, ep 2) and fsdp 4 load it from other weights: their
+    parameters equal the saved ones exactly, and one more step of fsdp+ep equals one more step of ep 4. Its
     safetensors export loads back into ep 4 exactly; writes through the experts module reach its experts."""
     import torch
     import torch._dynamo
@@ -224,7 +262,7 @@ def _reshard(rank: int, world_size: int, directory: str) -> dict | None:
 
     saved, continued = trained("ep", 0, range(3))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
-    loaded, resumed = trained("ddp+ep", 1, range(2, 3), mesh=mesh, load=True)
+    loaded, resumed = trained("fsdp+ep", 1, range(2, 3), mesh=mesh, load=True)
     fsdp_loaded, _ = trained("fsdp", 1, range(0), load=True)
     torch._dynamo.reset()
     model = _own_moe()
@@ -270,7 +308,7 @@ def _writes_through_the_module(rank: int) -> dict[str, bool]:
 
 def test_a_checkpoint_reshards_between_ep_degrees_and_to_fsdp_and_safetensors_round_trip(tmp_path) -> None:
     found = run_ranks(_reshard, 4, str(tmp_path / "ckpt"), timeout_s=600)[0]
-    print(f"ep 4 -> ddp+ep (ep 2), fsdp: {found}")
+    print(f"ep 4 -> fsdp+ep (ep 2), fsdp: {found}")
     assert found.pop("writes") == dict.fromkeys(("copy_", "fill_", "mul_", "nn.init.normal_", "requires_grad_"), True)
     assert found["loaded"] == 0.0 and found["fsdp_loaded"] == 0.0 and found["safetensors"] == 0.0
     assert found["resumed"] < 1e-6 < found["moved"]
@@ -278,18 +316,20 @@ def test_a_checkpoint_reshards_between_ep_degrees_and_to_fsdp_and_safetensors_ro
 
 def test_inspection_shows_each_ranks_experts_and_prices_the_all_to_alls() -> None:
     """dpar.explain at 8 simulated ranks, own MoE with 8 experts: under ep a rank holds the parameters outside the
-    experts and 1 expert of 8 (ddp: all of them); the forward's all-to-alls carry 8 x T x k rows of the width and
+    experts and 1 expert of 8 (ddp: all of them; fsdp+ep on (4, 2): a quarter of 4 experts and 1/8 of the rest); the forward's all-to-alls carry 8 x T x k rows of the width and
     are priced by the α-β model."""
     import dpar
     from third_party import global_batch
 
     batch = tuple(t[:2] for t in global_batch(0, 16))  # this rank's 2 rows of 8 tokens
-    reports = {strategy: dpar.explain(_own_moe(8), batch, strategy=strategy, world_size=8) for strategy in ("ddp", "ep")}
+    reports = {strategy: dpar.explain(_own_moe(8), batch, strategy=strategy, world_size=8)
+               for strategy in ("ddp", "ep", "fsdp+ep")}
     model = _own_moe(8)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 4
     rest = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * 4
     assert reports["ddp"].memory.parameters == experts + rest
     assert reports["ep"].memory.parameters == experts // 8 + rest
+    assert reports["fsdp+ep"].memory.parameters == experts // 2 // 4 + rest // 8  # (4, 2) mesh: ep 2, dp 4
     exchanged = [c for c in reports["ep"].collectives if c.kind == "all_to_all" and c.dtype == "float32"]
     assert len(exchanged) == 2 * 2 + 2 * 2  # tokens out and back per layer, forward and backward
     assert {c.bytes for c in exchanged} == {8 * 16 * 2 * 32 * 4}

@@ -26,18 +26,19 @@ def named(predicate) -> set[str]:
 
 
 def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
-    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "ep", "ddp+ep", "auto")
+    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "ep", "ddp+ep", "zero2+ep", "fsdp+ep", "auto")
     assert TENSOR_PARALLEL == ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
     assert named(lambda s: s.all_reduces_gradients) == {"ddp", "ddp+tp", "zero1", "ep", "ddp+ep"}
-    assert named(lambda s: s.expert_parallel) == {"ep", "ddp+ep"}
+    assert named(lambda s: s.expert_parallel) == {"ep", "ddp+ep", "zero2+ep", "fsdp+ep"}
     assert named(lambda s: s.identical_gradients) == {"ddp", "zero1"}
-    assert named(lambda s: s.shards_parameters) == {"zero2", "fsdp", "hsdp", "zero2+tp", "fsdp+tp"}
-    assert named(lambda s: s.reshard_after_forward) == {"fsdp", "hsdp", "fsdp+tp"}
+    assert named(lambda s: s.shards_parameters) == {"zero2", "fsdp", "hsdp", "zero2+tp", "fsdp+tp", "zero2+ep", "fsdp+ep"}
+    assert named(lambda s: s.reshard_after_forward) == {"fsdp", "hsdp", "fsdp+tp", "fsdp+ep"}
     assert named(lambda s: s.buckets_laid_out_by is None) == {"tp", "local_sgd"}
     assert PRICED == ("ddp", "zero2", "fsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp")
     assert S.HSDP.roles == (AxisRole.REPLICATE, AxisRole.SHARD) and S.HSDP.mesh_dim_names == ("replicate", "shard")
     assert S.FSDP_TP.mesh_dim_names == ("dp", "tp") and S.FSDP.mesh_dim_names == ("shard",)
     assert S.EP.roles == (AxisRole.EXPERT,) and S.EP.mesh_dim_names == ("ep",) and S.DDP_EP.mesh_dim_names == ("dp", "ep")
+    assert S.FSDP_EP.roles == (AxisRole.SHARD, AxisRole.EXPERT) and S.FSDP_EP.mesh_dim_names == ("dp", "ep")
     table = {name: (s.strategy, s.local_state, s.shards_parameters, s.takes_bucket_cap, s.reduces_gradients)
              for name, s in INSPECTED.items()}
     assert table == {
@@ -47,6 +48,7 @@ def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
         "ddp+tp": (S.DDP_TP, True, False, False, True), "zero2+tp": (S.ZERO2_TP, True, False, True, True),
         "fsdp+tp": (S.FSDP_TP, True, False, True, True), "auto": (None, True, False, False, False),
         "ep": (S.EP, True, False, False, True), "ddp+ep": (S.DDP_EP, True, False, False, True),
+        "zero2+ep": (S.ZERO2_EP, True, False, True, True), "fsdp+ep": (S.FSDP_EP, True, False, True, True),
     }
 
 
@@ -94,7 +96,7 @@ def test_validation_table_names_the_strategies_taking_each_option() -> None:
     assert ACCEPTS["sequence_parallel"][0] == set(TENSOR_PARALLEL) == ACCEPTS["same_batch_in_tp_group"][0]
     assert ACCEPTS["sync_every"][0] == {"local_sgd"} == ACCEPTS["outer_optimizer"][0]
     assert ACCEPTS["param_dtype"][0] == {"zero2", "fsdp", "hsdp", "auto"} == ACCEPTS["reduce_dtype"][0]
-    with pytest.raises(OptionsError, match=r"param_dtype applies to the sharded strategies without a tensor axis \(fsdp, hsdp, zero2\).*for 'zero1' use torch.autocast"):
+    with pytest.raises(OptionsError, match=r"param_dtype applies to the sharded strategies without a tensor or expert axis \(fsdp, hsdp, zero2\).*for 'zero1' use torch.autocast"):
         dpar.parallelize(torch.nn.Linear(4, 4), strategy="zero1", param_dtype=torch.bfloat16)
 
 

@@ -440,6 +440,8 @@ def _mesh_of_plan(model: nn.Module, plan: Plan, ranks: torch.Tensor | None = Non
     """
     device_type = _mesh_device_type(model)
     ranks = ranks if ranks is not None else torch.arange(math.prod(plan.mesh_shape)).reshape(plan.mesh_shape)
+    if "ep" in plan.mesh_dim_names:  # ("ep",) or ("dp", "ep"), as planner/layout.py places an ep axis
+        return DeviceMesh(device_type, ranks, mesh_dim_names=plan.mesh_dim_names)
     if "tp" not in plan.mesh_dim_names or plan.data_parallel_degree == 1:  # the other axes have size 1
         return DeviceMesh(device_type, ranks.flatten())
     tp = plan.mesh_dim_names.index("tp")

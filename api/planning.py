@@ -243,7 +243,8 @@ def _mesh_dim_names(names: Sequence[str] | None, shape: tuple[int, ...]) -> tupl
         return None
     names = tuple(names)
     if len(names) != len(shape) or any(n not in ROLES for n in names):
-        raise OptionsError(f"mesh_dim_names must name each of the {len(shape)} mesh dimension(s) 'dp' or 'tp'; got {names}")
+        raise OptionsError(
+            f"mesh_dim_names must name each of the {len(shape)} mesh dimension(s) 'dp', 'tp' or 'ep'; got {names}")
     if names.count("tp") > 1:
         raise OptionsError(f"mesh_dim_names {names}: at most one dimension can be 'tp' (the runtime applies one tp axis)")
     return names
@@ -260,8 +261,15 @@ def _usable_layouts(graph: OpGraph, shape: tuple[int, ...], names: tuple[str, ..
                 f"mesh_dim_names {names} asks for tensor parallel over {tp} ranks, but {tp} divides no shardable "
                 f"dimension of the model{example}; use a tp degree that divides the hidden sizes, or make that dimension 'dp'"
             )
+    counts = tuple(info.num_experts for info in graph.experts)
+    if names is not None and "ep" in names and not layouts(shape, names, counts):
+        raise OptionsError(
+            f"mesh_dim_names {names} asks for expert parallel over {shape[names.index('ep')]} ranks, but "
+            + (f"the model's experts modules hold {sorted(set(counts))} experts, which it does not divide" if counts
+               else "the model has no routed experts module")
+            + "; an 'ep' axis is the last, after at most one 'dp' ('ep' or ('dp', 'ep')), of a degree dividing the experts")
     found = [
-        layout for layout in layouts(shape, names)
+        layout for layout in layouts(shape, names, counts)
         if graph.batch_size % layout.dp_degree == 0 and _splits_a_parameter(graph, layout.tp_degree)
     ]
     if not found:

@@ -430,8 +430,8 @@ def node_flops(node: fx.Node) -> int:
 
     torch's flop counter formulas (mm, addmm, bmm, baddbmm, convolution, the fused attention
     kernels), and the composite ops a non-decomposed (exported) graph keeps whole: ``aten.linear``
-    (2·M·K·N; the bias's M·N is not counted, as addmm's formula does not), ``aten.matmul``
-    (2·out·K) and scaled-dot-product attention (Q·Kᵀ and P·V: 2·B·H·S_q·S_k·(D_qk + D_v), torch's
+    (2·M·K·N; the bias's M·N is not counted, as addmm's formula does not), ``aten.matmul`` and the experts'
+    grouped matmuls (2·out·K) and scaled-dot-product attention (Q·Kᵀ and P·V: 2·B·H·S_q·S_k·(D_qk + D_v), torch's
     formula; no causal halving; its fused backward twice that: dQ, dK, dV and dP, torch's count, which
     is the planner's "one forward per gradient" for an op of two inputs). 0 for every other op (elementwise, norms, softmax, embedding, loss):
     their time is the bytes they move (``node_cost``'s roofline), not their arithmetic.
@@ -442,8 +442,10 @@ def node_flops(node: fx.Node) -> int:
     out = example_value(node)
     if packet is _aten.linear:
         return 2 * int(_tensor_numel(out)) * int(example_value(node.args[1]).shape[-1])
-    if packet is _aten.matmul:
+    if packet is _aten.matmul or _grouped_mm(packet) == "forward":
         return 2 * int(_tensor_numel(out)) * int(example_value(node.args[0]).shape[-1])
+    if _grouped_mm(packet) == "backward":  # (input, weight, offs, grad_output): the input's and the weight's gradients
+        return 4 * int(_tensor_numel(example_value(node.args[3]))) * int(example_value(node.args[0]).shape[-1])
     if packet in _ATTENTION or packet in _ATTENTION_BACKWARD:
         q, k, v = (example_value(a) for a in node.args[int(packet in _ATTENTION_BACKWARD):][:3])
         forward = 2 * (int(q.numel()) // int(q.shape[-1])) * int(k.shape[-2]) * (int(q.shape[-1]) + int(v.shape[-1]))
@@ -454,6 +456,16 @@ def node_flops(node: fx.Node) -> int:
     args = pytree.tree_map(example_value, node.args)
     kwargs = pytree.tree_map(example_value, dict(node.kwargs))
     return int(formula(*args, out_val=out, **kwargs))
+
+
+# Routed experts' grouped matmuls, rows (M, K) by per-expert weights into (M, N): torch's, and Hugging Face's own
+# ops where torch's kernel is not available (CPU, meta). torch's flop counter has no formula for them.
+_GROUPED_MM = {"_grouped_mm": "forward", "grouped_mm_fallback": "forward", "grouped_mm_fallback_backward": "backward"}
+
+
+def _grouped_mm(packet: Any) -> str | None:
+    """``forward`` or ``backward`` for a grouped matmul's op, None for any other."""
+    return None if packet is None else _GROUPED_MM.get(str(packet).rsplit(".", 1)[-1])
 
 
 def _tensor_numel(value: Any) -> int:

@@ -56,8 +56,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from dpar.compiler.costs import flash_attention, is_kernel, node_flops
 from dpar.compiler.propagation import rules
-from dpar.planner.opgraph import Op, OpGraph
+from dpar.planner.opgraph import ExpertsInfo, Op, OpGraph
 from dpar.planner.repeats import collapse_repeats
+from dpar.surgery.expert_parallel import experts_modules
 from dpar.core.errors import OptionsError
 from dpar.core.torch_internals import OpOverload, pytree
 
@@ -231,7 +232,24 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
         source[node] = len(ops) - 1
     ops = [dataclasses.replace(op, kernels=op.kernels + folded[i]) if folded.get(i) and op.kernels is not None else op
            for i, op in enumerate(ops)]
-    return collapse_repeats(ops, list(parameters.items()), batch_size, batch_bytes)
+    graph = collapse_repeats(ops, list(parameters.items()), batch_size, batch_bytes)
+    return dataclasses.replace(graph, experts=_experts(model, graph))
+
+
+def _experts(model: nn.Module, graph: OpGraph) -> tuple[ExpertsInfo, ...]:
+    """The model's routed experts modules, with the (token, expert) rows their first op reads: its first 2-D
+    activation input, ``(rows, width)``."""
+    owner = {p.name: p.op for p in graph.params}
+    found = []
+    for name, module in experts_modules(model).items():
+        params = tuple(f"{name}.{p}" for p, _ in module.named_parameters(recurse=False))
+        op = next((graph.ops[owner[p]] for p in params if owner.get(p) is not None), None)
+        read = None if op is None else next(
+            ((shape, size) for shape, size in zip(op.input_shapes, op.input_itemsizes) if len(shape) == 2), None)
+        if read is not None:
+            (rows, width), itemsize = read
+            found.append(ExpertsInfo(name, params, module.num_experts, rows, width, itemsize))
+    return tuple(found)
 
 
 def _backward_reads(

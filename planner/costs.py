@@ -41,6 +41,13 @@ The batch: each rank is fed its own rows (see [Note: which mesh axes split the d
 ``plan.py``), and the ranks of a tp group compute on the same rows, so a tp layout first
 all-gathers the group's slices of the inputs that carry the batch (their own dtype, not bf16).
 
+Expert parallelism (an ``ep`` axis, planner/layout.py): each routed experts module's parameters take 1/ep per rank,
+their data-parallel collectives, state sharding and α terms run over the ``dp`` axes only (the rest's over ``dp`` and
+``ep``), and each module exchanges its (token, expert) rows as the runtime does ([Note: routed tokens in fixed-size
+buffers]): ep x (its rows / D) x width bytes per all-to-all, two forward (out and back) plus one of the int64 expert
+ids, two backward, on the critical path like tp's. The experts' compute is priced as the op graph holds it, at a
+balanced routing.
+
 Overlap: data-parallel collectives of the forward (zero2/fsdp gathers) hide behind forward
 compute and those of the backward (gradient reduction, fsdp's second gather) behind
 backward compute: exposed = max(0, comm - compute) per phase. That is the device's
@@ -54,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 
 import sympy
 
@@ -102,7 +110,8 @@ DP_KERNELS = {  # (phase, trained only, not the root's, of the local shard only)
         ("backward", True, False, False), ("backward", True, False, False),
     ),
 }
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+EXPERT_ID_BYTES = 8  # int64: the local expert id sent with each row
 
 _comm_time = {k: sympy.lambdify((N, B, ALPHA, BETA), comm_time_expr(k), "math") for k in KINDS}
 _moved = {k: sympy.lambdify((N, B), moved_bytes_expr(k), "math") for k in KINDS}
@@ -145,14 +154,14 @@ class CostModel:
     def __init__(self, graph: OpGraph, layout: Layout, device: DeviceSpec) -> None:
         self.graph, self.layout, self.device = graph, layout, device
         self.links = device.links(layout.mesh_shape) if math.prod(layout.mesh_shape) > 1 else ()  # one rank: no link
-        self.dp, self.tp = layout.dp_degree, layout.tp_degree
+        self.dp, self.tp, self.ep = layout.dp_degree, layout.tp_degree, layout.ep_degree
+        self.experts = graph.expert_parameters() if self.ep > 1 else frozenset()  # split over ep: 1/ep per rank
         self.owned: dict[int, list[ParamInfo]] = defaultdict(list)
         for info in graph.params:
             if info.op is not None:
                 self.owned[info.op].append(info)
-        trained = {p.bucket for p in graph.params if p.op is not None and p.requires_grad}
-        every = trained | {p.bucket for p in graph.params if p.op is not None}
-        self.buckets = {(True, False): len(trained), (False, False): len(every), (False, True): len(every - {"root"})}
+        self.buckets = _bucket_counts(p for p in graph.params if p.name not in self.experts)
+        self.expert_buckets = _bucket_counts(p for p in graph.params if p.name in self.experts)
         self.saved_output = [op.saves_output for op in graph.ops]  # held from the forward to the backward
         self.grad_readers = [0] * len(graph.ops)  # instances of readers handing a gradient back, all instances
         for e in graph.edges:
@@ -179,11 +188,43 @@ class CostModel:
         return [(k, phase, t, r, self.buckets[t, r]) for k, phase, t, r in DP_COLLECTIVES[self.layout.data_parallel]]
 
     def dp_latency(self) -> dict[str, float]:
-        """The α part of the data-parallel collectives: one per bucket and kind, whatever the candidates."""
+        """The α part of the data-parallel collectives: one per bucket and kind, whatever the candidates (under ep
+        the experts' buckets apart, over the ``dp`` axes)."""
         seconds = {"forward": 0.0, "backward": 0.0}
-        for kind, phase, _, _, buckets in self.dp_collectives():
+        for kind, phase, trained_only, not_root, buckets in self.dp_collectives():
             seconds[phase] += buckets * self.collective(kind, 0.0, self.layout.dp_axes)
+            if self.experts and self.layout.expert_dp_degree > 1:
+                experts = self.expert_buckets[trained_only, not_root]
+                seconds[phase] += experts * self.collective(kind, 0.0, self.layout.expert_dp_axes)
         return seconds
+
+    def param_numel(self, info: ParamInfo, placement: str) -> float:
+        """Elements per rank of a parameter placed ``placement`` on the tp axis (an expert's: 1/ep of them)."""
+        return local_numel(info.shape, placement, self.tp) / (self.ep if info.name in self.experts else 1)
+
+    def reduced_over(self, expert: bool) -> tuple[int, ...]:
+        """The axes a parameter's data-parallel collectives run over: the experts' over ``dp``, the rest's over every
+        data axis; () where that is one rank."""
+        axes = self.layout.expert_dp_axes if expert else self.layout.dp_axes
+        return axes if math.prod(self.layout.mesh_shape[a] for a in axes) > 1 else ()
+
+    def expert_exchange(self) -> list[tuple[str, str, float, int, str]]:
+        """(kind, phase, bytes of one, count, where) of the experts' all-to-alls per step (see the Note)."""
+        if not self.experts:
+            return []
+        found = []
+        for info in self.graph.experts:
+            rows = self.ep * info.rows / self.dp  # fixed-size buffers: this rank's rows to each of ep ranks
+            where = f"{info.module}: rows to their experts and back"
+            found += [("all_to_all", "forward", rows * info.width * info.itemsize, 2, where),
+                      ("all_to_all", "forward", rows * EXPERT_ID_BYTES, 1, f"{info.module}: the rows' expert ids"),
+                      ("all_to_all", "backward", rows * info.width * info.itemsize, 2, where)]
+        return found
+
+    def expert_exchange_seconds(self) -> float:
+        """The all-to-alls' time, on the critical path."""
+        return sum(count * self.collective(kind, nbytes, (self.layout.ep_axis,))
+                   for kind, _, nbytes, count, _ in self.expert_exchange())
 
     def tp_collective(self, kind: str, nbytes: float) -> float:
         return 0.0 if self.layout.tp_axis is None else self.collective(kind, nbytes, (self.layout.tp_axis,))
@@ -218,15 +259,16 @@ class CostModel:
         own = op.internal_saved / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
         return held + own
 
-    def dp_kernel_bytes(self, numel: dict[tuple[bool, bool], float]) -> dict[str, float]:
+    def dp_kernel_bytes(self, numel: dict[tuple[bool, bool], float], degree: int | None = None) -> dict[str, float]:
         """Bytes the data-parallel kernels read and write per phase for parameters of ``numel`` bytes by
-        (trained, root) (see the Note)."""
+        (trained, root) (see the Note), reduced over ``degree`` ranks (default: every data axis)."""
+        degree = self.dp if degree is None else degree
         found = {"forward": 0.0, "backward": 0.0}
-        if self.dp == 1:
+        if degree == 1:
             return found
         for phase, trained_only, not_root, shard in DP_KERNELS[self.layout.data_parallel]:
             nbytes = sum(b for (trained, root), b in numel.items() if (trained or not trained_only) and not (root and not_root))
-            found[phase] += 2 * nbytes / (self.dp if shard else 1)
+            found[phase] += 2 * nbytes / (degree if shard else 1)
         return found
 
     def bucket_copy_bytes(self, info: ParamInfo, nbytes: float) -> float:
@@ -261,16 +303,23 @@ class CostModel:
         saved = self.saved_bytes(index, cand)
         state = gathered = copies = 0.0
         for info in self.owned.get(index, []):
-            local = local_numel(info.shape, cand.params[info.slot], self.tp)
+            local = self.param_numel(info, cand.params[info.slot])
+            expert = info.name in self.experts
             copies += self.bucket_copy_bytes(info, local * info.itemsize)
-            state += self.param_state_bytes(local, info.requires_grad, info.itemsize)
-            gathered += self.gathered_bytes(local, info.itemsize, info.bucket == "root")
-        nbytes = self.owned_bytes(index, cand)
+            state += self.param_state_bytes(local, info.requires_grad, info.itemsize, expert)
+            gathered += self.gathered_bytes(local, info.itemsize, info.bucket == "root", expert)
         dp = {"forward": 0.0, "backward": 0.0}
-        for kind, phase, trained_only, not_root, _ in self.dp_collectives():
-            payload = sum(b for (trained, root), b in nbytes.items() if (trained or not trained_only) and not (root and not_root))
-            dp[phase] += self.collective(kind, payload, self.layout.dp_axes, alpha=False)
-        kernels = {phase: b / self.device.memory_bandwidth for phase, b in self.dp_kernel_bytes(nbytes).items()}
+        kernels = {"forward": 0.0, "backward": 0.0}
+        for expert in (False, True):
+            nbytes, axes = self.owned_bytes(index, cand, expert), self.reduced_over(expert)
+            if not nbytes or not axes:
+                continue
+            for kind, phase, trained_only, not_root, _ in self.dp_collectives():
+                payload = sum(b for (trained, root), b in nbytes.items() if (trained or not trained_only) and not (root and not_root))
+                dp[phase] += self.collective(kind, payload, axes, alpha=False)
+            degree = math.prod(self.layout.mesh_shape[a] for a in axes)
+            for phase, b in self.dp_kernel_bytes(nbytes, degree).items():
+                kernels[phase] += b / self.device.memory_bandwidth
         kernels["backward"] += copies / self.device.memory_bandwidth + self.accumulation_seconds(index, cand)
         n = op.count
         return OpCost(
@@ -278,11 +327,12 @@ class CostModel:
             dp["forward"], dp["backward"], n * saved + state + gathered,
         )
 
-    def owned_bytes(self, index: int, cand: Candidate) -> dict[tuple[bool, bool], float]:
-        """Bytes per rank of the parameters op ``index`` owns, by (trained, the root's)."""
+    def owned_bytes(self, index: int, cand: Candidate, expert: bool = False) -> dict[tuple[bool, bool], float]:
+        """Bytes per rank of the parameters op ``index`` owns (the experts', or the others), by (trained, the root's)."""
         nbytes: dict[tuple[bool, bool], float] = defaultdict(float)
         for info in self.owned.get(index, []):
-            nbytes[info.requires_grad, info.bucket == "root"] += local_numel(info.shape, cand.params[info.slot], self.tp) * info.itemsize
+            if (info.name in self.experts) is expert:
+                nbytes[info.requires_grad, info.bucket == "root"] += self.param_numel(info, cand.params[info.slot]) * info.itemsize
         return nbytes
 
     def kernel_seconds(self, op: Op, cand: Candidate) -> tuple[float, float]:
@@ -296,19 +346,24 @@ class CostModel:
             seconds[phase] += roofline(flops / batch / split, (batched / batch + fixed) / split, dtype, self.device)
         return seconds["forward"], seconds["backward"]
 
-    def param_state_bytes(self, numel: float, trained: bool, itemsize: int) -> float:
-        """Parameter, gradient and optimizer state of ``numel`` elements per rank (after tp), at rest."""
-        return _state_bytes[self.layout.data_parallel](numel, self.dp, int(trained), itemsize)
+    def param_state_bytes(self, numel: float, trained: bool, itemsize: int, expert: bool = False) -> float:
+        """Parameter, gradient and optimizer state of ``numel`` elements per rank (after tp and ep), at rest: sharded
+        over the data axes (an expert's over ``dp``) under zero2 and fsdp."""
+        degree = self.layout.expert_dp_degree if expert else self.dp
+        return _state_bytes[self.layout.data_parallel](numel, degree, int(trained), itemsize)
 
-    def gathered_bytes(self, numel: float, itemsize: int, root: bool) -> float:
+    def gathered_bytes(self, numel: float, itemsize: int, root: bool, expert: bool = False) -> float:
         """Bytes of the parameter held gathered from the forward to the backward (zero2's, fsdp's root's)."""
-        return _gathered_bytes[self.layout.data_parallel, root](numel, itemsize) if self.dp > 1 else 0.0
+        return _gathered_bytes[self.layout.data_parallel, root](numel, itemsize) if self.reduced_over(expert) else 0.0
 
     def param_moved_bytes(self, info: ParamInfo, placement: str) -> float:
         """Bytes one rank sends per step for this parameter's data-parallel collectives."""
-        payload = local_numel(info.shape, placement, self.tp) * info.itemsize
+        axes = self.reduced_over(info.name in self.experts)
+        if not axes:
+            return 0.0
+        payload = self.param_numel(info, placement) * info.itemsize
         return sum(
-            self.moved(kind, payload, self.layout.dp_axes)
+            self.moved(kind, payload, axes)
             for kind, _, trained_only, not_root, _ in self.dp_collectives()
             if (info.requires_grad or not trained_only) and not (not_root and info.bucket == "root")
         )
@@ -328,3 +383,11 @@ class CostModel:
         if kind is None or not op.needs_grad:
             return None, 0.0
         return kind, op.count * self.tp_collective(kind, self.activation_bytes(op.output_numel, op.batched, "R", op.output_itemsize))
+
+
+def _bucket_counts(params: Iterable[ParamInfo]) -> dict[tuple[bool, bool], int]:
+    """Buckets holding ``params`` (those some op reads), by (trained only, not the root's) as ``DP_COLLECTIVES`` asks."""
+    read = [p for p in params if p.op is not None]
+    trained = {p.bucket for p in read if p.requires_grad}
+    every = trained | {p.bucket for p in read}
+    return {(True, False): len(trained), (False, False): len(every), (False, True): len(every - {"root"})}

@@ -10,7 +10,7 @@ import dataclasses
 from collections import defaultdict
 
 from dpar.compiler.costs import DeviceSpec
-from dpar.planner.costs import CostModel, OpCost, local_numel
+from dpar.planner.costs import CostModel, OpCost
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import CollectivePlan, CostBreakdown, OpPlan, ParameterPlan, Plan
@@ -76,19 +76,23 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
         if cand.stats and layout.tp_degree > 1:
             collectives.append(_tp("all_reduce", "forward", model.stats_bytes(op), cand.stats * op.count, op.name))
     collectives += _dp_collectives(graph, model, picked)
+    for kind, phase, nbytes, count, where in model.expert_exchange():
+        collectives.append(CollectivePlan(kind, "ep", phase, round(nbytes * count), count, where))
+    ep_comm = model.expert_exchange_seconds()
     latency = model.dp_latency()
     dp_fwd, dp_bwd = total.dp_fwd + latency["forward"], total.dp_bwd + latency["backward"]
-    exposed = tp_comm + max(0.0, dp_fwd - total.compute_fwd) + max(0.0, dp_bwd - total.compute_bwd)
+    exposed = tp_comm + ep_comm + max(0.0, dp_fwd - total.compute_fwd) + max(0.0, dp_bwd - total.compute_bwd)
     compute = total.compute_fwd + total.compute_bwd
     activations = sum(op.count * model.saved_bytes(i, c) for i, (op, c) in enumerate(zip(graph.ops, picked)) if op.kind != "output")
     cost = CostBreakdown(
         compute_s=compute,
-        comm_s=tp_comm + dp_fwd + dp_bwd,
+        comm_s=tp_comm + ep_comm + dp_fwd + dp_bwd,
         exposed_comm_s=exposed,
         step_s=compute + exposed,
         memory_bytes_per_rank=round(total.memory),
         tp_comm_s=tp_comm,
         dp_comm_s=dp_fwd + dp_bwd,
+        ep_comm_s=ep_comm,
         activation_bytes_per_rank=round(activations),
     )
     return Plan(
@@ -109,16 +113,24 @@ def _tp(kind: str, phase: str, nbytes: float, count: int, where: str) -> Collect
 
 
 def _dp_collectives(graph: OpGraph, model: CostModel, picked: list[Candidate]) -> list[CollectivePlan]:
-    """One entry per kind and phase: ``count`` buckets moving ``bytes`` between them."""
+    """One entry per kind and phase: ``count`` buckets moving ``bytes`` between them (under ep the experts' apart,
+    over ``dp``)."""
     found = []
-    for kind, phase, trained_only, not_root, buckets in model.dp_collectives():
-        nbytes = sum(
-            local_numel(p.shape, picked[p.op].params[p.slot], model.tp) * p.itemsize
-            for p in graph.params
-            if p.op is not None and (p.requires_grad or not trained_only) and not (not_root and p.bucket == "root")
-        )
-        where = "one per bucket (numbered block)" if not_root else "one per bucket (numbered block, root)"
-        found.append(CollectivePlan(kind, "dp", phase, round(nbytes), buckets, where))
+    for expert in (False, True):
+        if not model.reduced_over(expert) or (expert and not model.experts):
+            continue
+        for kind, phase, trained_only, not_root, buckets in model.dp_collectives():
+            nbytes = sum(
+                model.param_numel(p, picked[p.op].params[p.slot]) * p.itemsize
+                for p in graph.params
+                if p.op is not None and (p.name in model.experts) is expert and (p.requires_grad or not trained_only)
+                and not (not_root and p.bucket == "root")
+            )
+            where = "one per bucket (numbered block)" if not_root else "one per bucket (numbered block, root)"
+            if expert:
+                buckets, where = model.expert_buckets[trained_only, not_root], f"the experts': {where}"
+            found.append(CollectivePlan(kind, "dp" if expert or not model.experts else "dp x ep", phase, round(nbytes),
+                                        buckets, where))
     return found
 
 
@@ -127,18 +139,19 @@ def _parameters(graph: OpGraph, model: CostModel, picked: list[Candidate]) -> tu
     found = []
     for info in graph.params:
         tp_placement = "R" if info.op is None else picked[info.op].params[info.slot]
+        expert = info.name in model.experts
         placements = tuple(
-            (tp_placement if role == "tp" else layout.dp_placement) if n > 1 else "R"
+            (tp_placement if role == "tp" else "S(0)" if role == "ep" and expert else layout.dp_placement) if n > 1 else "R"
             for role, n in zip(layout.roles, layout.mesh_shape)
         )
-        numel = local_numel(info.shape, tp_placement, model.tp)
+        numel = model.param_numel(info, tp_placement)
         found.append(
             ParameterPlan(
                 name=info.name,
                 shape=info.shape,
                 placements=placements,
                 comm_bytes=round(model.param_moved_bytes(info, tp_placement)),
-                memory_bytes=round(model.param_state_bytes(numel, info.requires_grad, info.itemsize)),
+                memory_bytes=round(model.param_state_bytes(numel, info.requires_grad, info.itemsize, expert)),
             )
         )
     return tuple(found)

@@ -1,9 +1,13 @@
 """The model-wide choices: the role of each mesh dimension and what data parallel does to parameters.
 
 The runtime applies one role per mesh dimension to the whole model: ``dp`` (every op
-batch-sharded, parameters replicated or sharded by ``data_parallel``) or ``tp`` (each op
-picks column / row / replicate). At most one dimension is ``tp``; several ``dp``
-dimensions act as one data-parallel group of their product.
+batch-sharded, parameters replicated or sharded by ``data_parallel``), ``tp`` (each op
+picks column / row / replicate) or ``ep`` (a data axis too, along which each routed
+experts module keeps E / ep of its experts and exchanges tokens: runtime/expert_parallel.py).
+At most one dimension is ``tp``; several ``dp`` dimensions act as one data-parallel group
+of their product. An ``ep`` dimension is the last one, with at most one ``dp`` dimension
+before it and no ``tp`` (the runtime's "ep", "ddp+ep", "zero2+ep", "fsdp+ep"): under a
+sharded mode the experts' blocks are sharded over ``dp``, every other parameter over both.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dpar.core.plan import DataParallel, Strategy
 # The data-parallel modes the planner prices, by the name its plans keep, in preference order when costs tie.
 MODES = {"replicate": DataParallel.DDP, "zero2": DataParallel.ZERO2, "fsdp": DataParallel.FSDP}
 DATA_PARALLEL = tuple(MODES)
-ROLES = ("dp", "tp")
+ROLES = ("dp", "tp", "ep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +32,25 @@ class Layout:
 
     @property
     def dp_axes(self) -> tuple[int, ...]:
+        """The axes that split the batch and reduce the gradients of every parameter outside the experts."""
+        return tuple(i for i, r in enumerate(self.roles) if r in ("dp", "ep"))
+
+    @property
+    def expert_dp_axes(self) -> tuple[int, ...]:
+        """The axes the experts' gradients are reduced over (and their blocks sharded over): the ``dp`` ones."""
         return tuple(i for i, r in enumerate(self.roles) if r == "dp")
+
+    @property
+    def ep_axis(self) -> int | None:
+        return self.roles.index("ep") if "ep" in self.roles else None
+
+    @property
+    def ep_degree(self) -> int:
+        return 1 if self.ep_axis is None else self.mesh_shape[self.ep_axis]
+
+    @property
+    def expert_dp_degree(self) -> int:
+        return math.prod(self.mesh_shape[i] for i in self.expert_dp_axes)
 
     @property
     def tp_axis(self) -> int | None:
@@ -49,25 +71,40 @@ class Layout:
 
     @property
     def strategy(self) -> str:
-        """``ddp``, ``zero2``, ``fsdp``, ``tp``, or ``<dp strategy>+tp``."""
+        """``ddp``, ``zero2``, ``fsdp``, ``tp``, ``<dp strategy>+tp``, ``ep`` or ``<dp strategy>+ep``."""
+        if self.ep_axis is not None:
+            return "ep" if len(self.mesh_shape) == 1 else f"{MODES[self.data_parallel].value}+ep"
         tensor = self.tp_degree > 1
         return Strategy.compose(None if tensor and self.dp_degree == 1 else MODES[self.data_parallel], tensor).value
 
 
-def layouts(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None) -> list[Layout]:
+def layouts(
+    mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None, num_experts: tuple[int, ...] = (),
+) -> list[Layout]:
     """Every role assignment (names fix it) with every data-parallel mode, in tie-break order.
 
-    A dimension of size 1 is ``dp`` unless named: as ``tp`` it would be the same plan.
+    A dimension of size 1 is ``dp`` unless named: as ``tp`` or ``ep`` it would be the same plan. An ``ep``
+    dimension (see the module docstring) only for a model with routed experts (``num_experts``: each experts
+    module's count), whose every count its size divides.
     """
     found = []
     for roles in itertools.product(ROLES, repeat=len(mesh_shape)):
-        if roles.count("tp") > 1:
+        if roles.count("tp") > 1 or not _expert_roles(roles, mesh_shape, num_experts):
             continue
         if mesh_dim_names is not None and roles != mesh_dim_names:
             continue
-        if mesh_dim_names is None and any(r == "tp" and n == 1 for r, n in zip(roles, mesh_shape)):
+        if mesh_dim_names is None and any(r in ("tp", "ep") and n == 1 for r, n in zip(roles, mesh_shape)):
             continue
         dp_degree = math.prod(n for r, n in zip(roles, mesh_shape) if r == "dp")
-        for mode in DATA_PARALLEL if dp_degree > 1 else DATA_PARALLEL[:1]:
+        modes = DATA_PARALLEL if dp_degree > 1 else DATA_PARALLEL[:1]
+        for mode in modes if "ep" not in roles or len(roles) == 2 else DATA_PARALLEL[:1]:  # "ep" alone: ddp's rest
             found.append(Layout(tuple(mesh_shape), roles, mode))
     return found
+
+
+def _expert_roles(roles: tuple[str, ...], mesh_shape: tuple[int, ...], num_experts: tuple[int, ...]) -> bool:
+    """Whether ``roles`` places an ep axis as the runtime takes one: none, or the last of ("ep",) / ("dp", "ep")
+    over a degree that divides every experts module's count."""
+    if "ep" not in roles:
+        return True
+    return roles in (("ep",), ("dp", "ep")) and bool(num_experts) and all(n % mesh_shape[-1] == 0 for n in num_experts)

@@ -75,6 +75,19 @@ class ParamInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertsInfo:
+    """A routed experts module (``surgery.expert_parallel.experts_modules``): what an ep axis splits, and what its
+    exchange moves. ``rows`` (token, expert) pairs of ``width`` elements reach it in the global batch."""
+
+    module: str
+    params: tuple[str, ...]
+    num_experts: int
+    rows: int
+    width: int
+    itemsize: int
+
+
+@dataclasses.dataclass(frozen=True)
 class OpGraph:
     ops: tuple[Op, ...]
     edges: tuple[Edge, ...]
@@ -83,3 +96,7 @@ class OpGraph:
     batch_size: int
     batch_bytes: int  # the user inputs that carry the batch dimension, global batch: what a tp group gathers
     traced_ops: int  # compute ops before repeated blocks were collapsed
+    experts: tuple[ExpertsInfo, ...] = ()  # the routed experts modules, which an ep axis splits
+
+    def expert_parameters(self) -> frozenset[str]:
+        return frozenset(name for info in self.experts for name in info.params)

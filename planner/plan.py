@@ -42,6 +42,7 @@ class CostBreakdown:
     memory_bytes_per_rank: int  # parameter state + gathered parameters + activations (under the plan's policy)
     tp_comm_s: float = 0.0  # tensor-parallel collectives (critical path)
     dp_comm_s: float = 0.0  # data-parallel collectives (overlap with compute)
+    ep_comm_s: float = 0.0  # the experts' all-to-alls (critical path)
     activation_bytes_per_rank: int = 0  # the activation part of memory_bytes_per_rank (saved, or live at the peak)
     recompute_s: float = 0.0  # forward ops run again in the backward (activation checkpointing)
     memory_bytes_keep: int | None = None  # memory_bytes_per_rank of the same placements keeping every activation
@@ -64,8 +65,8 @@ class PolicyOption:
 class CollectivePlan:
     """``count`` collectives of one kind per step moving ``bytes`` of payload between them (B of the ring formulas)."""
 
-    kind: str  # all_reduce | all_gather | reduce_scatter
-    mesh_dim: str  # "dp" or "tp" (a dp collective over several dp dims runs over all of them)
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    mesh_dim: str  # "dp", "tp" or "ep" (a dp collective over several data dims runs over all of them: "dp x ep")
     phase: str  # forward | backward
     bytes: int  # summed over the ``count`` collectives
     count: int
@@ -96,9 +97,9 @@ class Plan:
     """
 
     mesh_shape: tuple[int, ...]
-    mesh_dim_names: tuple[str, ...]  # each "dp" or "tp"
+    mesh_dim_names: tuple[str, ...]  # each "dp", "tp" or "ep"
     data_parallel: str  # replicate | zero2 | fsdp: what the dp axes do to parameters
-    strategy: str  # ddp, zero2, fsdp, tp, ddp+tp, zero2+tp, fsdp+tp
+    strategy: str  # ddp, zero2, fsdp, tp, ddp+tp, zero2+tp, fsdp+tp, ep, ddp+ep, zero2+ep, fsdp+ep
     parameters: tuple[ParameterPlan, ...]
     cost: CostBreakdown
     batch_size: int  # rows of the global batch the plan is priced at; the dp axes split it
@@ -111,8 +112,8 @@ class Plan:
 
     @property
     def data_axes(self) -> tuple[int, ...]:
-        """The mesh axes that split the data: every ``dp`` axis (see the Note above)."""
-        return tuple(i for i, name in enumerate(self.mesh_dim_names) if name == "dp")
+        """The mesh axes that split the data: every ``dp`` and ``ep`` axis (see the Note above)."""
+        return tuple(i for i, name in enumerate(self.mesh_dim_names) if name in ("dp", "ep"))
 
     @property
     def data_parallel_degree(self) -> int:
@@ -230,6 +231,9 @@ def _role(plan: Plan, axis: int) -> str:
         return "size 1, nothing to split"
     if plan.mesh_dim_names[axis] == "dp":
         return f"data parallel: ranks see different rows, gradients averaged; {DATA_PARALLEL_STATE[plan.data_parallel]}"
+    if plan.mesh_dim_names[axis] == "ep":
+        return ("expert parallel: ranks see different rows; the experts' parameters split by expert, routed "
+                "tokens exchanged by all-to-all; the rest data parallel over it")
     split = sum(1 for d in plan.tp_dims().values() if d is not None)
     return f"tensor parallel: {split} of {len(plan.parameters)} parameters split, the group computes the same rows"
 
@@ -263,7 +267,9 @@ def render(plan: Plan, console: Any) -> None:
     cost.add_column("value", justify="right")
     inspected = plan.priced_on == ON_GRAPHS
     comm = ((("comm (every collective, simulated)", _seconds(c.comm_s)),) if inspected else
-            (("tp comm (critical path)", _seconds(c.tp_comm_s)), ("dp comm (overlappable)", _seconds(c.dp_comm_s))))
+            (("tp comm (critical path)", _seconds(c.tp_comm_s)),
+             *((("ep all-to-alls (critical path)", _seconds(c.ep_comm_s)),) if c.ep_comm_s else ()),
+             ("dp comm (overlappable)", _seconds(c.dp_comm_s))))
     for term, value in (
         ("compute", _seconds(c.compute_s)),
         ("recompute (activation checkpointing)", _seconds(c.recompute_s)),

@@ -5,7 +5,9 @@ it. ``tp`` is Megatron-LM on a 1-D mesh: a Linear whose input arrives sharded is
 Linear, any other a column Linear (so column -> row pairs with the heads split between
 them), the embedding is vocab-parallel and the tied LM head a column Linear over the vocab,
 and every other op takes the candidate that needs the least resharding of its inputs.
-``<dp>+tp`` on a 2-D mesh: data parallel on dimension 0, Megatron on dimension 1.
+``<dp>+tp`` on a 2-D mesh: data parallel on dimension 0, Megatron on dimension 1. ``ep`` on a
+1-D mesh and ``<dp>+ep`` on a 2-D one: the routed experts split over the last dimension, the
+rest data parallel over all (planner/layout.py), for a model with routed experts.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from dpar.core.errors import OptionsError
 from dpar.core.plan import AxisRole, Strategy
 from dpar.planner.layout import MODES
 
-# The named strategies the planner prices: at most one data axis, doing a mode it knows, and a tensor axis or not.
+# The named strategies the planner prices: at most one data axis beside a tensor or an expert axis, doing a mode it
+# knows.
 STRATEGIES = tuple(
     s.value for s in Strategy
-    if s.data_parallel in (None, *MODES.values()) and sum(r is not AxisRole.TENSOR for r in s.roles) <= 1
-    and not s.expert_parallel  # the planner does not price the experts' exchange yet
+    if s.data_parallel in (None, *MODES.values())
+    and sum(r not in (AxisRole.TENSOR, AxisRole.EXPERT) for r in s.roles) <= 1
 )
 LAYOUT_MODE = {mode: name for name, mode in MODES.items()}
 PREFERRED = {"embedding": ("vocab",)}  # a Linear is column or row by what arrives
@@ -37,6 +40,11 @@ def strategy_layout(name: str, mesh_shape: tuple[int, ...]) -> Layout:
         raise OptionsError(f"unknown strategy {name!r}; the named strategies are {', '.join(STRATEGIES)}")
     strategy = Strategy(name)
     mode = LAYOUT_MODE.get(strategy.data_parallel, "replicate")  # tp alone: no data axis, replicated over none
+    if strategy.expert_parallel:
+        roles = strategy.mesh_dim_names
+        if len(mesh_shape) != len(roles):
+            raise OptionsError(f"strategy {name!r} takes a {len(roles)}-D mesh {roles}, not {mesh_shape}")
+        return Layout(tuple(mesh_shape), roles, mode)
     if strategy.data_parallel is None:
         if len(mesh_shape) != 1:
             raise OptionsError(f"strategy 'tp' takes a 1-D mesh, not {mesh_shape}; use 'ddp+tp' or 'fsdp+tp' on 2-D")
@@ -85,6 +93,10 @@ def megatron(graph: OpGraph, tp: int) -> tuple[int, ...]:
 
 def strategy_assignment(graph: OpGraph, name: str, mesh_shape: tuple[int, ...]) -> Assignment:
     layout = strategy_layout(name, mesh_shape)
+    counts = [info.num_experts for info in graph.experts]
+    if layout.ep_axis is not None and (not counts or any(n % layout.ep_degree for n in counts)):
+        raise OptionsError(f"strategy {name!r}: the model has no routed experts that {layout.ep_degree} ranks divide "
+                           f"(experts per module: {sorted(set(counts))})")
     if graph.batch_size % layout.dp_degree:
         raise OptionsError(f"strategy {name!r}: batch {graph.batch_size} is not divisible by the dp degree {layout.dp_degree}")
     if layout.tp_degree == 1:

@@ -415,3 +415,25 @@ def test_a_deepseek_v3_shaped_moe_on_64_ranks_plans_expert_parallel() -> None:
           f"{without.cost.memory_bytes_per_rank / 1e9:.1f} GB")
     assert best.strategy.endswith("ep") and best.mesh_dim_names == ("dp", "ep")
     assert best.cost.step_s < without.cost.step_s and best.cost.memory_bytes_per_rank <= device.memory_bytes
+
+
+def test_a_plan_with_an_ep_axis_is_applied_on_its_mesh(world_of_four) -> None:
+    """dpar.plan on the own MoE with mesh_dim_names ("dp", "ep"), then parallelize(plan=...): the runtime gets the
+    plan's strategy on a ("dp", "ep") mesh, each rank holding 2 of the 4 experts (sharded over dp under a sharded
+    mode, whole under ddp+ep)."""
+    import torch
+
+    import dpar
+    from third_party import global_batch
+
+    plan = dpar.plan(_own_moe(), global_batch(0, 8), mesh_shape=(2, 2), mesh_dim_names=("dp", "ep"), device="cpu")
+    assert plan.strategy in ("ddp+ep", "zero2+ep", "fsdp+ep") and plan.mesh_dim_names == ("dp", "ep")
+    model = _own_moe()
+    dpar.parallelize(model, plan=plan)
+    placed = dpar.placement.plan_of(model)
+    assert placed.strategy.value == plan.strategy and [a.name for a in placed.axes] == ["dp", "ep"]
+    w_in = model.blocks[0].experts.w_in
+    assert w_in.shape == (2, 64, 32)
+    assert model.state_dict()["blocks.0.experts.w_in"].shape == (4, 64, 32)
+    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    runner(*(t[:2] for t in global_batch(0, 8))).backward()

@@ -442,10 +442,13 @@ def node_flops(node: fx.Node) -> int:
     out = example_value(node)
     if packet is _aten.linear:
         return 2 * int(_tensor_numel(out)) * int(example_value(node.args[1]).shape[-1])
-    if packet is _aten.matmul or _grouped_mm(packet) == "forward":
+    if packet is _aten.matmul:
         return 2 * int(_tensor_numel(out)) * int(example_value(node.args[0]).shape[-1])
-    if _grouped_mm(packet) == "backward":  # (input, weight, offs, grad_output): the input's and the weight's gradients
-        return 4 * int(_tensor_numel(example_value(node.args[3]))) * int(example_value(node.args[0]).shape[-1])
+    if grouped_mm(packet) == "forward":
+        return 2 * int(_tensor_numel(out)) * int(example_value(node.args[0]).shape[-1]) // _routed_share(node)
+    if grouped_mm(packet) == "backward":  # (input, weight, offs, grad_output): the input's and the weight's gradients
+        grad_output = example_value(node.args[3])
+        return 4 * int(grad_output.numel()) * int(example_value(node.args[0]).shape[-1]) // _routed_share(node)
     if packet in _ATTENTION or packet in _ATTENTION_BACKWARD:
         q, k, v = (example_value(a) for a in node.args[int(packet in _ATTENTION_BACKWARD):][:3])
         forward = 2 * (int(q.numel()) // int(q.shape[-1])) * int(k.shape[-2]) * (int(q.shape[-1]) + int(v.shape[-1]))
@@ -463,9 +466,19 @@ def node_flops(node: fx.Node) -> int:
 _GROUPED_MM = {"_grouped_mm": "forward", "grouped_mm_fallback": "forward", "grouped_mm_fallback_backward": "backward"}
 
 
-def _grouped_mm(packet: Any) -> str | None:
+def grouped_mm(packet: Any) -> str | None:
     """``forward`` or ``backward`` for a grouped matmul's op, None for any other."""
     return None if packet is None else _GROUPED_MM.get(str(packet).rsplit(".", 1)[-1])
+
+
+ROUTED_SHARE = "dpar_routed_share"
+"""``node.meta`` key of a grouped matmul under expert parallel: how many times the rows it is handed hold the rows
+routed to it on average (ep: the fixed-size buffers of [Note: routed tokens in fixed-size buffers], whose empty
+slots the matmul's offsets skip). Set by compiler/passes/expert_rows.py; 1 where absent."""
+
+
+def _routed_share(node: fx.Node) -> int:
+    return int(node.meta.get(ROUTED_SHARE, 1))
 
 
 def _tensor_numel(value: Any) -> int:

@@ -53,6 +53,7 @@ from dpar.compiler.logs import log_pass
 from dpar.compiler.lowering import GraphRole, Lower
 from dpar.compiler.options import Options
 from dpar.compiler.passes.all_gather_ranges import UpdatedRange, all_gather_updated_ranges
+from dpar.compiler.passes.expert_rows import mark_routed_rows
 from dpar.compiler.passes.broadcast_buffers import average_inputs_pass, buffer_broadcast_groups
 from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.recompute import keep_collectives_in_forward, tag_recompute
@@ -183,6 +184,10 @@ class PassListing:
 
     def joint_passes(self) -> list[Pass]:
         passes = self._tensor_parallel_passes()
+        expert = self.plan.axis(AxisRole.EXPERT)
+        if expert is not None:
+            passes.append(("mark_routed_rows",
+                           lambda g: mark_routed_rows(g, group_name=expert.group_name, ep_size=expert.size)))
         if self.sharded is not None:
             passes += [("tag_gathers", self.sharded.tag_gathers), ("save_random_ops", save_random_ops)]
         if self.plan.activations.recomputes:  # last: it keeps the tags the strategy's passes chose

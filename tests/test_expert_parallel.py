@@ -437,3 +437,35 @@ def test_a_plan_with_an_ep_axis_is_applied_on_its_mesh(world_of_four) -> None:
     assert model.state_dict()["blocks.0.experts.w_in"].shape == (4, 64, 32)
     runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
     runner(*(t[:2] for t in global_batch(0, 8))).backward()
+
+
+def test_the_experts_grouped_matmuls_are_priced_on_their_routed_rows(world_of_four) -> None:
+    """HF Mixtral under ep 4 on fake ranks: its grouped matmuls run on the exchange's fixed-size buffers (4 x the rows
+    routed to a rank on average); the forward's and the backward's are marked so, and the cost model counts a
+    quarter of the FLOPs their shapes say."""
+    import torch
+    import transformers as tf
+
+    import dpar
+    from dpar.compiler.costs import ROUTED_SHARE, node_flops
+
+    torch.manual_seed(0)
+    config = tf.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    model = tf.MixtralForCausalLM(config)
+    dpar.parallelize(model, strategy="ep")
+    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    ids = torch.randint(0, 256, (2, 16))
+    runner(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    marked = {}
+    for g in world_of_four:
+        if g.label in ("forward graph", "backward graph (sync)"):
+            nodes = [n for n in g.graph.graph.nodes if "grouped_mm" in str(n.target)]
+            marked[g.label.split(" (")[0]] = [n.meta.get(ROUTED_SHARE) for n in nodes]
+            for n in nodes:
+                rows = n.args[0].meta["val"].shape[0]
+                assert rows == 4 * 2 * 16 * 2  # ep x this rank's 32 tokens x top-2
+                whole = 2 * rows * n.args[0].meta["val"].shape[-1] * n.meta["val"].shape[-1] if "backward" not in str(n.target) else None
+                if whole is not None:
+                    assert node_flops(n) == whole // 4
+    assert marked == {"forward graph": [4, 4], "backward graph": [4, 4]}

@@ -22,7 +22,11 @@ or about to enter, a collective with it. What a survivor sees depends on how it 
   progress for ``WATCH_AFTER_S``, it reads the others' heartbeats each second; a rank whose counter
   stays still for ``SILENT_AFTER_S`` is declared lost, and the thread prints the ``RankLostError``
   message and ends this process with exit code 1, as NCCL's own watchdog does with
-  ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. Bound: ``WATCH_AFTER_S + SILENT_AFTER_S`` plus one beat,
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. On gloo, where a blocked wait stops the main thread's CPU
+  clock, a rank whose main thread computes (outside dpar's graphs: evaluation, comparing state dicts)
+  is not blocked and does not watch: a peer that ended its program early (a process ended by
+  ``os._exit``, as multiprocessing's children are, never marks itself as left) once ended a live
+  rank comparing results 13 s after its last step. Bound: ``WATCH_AFTER_S + SILENT_AFTER_S`` plus one beat,
   about 14 s; ``SILENT_AFTER_S`` is longer than ``LOST_AFTER_S`` because ending a process is final,
   and a live rank whose threads are starved (swapping, a C call holding the GIL) must not be taken
   for dead. Nor does the thread watch while this rank compiles (Dynamo's or AOTAutograd's compile,
@@ -286,6 +290,7 @@ def _issued() -> dict[str, int] | None:
 
 
 _waiting = [""]  # what the main thread waits for, as of the last beat ("" if it does not)
+_main_idle = [True]  # whether the main thread used almost no CPU over the last beat (unknown before one: idle)
 _IDLE_CPU_FRACTION = 0.05
 _main_cpu: list[tuple[float, float]] = []  # (wall clock, the main thread's CPU seconds) at the last beat
 
@@ -306,7 +311,7 @@ def _main_thread_idle() -> bool:
 def _blocked_in_wait() -> str:
     """What the main thread waits for inside a dpar graph ("a collective in the backward graph"), "" if
     it is not inside one, or computes there (its CPU clock moved since the last beat)."""
-    idle = _main_thread_idle()  # sampled every beat, so the interval is one beat
+    idle = _main_idle[0] = _main_thread_idle()  # sampled every beat, so the interval is one beat
     if not _progress.inside or _progress.phase == PIPELINE_STEP or not idle:
         return ""
     return f"a collective in the {_progress.phase} graph"
@@ -331,6 +336,12 @@ def _heartbeats(store: dist.Store, ranks: Sequence[int]) -> dict[int, dict[str, 
     return {r: json.loads(store.get(k)) for r, k in zip(ranks, keys) if store.check([k])}
 
 
+def _waits_still() -> bool:
+    """Whether a collective's wait stops the main thread's CPU clock: gloo's do; NCCL's survivor waits at its next
+    synchronisation, which may spin (see [Note: a rank that vanishes])."""
+    return not (dist.is_available() and dist.is_initialized()) or "nccl" not in str(dist.get_backend())
+
+
 def _others(rank: int, world_size: int) -> list[int]:
     return [r for r in range(world_size) if r != rank]
 
@@ -338,7 +349,8 @@ def _others(rank: int, world_size: int) -> list[int]:
 def watch(store: dist.Store, me: int, world_size: int) -> None:
     """Run by the daemon thread once a second: end this process if it is stuck while a rank is silent."""
     now = time.monotonic()
-    if _progress.step == 0 or now - _progress.changed_at < WATCH_AFTER_S or _left or _compiling():
+    computing = not _main_idle[0] and _waits_still()  # outside any transport: a vanished peer fails its next collective
+    if _progress.step == 0 or now - _progress.changed_at < WATCH_AFTER_S or _left or _compiling() or computing:
         _watched.clear()
         _issued_since.clear()
         return

@@ -93,22 +93,20 @@ CASES = {
     2: tuple((name, "ep", None) for name in ("own_moe", "mixtral", "qwen3_moe")),
     # torchtitan's MoE debug models (bf16 grouped matmuls, 5 and 8 MoE layers), trained with SGD: AdamW turns the
     # tiny gradients of barely routed experts into steps of size lr, which a 1e-7 nudge already moves by 4e-3.
-    # One launch per model: one process training both under ep loses a rank (docs/limitations.md).
-    "titan_deepseek": (("titan_deepseek", "ep", None),),
-    "titan_qwen3_moe": (("titan_qwen3_moe", "ep", None),),
+    "titan": (("titan_deepseek", "ep", None), ("titan_qwen3_moe", "ep", None)),
     # On ("dp", "ep") meshes: the experts' blocks replicated (ddp+ep) or sharded (zero2+ep, fsdp+ep) over "dp".
     4: (("own_moe", "ep", None), ("own_moe", "ddp+ep", (2, 2)), ("own_moe", "fsdp+ep", (2, 2)),
         ("qwen3_moe", "fsdp+ep", (2, 2)), ("mixtral", "zero2+ep", (2, 2))),
 }
 
 
-@pytest.mark.parametrize("case", [2, 4, *(pytest.param(name, marks=pytest.mark.extended)
-                                           for name in ("titan_deepseek", "titan_qwen3_moe"))])
+@pytest.mark.parametrize("case", [2, 4, pytest.param("titan", marks=pytest.mark.extended)])
 def test_ep_trains_as_torch_ddp(case: int | str) -> None:
     from third_party import needs_torchtitan
 
     if isinstance(case, str):
-        needs_torchtitan(case)
+        for name, _, _ in CASES[case]:
+            needs_torchtitan(name)
     found = run_ranks(_against_torch_ddp, 2 if isinstance(case, str) else case, CASES[case], timeout_s=1200)[0]
     for name, figures in found.items():
         print(f"{name}: {figures}")

@@ -22,6 +22,7 @@ def _silent_peer_seen_from(monkeypatch, call) -> list[int]:
     monkeypatch.setattr(liveness, "_progress", liveness._Progress(step=3, phase="backward", changed_at=time.monotonic() - 60))
     monkeypatch.setattr(liveness, "_left", [])
     monkeypatch.setattr(liveness, "_watched", {})
+    monkeypatch.setattr(liveness, "_main_idle", [True])
     call(lambda: liveness.watch(store, 0, 2))
     return exits
 
@@ -50,3 +51,17 @@ def test_a_silent_peer_does_not_end_a_rank_that_compiles(monkeypatch, capsys) ->
         assert _silent_peer_seen_from(monkeypatch, compiling) == [], compiling.__name__
     assert _silent_peer_seen_from(monkeypatch, lambda watch: watch()) == [1]  # and after both, it watches again
     assert "RankLostError" in capsys.readouterr().err
+
+
+def test_a_silent_peer_does_not_end_a_rank_that_computes_outside_any_wait(monkeypatch, capsys) -> None:
+    """A peer that ended its program by os._exit (multiprocessing's children do) never marks itself as left; a rank
+    still computing after its last step (comparing state dicts, 13 s on two cores) is blocked in no transport, and a
+    gloo wait would stop its CPU clock: it must not end itself."""
+
+    def computing(watch) -> None:
+        liveness._main_idle[0] = False
+        watch()
+
+    assert _silent_peer_seen_from(monkeypatch, computing) == []
+    assert "RankLostError" not in capsys.readouterr().err
+    assert _silent_peer_seen_from(monkeypatch, lambda watch: watch()) == [1]  # blocked again: it watches

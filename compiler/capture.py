@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import re
 from collections.abc import Callable, Sequence
 
@@ -37,6 +38,15 @@ class GraphInput:
 
 
 _PATH_PART = re.compile(r"\.?_(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)|\[(\d+)\]")
+
+
+def training_call_kwargs(model: torch.nn.Module, positional: int, given: Sequence[str] = ()) -> dict[str, object]:
+    """Keywords to call ``model`` with as a training step calls it: ``use_cache=False`` where its forward takes
+    ``use_cache`` and the call sets it neither positionally (``positional`` arguments) nor by name (``given``). A
+    Hugging Face model built on meta otherwise makes its key/value cache's empty tensors inside the traced call."""
+    arguments = list(inspect.signature(model.forward).parameters)
+    unset = "use_cache" in arguments and arguments.index("use_cache") >= positional and "use_cache" not in given
+    return {"use_cache": False} if unset else {}
 
 
 def qualified_name(source_name: str) -> str:

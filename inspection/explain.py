@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.backend import dpar_backend
-from dpar.compiler.capture import GraphInput, classify_inputs
+from dpar.compiler.capture import GraphInput, classify_inputs, training_call_kwargs
 from dpar.compiler.passes.buckets import BUCKET_REASON
 from dpar.inspect.buckets import bucket_of, graph_buckets
 from dpar.compiler.costs import (
@@ -102,11 +102,11 @@ def _capture(
     # Compile the backward with the forward, so each graph pairs with its Dynamo graph.
     with functorch_config().patch(force_non_lazy_backward_lowering=True):
         if isinstance(example_inputs, Mapping):
-            compiled(**example_inputs)
+            compiled(**example_inputs, **training_call_kwargs(model, 0, list(example_inputs)))
         elif isinstance(example_inputs, (tuple, list)):
-            compiled(*example_inputs)
+            compiled(*example_inputs, **training_call_kwargs(model, len(example_inputs)))
         else:
-            compiled(example_inputs)
+            compiled(example_inputs, **training_call_kwargs(model, 1))
     return captures
 
 

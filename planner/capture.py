@@ -40,7 +40,6 @@ as a GPU or the CPU runs it, not the math path meta tensors would take.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections import defaultdict
 import operator
@@ -54,6 +53,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from dpar.compiler.capture import training_call_kwargs
 from dpar.compiler.costs import flash_attention, is_kernel, node_flops
 from dpar.compiler.propagation import rules
 from dpar.planner.opgraph import ExpertsInfo, Op, OpGraph
@@ -84,9 +84,7 @@ class _TensorOutputs(nn.Module):
     def __init__(self, model: nn.Module, inputs: int) -> None:
         super().__init__()
         self.model = model
-        arguments = list(inspect.signature(model.forward).parameters)
-        unset = "use_cache" in arguments and arguments.index("use_cache") >= inputs  # a value passed positionally wins
-        self.kwargs = {"use_cache": False} if unset else {}
+        self.kwargs = training_call_kwargs(model, inputs)
 
     def forward(self, *inputs: object) -> list[torch.Tensor]:
         out = self.model(*inputs, **self.kwargs)

@@ -88,3 +88,16 @@ def test_plan_on_a_meta_model_returns_a_plan():
     model, inputs = meta_llama()
     chosen = plan(model, global_batch(inputs, N), mesh_shape=(N,))
     assert {p.name for p in chosen.parameters} == {n for n, _ in model.named_parameters()}
+
+
+def test_a_hugging_face_model_keeping_its_default_cache_setting_is_explained_on_meta():
+    """LlamaForCausalLM with its config's use_cache=True, built on meta and called as model(ids): explain calls it
+    as training does (use_cache=False, as the planner's capture does), where the cache's own empty tensors, made on
+    meta inside the traced call, stopped the fake-tensor trace."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    assert config.use_cache
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    report = explain(model, (torch.zeros(4, 16, dtype=torch.long, device="meta"),), strategy="fsdp", world_size=2)
+    assert report.memory.parameters == sum(p.numel() for p in model.parameters()) * 4 // 2

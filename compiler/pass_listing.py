@@ -39,6 +39,7 @@ supply the passes). The graph that ends a stage's step is its last B, or its las
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -172,7 +173,10 @@ class PassListing:
         return groups
 
     def _world_axis(self) -> MeshAxis:
-        """Every rank, as one data axis: under ep the parameters outside the experts are data parallel over it."""
+        """Every rank, as one data axis: under ep the parameters outside the experts are data parallel over it (a
+        listing without a process group, for docs: the plan's ranks)."""
+        if self.world is None:
+            return MeshAxis("world", AxisRole.REPLICATE, math.prod(self.plan.mesh_shape), "")
         return MeshAxis("world", AxisRole.REPLICATE, self.world.size, self.world.group_name)
 
     # The stages, in the order a graph meets them.

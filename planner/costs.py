@@ -193,7 +193,7 @@ class CostModel:
         seconds = {"forward": 0.0, "backward": 0.0}
         for kind, phase, trained_only, not_root, buckets in self.dp_collectives():
             seconds[phase] += buckets * self.collective(kind, 0.0, self.layout.dp_axes)
-            if self.experts and self.layout.expert_dp_degree > 1:
+            if self.experts and self.reduced_over(True):
                 experts = self.expert_buckets[trained_only, not_root]
                 seconds[phase] += experts * self.collective(kind, 0.0, self.layout.expert_dp_axes)
         return seconds
@@ -202,11 +202,16 @@ class CostModel:
         """Elements per rank of a parameter placed ``placement`` on the tp axis (an expert's: 1/ep of them)."""
         return local_numel(info.shape, placement, self.tp) / (self.ep if info.name in self.experts else 1)
 
+    def data_degree(self, expert: bool) -> int:
+        """The ranks a parameter is reduced (and, under zero2 and fsdp, sharded) over: an expert's ``dp`` ranks, every
+        data-parallel rank for the rest."""
+        return self.layout.expert_dp_degree if expert else self.dp
+
     def reduced_over(self, expert: bool) -> tuple[int, ...]:
         """The axes a parameter's data-parallel collectives run over: the experts' over ``dp``, the rest's over every
         data axis; () where that is one rank."""
         axes = self.layout.expert_dp_axes if expert else self.layout.dp_axes
-        return axes if math.prod(self.layout.mesh_shape[a] for a in axes) > 1 else ()
+        return axes if self.data_degree(expert) > 1 else ()
 
     def expert_exchange(self) -> list[tuple[str, str, float, int, str]]:
         """(kind, phase, bytes of one, count, where) of the experts' all-to-alls per step (see the Note)."""
@@ -259,10 +264,9 @@ class CostModel:
         own = op.internal_saved / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
         return held + own
 
-    def dp_kernel_bytes(self, numel: dict[tuple[bool, bool], float], degree: int | None = None) -> dict[str, float]:
+    def dp_kernel_bytes(self, numel: dict[tuple[bool, bool], float], degree: int) -> dict[str, float]:
         """Bytes the data-parallel kernels read and write per phase for parameters of ``numel`` bytes by
-        (trained, root) (see the Note), reduced over ``degree`` ranks (default: every data axis)."""
-        degree = self.dp if degree is None else degree
+        (trained, root) (see the Note), reduced over ``degree`` ranks."""
         found = {"forward": 0.0, "backward": 0.0}
         if degree == 1:
             return found
@@ -317,8 +321,7 @@ class CostModel:
             for kind, phase, trained_only, not_root, _ in self.dp_collectives():
                 payload = sum(b for (trained, root), b in nbytes.items() if (trained or not trained_only) and not (root and not_root))
                 dp[phase] += self.collective(kind, payload, axes, alpha=False)
-            degree = math.prod(self.layout.mesh_shape[a] for a in axes)
-            for phase, b in self.dp_kernel_bytes(nbytes, degree).items():
+            for phase, b in self.dp_kernel_bytes(nbytes, self.data_degree(expert)).items():
                 kernels[phase] += b / self.device.memory_bandwidth
         kernels["backward"] += copies / self.device.memory_bandwidth + self.accumulation_seconds(index, cand)
         n = op.count
@@ -349,8 +352,7 @@ class CostModel:
     def param_state_bytes(self, numel: float, trained: bool, itemsize: int, expert: bool = False) -> float:
         """Parameter, gradient and optimizer state of ``numel`` elements per rank (after tp and ep), at rest: sharded
         over the data axes (an expert's over ``dp``) under zero2 and fsdp."""
-        degree = self.layout.expert_dp_degree if expert else self.dp
-        return _state_bytes[self.layout.data_parallel](numel, degree, int(trained), itemsize)
+        return _state_bytes[self.layout.data_parallel](numel, self.data_degree(expert), int(trained), itemsize)
 
     def gathered_bytes(self, numel: float, itemsize: int, root: bool, expert: bool = False) -> float:
         """Bytes of the parameter held gathered from the forward to the backward (zero2's, fsdp's root's)."""

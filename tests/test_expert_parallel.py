@@ -267,7 +267,8 @@ def _reshard(rank: int, world_size: int, directory: str) -> dict | None:
     dpar.parallelize(model, strategy="ep")
     dpar.checkpoint.load_safetensors(model, directory + "-safetensors")
     from_safetensors = dpar.checkpoint.full_state_dict(model)
-    writes = _writes_through_the_module(rank)
+    writes = {strategy: _writes_through_the_module(rank, strategy, grid)
+              for strategy, grid in (("ep", None), ("fsdp+ep", mesh))}
     if rank:
         return None
     return dict(writes=writes, loaded=max_abs_diff(saved, loaded), fsdp_loaded=max_abs_diff(saved, fsdp_loaded),
@@ -275,9 +276,10 @@ def _reshard(rank: int, world_size: int, directory: str) -> dict | None:
                 resumed=max_abs_diff(continued, resumed), moved=max_abs_diff(saved, continued))
 
 
-def _writes_through_the_module(rank: int) -> dict[str, bool]:
-    """Writes a user makes on the experts module after parallelize("ep"), each against the same write on the whole
-    model in one process: the full state dict equal bit for bit (and the weight frozen, for requires_grad_)."""
+def _writes_through_the_module(rank: int, strategy: str, mesh=None) -> dict[str, bool]:
+    """Writes a user makes on the experts module after parallelize (ep, or fsdp+ep: the experts' blocks sharded over
+    dp), each against the same write on the whole model in one process: the full state dict equal bit for bit (and
+    the weight frozen, for requires_grad_)."""
     import torch
     import torch.nn as nn
 
@@ -294,7 +296,7 @@ def _writes_through_the_module(rank: int) -> dict[str, bool]:
     found = {}
     for name, write in writes.items():
         whole, model = _own_moe(), _own_moe()
-        dpar.parallelize(model, strategy="ep")
+        dpar.parallelize(model, strategy=strategy, mesh=mesh)
         with torch.no_grad():
             write(whole)
             write(model)
@@ -307,7 +309,8 @@ def _writes_through_the_module(rank: int) -> dict[str, bool]:
 def test_a_checkpoint_reshards_between_ep_degrees_and_to_fsdp_and_safetensors_round_trip(tmp_path) -> None:
     found = run_ranks(_reshard, 4, str(tmp_path / "ckpt"), timeout_s=600)[0]
     print(f"ep 4 -> fsdp+ep (ep 2), fsdp: {found}")
-    assert found.pop("writes") == dict.fromkeys(("copy_", "fill_", "mul_", "nn.init.normal_", "requires_grad_"), True)
+    every_write = dict.fromkeys(("copy_", "fill_", "mul_", "nn.init.normal_", "requires_grad_"), True)
+    assert found.pop("writes") == {"ep": every_write, "fsdp+ep": every_write}
     assert found["loaded"] == 0.0 and found["fsdp_loaded"] == 0.0 and found["safetensors"] == 0.0
     assert found["resumed"] < 1e-6 < found["moved"]
 

@@ -63,10 +63,11 @@ def _writes() -> dict[str, object]:
 def _mesh(strategy: str, shape: tuple[int, ...] | None):
     from torch.distributed.device_mesh import init_device_mesh
 
+    from dpar.core.plan import Strategy
+
     if shape is None:
         return None
-    names = ("dp", "tp") if "tp" in strategy else ("replicate", "shard")
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return init_device_mesh("cpu", shape, mesh_dim_names=Strategy.parse(strategy).mesh_dim_names)
 
 
 def _parallelized(strategy: str, shape: tuple[int, ...] | None, model: nn.Module) -> nn.Module:
@@ -255,14 +256,21 @@ MODEL_INIT_CASES = (("llama", "fsdp", None), ("llama", "tp", None), ("mixtral", 
 EXTENDED_INIT_CASES = (("llama", "fsdp+tp", (1, 2)), ("titan_llama3", "fsdp", None))
 
 
-@pytest.mark.parametrize("cases", [MODEL_INIT_CASES, pytest.param(EXTENDED_INIT_CASES, marks=pytest.mark.extended)],
-                         ids=["default", "extended"])
-def test_a_model_born_on_meta_initialized_by_its_own_call_equals_one_device_and_trains_as_torch_ddp(cases) -> None:
+# Four ranks: fsdp+ep on a (2, 2) ("dp", "ep") mesh, the experts' blocks sharded over dp.
+FOUR_RANK_INIT_CASES = (("mixtral", "fsdp+ep", (2, 2)),)
+
+
+@pytest.mark.parametrize(("cases", "world_size"), [
+    (MODEL_INIT_CASES, 2), pytest.param(EXTENDED_INIT_CASES, 2, marks=pytest.mark.extended),
+    pytest.param(FOUR_RANK_INIT_CASES, 4, marks=pytest.mark.extended)], ids=["default", "extended", "four_ranks"])
+def test_a_model_born_on_meta_initialized_by_its_own_call_equals_one_device_and_trains_as_torch_ddp(
+    cases, world_size: int,
+) -> None:
     import third_party as tp
 
     for name, _, _ in cases:
         tp.needs_torchtitan(name)
-    found = run_ranks(_born_on_meta_own_init, 2, cases, timeout_s=900)[0]
+    found = run_ranks(_born_on_meta_own_init, world_size, cases, timeout_s=900)[0]
     for label, (wrong, _) in found.items():
         assert not wrong, f"{label}: {wrong[:3]} differ from the same initializer on one device"
     tp.assert_figures({label: diff for label, (_, diff) in found.items()}, "own init on meta, 5 AdamW steps vs torch DDP",

@@ -228,14 +228,14 @@ def _place(
     if chosen.expert_parallel:
         ep_mesh, experts_dp_mesh = (mesh["ep"], mesh["dp"]) if mesh.ndim == 2 else (mesh, None)
         experts = expert_parallel.split_experts(model, ep_mesh)
-    splits = _split_tensor(model, chosen, tp_mesh, tp_plan, example_inputs) if tp_mesh is not None else None
+    splits, tp_experts = _split_tensor(model, chosen, tp_mesh, tp_plan, example_inputs) if tp_mesh is not None else (None, None)
     if chosen.shards_parameters:  # under fsdp+ep the experts' blocks over "dp", the rest over every rank
         meshes = dict.fromkeys(experts.parameter_names(), experts_dp_mesh) if experts is not None else None
         buckets = _shard(model, dp_mesh, bucket_cap_mb, options["param_dtype"], meshes)
     else:
         buckets = ()
     if splits is not None:
-        tensor_parallel.install_markers(model, splits, tensor_parallel.state_dict_mesh(tp_mesh, dp_mesh, mesh))
+        tensor_parallel.install_markers(model, splits, tensor_parallel.state_dict_mesh(tp_mesh, dp_mesh, mesh), tp_experts)
     if experts is not None:  # the experts' blocks enter state dicts as Shard(0) DTensors over the ep mesh
         experts.install(model, tensor_parallel.state_dict_mesh(ep_mesh, experts_dp_mesh, mesh, "ep"))
     attach(ParallelPlan(  # kept in model's ModelState (see [Note: facts keyed by name, not by tensor])
@@ -360,9 +360,11 @@ def _split_tensor(
     tp_mesh: DeviceMesh,
     tp_plan: dict[str, int | None] | None,
     example_inputs: Sequence[Any] | None,
-) -> tensor_parallel.Splits:
+) -> tuple[tensor_parallel.Splits, dict[nn.Module, Callable[..., Any]]]:
     """The tensor axis: split each parameter ``tp_plan`` names (Megatron) over ``tp_mesh``; without a
-    ``tp_plan`` the split dims come from the forward run once on fake ``example_inputs``."""
+    ``tp_plan`` the split dims come from the forward run once on fake ``example_inputs``, and routed experts are
+    spread over the axis by expert (see [Note: experts spread over a tensor-parallel group]). Returns the
+    splits and the forwards of the experts modules split by expert."""
     if tp_plan is None:
         if example_inputs is None:
             raise OptionsError(
@@ -370,8 +372,11 @@ def _split_tensor(
                 "example_inputs=(...) (one batch; the forward runs once on fake tensors to pair "
                 "column- and row-parallel layers) or tp_plan={name: dim or None}"
             )
-        tp_plan = megatron_dims(model, example_inputs)
-    return tensor_parallel.split_parameters(model, tp_plan, tp_mesh.get_group())
+        tp_plan = expert_parallel.experts_by_expert(model, megatron_dims(model, example_inputs), tp_mesh.size())
+    group, experts = tp_mesh.get_group(), expert_parallel.experts_modules(model)
+    splits = tensor_parallel.split_parameters(model, tp_plan, group)
+    return splits, expert_parallel.local_expert_forwards(
+        experts, splits, group.group_name, tp_mesh.size(), tp_mesh.get_local_rank())
 
 
 def _shard(

@@ -27,6 +27,19 @@ Gradients: an expert's weights see the pairs of every rank of the ep group, so t
 leaves their gradient summed over those ranks, where DDP would average it. The experts' output gradient is
 scaled by 1 / ep and their input gradient by ep, so the weights' gradients come out averaged and the
 tokens' gradients as computed (exact for ep a power of two, one rounding otherwise).
+
+[Note: experts spread over a tensor-parallel group]
+Under tensor parallel every rank of a group holds the same tokens at a mixture-of-experts layer (its copy of
+each rank's rows: see [Note: the data contract under tensor parallel]), so no token has to travel: each rank
+keeps E / tp of the experts and computes, for every token, the pairs routed to its own experts (the others
+are empty slots, ``local``, as above); the layer's output is then the sum of the ranks' shares, a partial sum
+like a row-parallel Linear's, and the gradient of its inputs (the tokens and their routing weights) is one too.
+Two marker ops say so to the tensor-parallel pass, which inserts the reductions where a consumer needs the
+whole value and removes the markers (compiler/propagation/localize.py): ``experts_partial`` on the output,
+and ``experts_input`` on the inputs, whose gradient is ``experts_partial``'s. Run eagerly they all-reduce
+over the group themselves. The experts' weights and their optimizer state divide by tp, and so does their
+compute; what it costs is one all-reduce of the layer's output per layer and direction, as a tensor-parallel
+MLP's.
 """
 
 from __future__ import annotations
@@ -36,18 +49,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from dpar.core.torch_internals import all_to_all_single, all_to_all_single_autograd
+from dpar.core.torch_internals import all_to_all_single, all_to_all_single_autograd, resolve_process_group
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
-    """How one experts module is split: ``num_experts`` over all ranks, ``ep_size`` ranks of ``group_name``."""
+    """How one experts module is split: ``num_experts`` over the ``ep_size`` ranks of ``group_name`` (the ep group,
+    or the tensor-parallel group where tokens stay put)."""
 
     num_experts: int
     ep_size: int
     group_name: str
+    rank: int = 0  # this rank's place in the group: the block of experts it holds (read where tokens stay put)
 
     @property
     def local(self) -> int:
@@ -122,8 +138,21 @@ def exchange_grouped(
     last, and calls ``forward`` with its local counts; a grouped matmul leaves the rows past the last offset
     undefined, so empty slots are zeroed on the way in and replaced by zeros on the way out (both ways of the
     backward too)."""
+    return _exchanged(rows, _expert_of_rows(tokens_per_expert, layout, rows), layout, _grouped(module, forward, layout))
+
+
+def _expert_of_rows(tokens_per_expert: torch.Tensor, layout: ExpertLayout, rows: torch.Tensor) -> torch.Tensor:
+    """The expert of each of ``rows``, sorted by expert with ``tokens_per_expert`` each (torchtitan's convention)."""
     experts = torch.arange(layout.num_experts, device=rows.device)
-    expert = torch.repeat_interleave(experts, tokens_per_expert, output_size=rows.shape[0])
+    return torch.repeat_interleave(experts, tokens_per_expert, output_size=rows.shape[0])
+
+
+def _grouped(
+    module: nn.Module, forward: Callable[..., torch.Tensor], layout: ExpertLayout,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A grouped experts module's computation of rows with local expert ids (``local``: an empty slot): sorted by
+    expert, empty slots last, zeroed on the way in and replaced by zeros on the way out, since a grouped matmul
+    leaves the rows past the last offset undefined (both ways of the backward too)."""
 
     def compute(received: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         by_expert = torch.argsort(expert, stable=True)
@@ -133,4 +162,73 @@ def exchange_grouped(
         out = torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
         return out.new_zeros(out.shape).index_copy(0, by_expert, out)
 
-    return _exchanged(rows, expert, layout, compute)
+    return compute
+
+
+# --- experts spread over a tensor-parallel group: see [Note: experts spread over a tensor-parallel group] ---
+
+@torch.library.custom_op("dpar::experts_partial", mutates_args=())
+def experts_partial(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """This rank's experts' share of a value that is the sum of every rank's of ``group_name``: that sum, when run
+    eagerly (an all-reduce); in a compiled graph a marker of the partial sum, which the tensor-parallel pass
+    reduces where a consumer needs the whole."""
+    total = x.clone()
+    dist.all_reduce(total, group=resolve_process_group(group_name))
+    return total
+
+
+@experts_partial.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dpar::experts_input", mutates_args=())
+def experts_input(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The identity on a value every rank of ``group_name`` holds whole and alike, read by this rank's experts
+    only: its gradient is each rank's share, summed (``experts_partial``). It also ends the gradient of
+    ``experts_partial``: what enters this rank's experts' backward must be whole, never a partial sum, since
+    their computation is this rank's own and no reduction inside it may mix the ranks'."""
+    return x.clone()
+
+
+@experts_input.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _group_of(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.group_name = inputs[1]
+
+
+experts_partial.register_autograd(lambda ctx, grad: (experts_input(grad, ctx.group_name), None), setup_context=_group_of)
+experts_input.register_autograd(lambda ctx, grad: (experts_partial(grad, ctx.group_name), None), setup_context=_group_of)
+
+
+def _local_ids(expert: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """Each row's expert as an id among this rank's experts; ``local`` (an empty slot) where another rank's."""
+    shifted = expert - layout.rank * layout.local
+    mine = (shifted >= 0) & (shifted < layout.local)
+    return torch.where(mine, shifted, torch.full_like(shifted, layout.local))
+
+
+def local_experts(
+    module: nn.Module, forward: Callable[..., torch.Tensor], layout: ExpertLayout,
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """A routed experts module's output (Hugging Face's convention) from this rank's experts only: a partial sum
+    over the tensor-parallel group (see [Note: experts spread over a tensor-parallel group])."""
+    group = layout.group_name
+    out = forward(module, experts_input(hidden_states, group), _local_ids(top_k_index, layout),
+                  experts_input(top_k_weights, group))
+    return experts_partial(out, group)
+
+
+def local_experts_grouped(
+    module: nn.Module, forward: Callable[..., torch.Tensor], layout: ExpertLayout,
+    rows: torch.Tensor, tokens_per_expert: torch.Tensor,
+) -> torch.Tensor:
+    """A grouped experts module's output (torchtitan's convention) from this rank's experts only, as
+    ``local_experts``."""
+    expert = _local_ids(_expert_of_rows(tokens_per_expert, layout, rows), layout)
+    out = _grouped(module, forward, layout)(experts_input(rows, layout.group_name), expert)
+    return experts_partial(out, layout.group_name)

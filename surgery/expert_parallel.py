@@ -19,7 +19,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dpar.core.errors import OptionsError
-from dpar.runtime.expert_parallel import ExpertLayout, exchange, exchange_grouped
+from dpar.runtime.expert_parallel import (
+    ExpertLayout, exchange, exchange_grouped, local_experts, local_experts_grouped,
+)
 from dpar.surgery import tensor_parallel
 
 # The experts module's calling conventions, by the number of arguments its forward takes.
@@ -91,6 +93,46 @@ def split_experts(model: nn.Module, ep_mesh: DeviceMesh) -> ExpertSplit:
         else:  # torchtitan's reads no count (its MoE sizes buffers by num_experts: left whole)
             forwards[module] = _exchanging(exchange_grouped, forward, layout)
     return ExpertSplit({m: s for m, s in splits.items() if m in forwards}, forwards)
+
+
+def experts_by_expert(model: nn.Module, tp_dims: dict[str, int | None], tp: int) -> dict[str, int | None]:
+    """``tp_dims`` (the automatic tensor-parallel plan) with every experts module whose count ``tp`` divides split by
+    expert, dim 0 of each of its weights (see [Note: experts spread over a tensor-parallel group])."""
+    spread = {f"{name}.{p}": 0 for name, module in experts_modules(model).items() if module.num_experts % tp == 0
+              for p, _ in module.named_parameters(recurse=False)}
+    return {**tp_dims, **spread}
+
+
+def local_expert_forwards(found: dict[str, nn.Module], splits: tensor_parallel.Splits, tp_group: str, tp: int,
+                          rank: int) -> dict[nn.Module, Callable[..., Any]]:
+    """The forward of each experts module (``found`` by ``experts_modules`` before the split) that a tensor-parallel
+    split divides by expert: this rank's experts on every token, a partial sum over ``tp_group``. Its weights split
+    otherwise, or only some of them, is refused by name."""
+    forwards = {}
+    for name, module in found.items():
+        specs = splits.get(module, {})
+        dims = {p: specs[p].dim if p in specs else None for p, _ in module.named_parameters(recurse=False)}
+        if all(d is None for d in dims.values()):
+            continue  # replicated over tp: every rank computes every expert
+        if any(d != 0 for d in dims.values()):
+            raise OptionsError(
+                f"tensor parallel splits the experts of {name} as {{{_dims_shown(name, dims)}}}; an experts module is "
+                f"split by expert, dim 0 of every weight (tp_plan={{{_dims_shown(name, dict.fromkeys(dims, 0))}, ...}}), "
+                "or kept whole (None for each)"
+            )
+        layout = ExpertLayout(module.num_experts, tp, tp_group, rank)
+        forward = type(module).forward
+        if _convention(module) == ROUTED:
+            module.num_experts = layout.local
+            module._is_expert_parallel = True
+            forwards[module] = _exchanging(local_experts, forward, layout)
+        else:
+            forwards[module] = _exchanging(local_experts_grouped, forward, layout)
+    return forwards
+
+
+def _dims_shown(name: str, dims: dict[str, int | None]) -> str:
+    return ", ".join(f"'{name}.{p}': {d}" for p, d in dims.items())
 
 
 def _convention(module: nn.Module) -> int:

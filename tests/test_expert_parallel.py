@@ -42,11 +42,11 @@ def _against_torch_ddp(rank: int, world_size: int, cases: tuple[tuple[str, str, 
         reference, control = references[name]
         torch._dynamo.reset()
         with registry.recording() as graphs:
-            state, compiled = _train(rank, world_size, name, strategy, mesh_shape, graphs)
+            state, compiled, held = _train(rank, world_size, name, strategy, mesh_shape, graphs)
         kinds = [c.kind for g in graphs if g.label == "forward graph" for c in g.collectives]
         label = f"{strategy} {mesh_shape or world_size}, {name}"
         found[label] = dict(
-            graphs_after_each_step=compiled, all_to_alls=kinds.count("all_to_all"),
+            graphs_after_each_step=compiled, all_to_alls=kinds.count("all_to_all"), experts_held=held,
             gap=max_abs_diff(reference, state) if rank == 0 else None,
             control=max_abs_diff(reference, control) if rank == 0 else None,
         )
@@ -64,19 +64,27 @@ def _optimizer(name: str) -> str:
 
 
 def _train(rank: int, world_size: int, name: str, strategy: str, mesh_shape: tuple[int, ...] | None, graphs: list,
-           prepare=None) -> tuple[dict | None, list[int]]:
-    """third_party.train's loop, counting the graphs compiled after each step."""
+           prepare=None) -> tuple[dict | None, list[int], float]:
+    """third_party.train's loop, counting the graphs compiled after each step; with the share of the experts'
+    weights this rank holds."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     import dpar
+    from dpar.core.plan import Strategy
+    from dpar.surgery.expert_parallel import experts_modules
     from third_party import ROWS_PER_RANK, STEPS, build, global_batch, rank_slice
 
     model = build(name)
     if prepare is not None:
         prepare(model)
-    mesh = None if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "ep"))
-    dpar.parallelize(model, strategy=strategy, mesh=mesh)
+    whole = {f"{n}.{p}": t.numel() for n, m in experts_modules(model).items() for p, t in m.named_parameters(recurse=False)}
+    chosen = Strategy.parse(strategy)
+    mesh = None if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=chosen.mesh_dim_names)
+    example = rank_slice(global_batch(0, ROWS_PER_RANK * world_size), rank, world_size) if chosen.tensor_parallel else None
+    dpar.parallelize(model, strategy=strategy, mesh=mesh, example_inputs=example)
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters() if n in whole)
     runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05) if _optimizer(name) == "sgd" else torch.optim.AdamW(
         model.parameters(), lr=1e-3)
@@ -86,17 +94,21 @@ def _train(rank: int, world_size: int, name: str, strategy: str, mesh_shape: tup
         runner(*rank_slice(global_batch(step, ROWS_PER_RANK * world_size), rank, world_size)).backward()
         optimizer.step()
         compiled.append(len(graphs))
-    return dpar.checkpoint.full_state_dict(model), compiled
+    return dpar.checkpoint.full_state_dict(model), compiled, held / sum(whole.values())
 
 
 CASES = {
-    2: tuple((name, "ep", None) for name in ("own_moe", "mixtral", "qwen3_moe")),
+    # Under tensor parallel the experts are spread over the tp axis by expert, the tokens staying put.
+    2: (*((name, "ep", None) for name in ("own_moe", "mixtral", "qwen3_moe")), ("own_moe", "tp", None),
+        ("mixtral", "tp", None)),
     # torchtitan's MoE debug models (bf16 grouped matmuls, 5 and 8 MoE layers), trained with SGD: AdamW turns the
     # tiny gradients of barely routed experts into steps of size lr, which a 1e-7 nudge already moves by 4e-3.
-    "titan": (("titan_deepseek", "ep", None), ("titan_qwen3_moe", "ep", None)),
-    # On ("dp", "ep") meshes: the experts' blocks replicated (ddp+ep) or sharded (zero2+ep, fsdp+ep) over "dp".
+    "titan": (("titan_deepseek", "ep", None), ("titan_qwen3_moe", "ep", None), ("titan_deepseek", "tp", None),
+              ("titan_qwen3_moe", "tp", None)),
+    # On ("dp", "ep") meshes: the experts' blocks replicated (ddp+ep) or sharded (zero2+ep, fsdp+ep) over "dp";
+    # on a ("dp", "tp") mesh spread over "tp" and sharded over "dp".
     4: (("own_moe", "ep", None), ("own_moe", "ddp+ep", (2, 2)), ("own_moe", "fsdp+ep", (2, 2)),
-        ("qwen3_moe", "fsdp+ep", (2, 2)), ("mixtral", "zero2+ep", (2, 2))),
+        ("qwen3_moe", "fsdp+ep", (2, 2)), ("mixtral", "zero2+ep", (2, 2)), ("qwen3_moe", "fsdp+tp", (2, 2))),
 }
 
 
@@ -107,11 +119,15 @@ def test_ep_trains_as_torch_ddp(case: int | str) -> None:
     if isinstance(case, str):
         for name, _, _ in CASES[case]:
             needs_torchtitan(name)
-    found = run_ranks(_against_torch_ddp, 2 if isinstance(case, str) else case, CASES[case], timeout_s=1200)[0]
+    ranks = 2 if isinstance(case, str) else case
+    found = run_ranks(_against_torch_ddp, ranks, CASES[case], timeout_s=1200)[0]
     for name, figures in found.items():
         print(f"{name}: {figures}")
-    for name, f in found.items():
-        assert f["all_to_alls"] and f["all_to_alls"] % 3 == 0, (name, f)  # per MoE layer: rows and experts out, rows back
+    for (name, strategy, mesh_shape), f in zip(CASES[case], found.values()):
+        if "ep" in strategy:  # per MoE layer: rows and experts out, rows back
+            assert f["all_to_alls"] and f["all_to_alls"] % 3 == 0, (name, f)
+        # Each rank holds its share of the experts: spread over ep or tp, and sharded over dp where the rest is.
+        assert f["experts_held"] == 1 / (mesh_shape[1] if strategy.startswith("ddp+") else ranks), (name, strategy, f)
         assert f["gap"] <= max(10 * f["control"], 1e-6), (name, f)
         assert f["control"] > 0
         assert len(set(f["graphs_after_each_step"])) == 1, (name, f)  # nothing compiled after the first step
@@ -186,6 +202,50 @@ def test_each_rank_holds_its_experts_and_the_state_dict_holds_them_whole(world_o
     assert len(exchanged) == 6
     tokens = [c for c in exchanged if c.dtype == torch.float32]
     assert {c.bytes for c in tokens} == {4 * 16 * 2 * 32 * 4}  # ep x pairs x width x 4 bytes, each way
+
+
+def test_tp_spreads_the_experts_by_expert_and_reduces_their_output(world_of_four) -> None:
+    """tp 4 on four fake ranks: one expert of four per rank (a Shard(0) DTensor of the whole in the state dict),
+    every token staying put (no all-to-all): each MoE layer's output is a partial sum all-reduced over tp, as is
+    its inputs' gradient in the backward (each rank's rows in turn: see [Note: the data contract under tensor
+    parallel])."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    import dpar
+    from third_party import global_batch
+
+    model = _own_moe()
+    batch = tuple(t[:2] for t in global_batch(0, 8))
+    dpar.parallelize(model, strategy="tp", example_inputs=batch)
+    experts = model.blocks[0].experts
+    assert experts.w_in.shape == (1, 64, 32) and experts.num_experts == 1
+    entry = model.state_dict()["blocks.0.experts.w_in"]
+    assert isinstance(entry, DTensor) and entry.shape == (4, 64, 32) and entry.placements == (Shard(0),)
+    torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(*batch).backward()
+    forward, backward = (next(g for g in world_of_four if g.label == label) for label in ("forward graph", "backward graph"))
+    assert not [c for g in (forward, backward) for c in g.collectives if c.kind == "all_to_all"]
+    # Once per layer for each of the group's 4 ranks' rows (2 rows of 8 tokens): the experts' output, the hidden
+    # width in fp32 (nothing else in this model reduces in the forward), and in the backward their routing weights'
+    # gradient (top-2).
+    reduced = lambda graph, size: sum(c.kind == "all_reduce" and c.bytes == size for c in graph.collectives)
+    assert reduced(forward, 2 * 8 * 32 * 4) == 4 * 2
+    assert reduced(backward, 2 * 8 * 2 * 4) == 4 * 2
+
+
+def test_tp_keeps_experts_whole_where_its_degree_does_not_divide_them_and_refuses_another_split(world_of_four) -> None:
+    import dpar
+    from dpar.core.errors import OptionsError
+    from third_party import global_batch
+
+    batch = tuple(t[:2] for t in global_batch(0, 8))
+    model = _own_moe(7)
+    dpar.parallelize(model, strategy="tp", example_inputs=batch)
+    assert model.blocks[0].experts.w_in.shape == (7, 64, 32)  # replicated: every rank computes every expert
+    with pytest.raises(OptionsError, match=r"tensor parallel splits the experts of blocks.0.experts as \{'blocks.0.experts.w_in': "
+                       r"1, 'blocks.0.experts.b_in': None, 'blocks.0.experts.w_out': None\}; an experts module is split "
+                       r"by expert, dim 0 of every weight \(tp_plan=\{'blocks.0.experts.w_in': 0, "):
+        dpar.parallelize(_own_moe(), strategy="tp", tp_plan={"blocks.0.experts.w_in": 1})
 
 
 def test_fsdp_ep_shards_the_experts_over_dp_and_the_rest_over_every_rank(world_of_four) -> None:

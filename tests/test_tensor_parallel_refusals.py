@@ -3,7 +3,8 @@
 Sharding propagation has rules for Linears, attention, norms over the hidden size and
 embeddings; a convolution, BatchNorm or a grouped expert matmul has none, so such a layer runs
 replicated. The automatic plan therefore never splits its parameters (they train as data
-parallel would), and an explicit ``tp_plan`` that splits one is refused by name
+parallel would; an experts module, Hugging Face's or torchtitan's, is spread over tp by expert at
+``parallelize`` instead: test_expert_parallel.py), and an explicit ``tp_plan`` that splits one is refused by name
 (``TensorParallelPlanError``) before the first step. Against torch DDP on 2 gloo ranks, each
 rank fed its own slice: torchvision resnet18's layer kinds, Hugging Face Mixtral (its planning
 forward used to crash in torch._grouped_mm's fake kernel, which takes bf16 only) and

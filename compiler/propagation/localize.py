@@ -5,7 +5,8 @@ its share from its inputs' shares. What changes is every explicit size (a
 view to the global shape becomes a view to the local one), the vocabulary-split
 embedding (look up only this rank's rows, zeros elsewhere, then the partial
 sums add up to the full lookup), and its backward (scatter only into this
-rank's rows). The tensor-parallel markers go: their block is the value itself.
+rank's rows). The tensor-parallel markers go: their block is the value itself; so do the experts' markers
+(their value is this rank's share, placed by propagation).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from dpar.compiler.propagation.propagate import GRAD_MARKER, WEIGHT_MARKER, MeshDim
+from dpar.compiler.propagation.rules import EXPERTS_INPUT, EXPERTS_PARTIAL
 from dpar.core.facts import local_block
 
 aten = torch.ops.aten
@@ -84,7 +86,7 @@ def localize(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
         elif node.target is aten.embedding_dense_backward.default and node.meta.get("placement") == Shard(0):
             _split_embedding_backward(graph, node, mesh)
     for node in list(graph.nodes):
-        if node.target in (WEIGHT_MARKER, GRAD_MARKER):
+        if node.target in (WEIGHT_MARKER, GRAD_MARKER, EXPERTS_PARTIAL, EXPERTS_INPUT):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     graph.lint()

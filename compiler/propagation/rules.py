@@ -33,6 +33,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+import dpar.runtime.expert_parallel  # noqa: F401  (registers the experts' marker ops)
 from dpar.core.facts import can_split
 from dpar.core.torch_internals import C10D_FUNCTIONAL
 
@@ -532,6 +533,16 @@ def along_other_group(node: fx.Node, tp: int) -> list[Candidate]:
     return [Candidate((here,) + tuple(R for _ in tensor_inputs(node)[1:]), _outputs(node, here))]
 
 
+EXPERTS_PARTIAL = torch.ops.dpar.experts_partial.default
+EXPERTS_INPUT = torch.ops.dpar.experts_input.default
+
+
+def experts_partial(node: fx.Node, tp: int) -> list[Candidate]:
+    """This rank's experts' share of a layer's output (or of its inputs' gradient): a partial sum over the group
+    (see [Note: experts spread over a tensor-parallel group] in runtime/expert_parallel.py)."""
+    return [Candidate((R,), (P,))]
+
+
 def getitem(node: fx.Node, tp: int) -> list[Candidate]:
     source, index = node.args
     return [Candidate((), (source.meta.get("placement_outputs", (R,))[index] or R,))]
@@ -567,6 +578,7 @@ RULES: dict[object, Rule] = {
     **dict.fromkeys(EMBEDDING, embedding),
     aten.embedding_dense_backward.default: embedding_backward,
     operator.getitem: getitem,
+    EXPERTS_PARTIAL: experts_partial,
     c10d.all_gather_into_tensor.default: along_other_group,
     c10d.reduce_scatter_tensor.default: along_other_group,
     c10d.all_reduce.default: keep_input,

@@ -5,7 +5,9 @@
 The model is Hugging Face's Mixtral at 6 layers of 8 experts (hidden 512, expert width 1280, top-2): 102M
 parameters, 94M of them in experts. Modes, every one dpar's on the same weights and batches with AdamW: ``ddp``
 (every expert on every rank), ``fsdp`` (ep 1: experts sharded as ordinary weights over all 4 ranks), ``ddp+ep``
-and ``fsdp+ep`` (a 2 x 2 mesh: ep 2, experts replicated or sharded over "dp") and ``ep`` (ep 4). Each rank is fed its own rows. Memory: a profile of the last warm-up
+and ``fsdp+ep`` (a 2 x 2 mesh: ep 2, experts replicated or sharded over "dp"), ``ep`` (ep 4) and ``tp`` (tp 4:
+attention split by heads, the experts spread over the tp axis by expert, no token exchanged). Each rank is fed its
+own rows. Memory: a profile of the last warm-up
 step (live tensor bytes at its start and its peak, peak_memory.py's reading) and the bytes of parameters,
 gradients and optimizer state each rank holds. Then the modes take turns at the measured steps, so that load
 from other users of the machine hits all of them alike. Beside them, ``dpar.explain``'s step time and memory
@@ -38,8 +40,8 @@ from distributed import run_ranks  # noqa: E402
 from harness import RESULTS, live_bytes, revision, turns  # noqa: E402
 
 WORLD_SIZE = 4
-MODES = ("ddp", "fsdp", "ddp+ep", "fsdp+ep", "ep")
-EP_DEGREE = {"ddp": 1, "fsdp": 1, "ddp+ep": 2, "fsdp+ep": 2, "ep": 4}
+MODES = ("ddp", "fsdp", "ddp+ep", "fsdp+ep", "ep", "tp")
+EP_DEGREE = {"ddp": "1", "fsdp": "1", "ddp+ep": "2", "fsdp+ep": "2", "ep": "4", "tp": "4 (over tp)"}
 VOCAB, SEQ = 4096, 128
 
 
@@ -70,10 +72,12 @@ def batches(rank: int, count: int, rows: int) -> list[torch.Tensor]:
             for _ in range(count)]
 
 
-def placed(mode: str) -> torch.nn.Module:
+def placed(mode: str, rows: int) -> torch.nn.Module:
     model = Mixtral()
     if mode in ("ddp+ep", "fsdp+ep"):
         dpar.parallelize(model, strategy=mode, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep")))
+    elif mode == "tp":
+        dpar.parallelize(model, strategy=mode, example_inputs=(torch.zeros(rows, SEQ, dtype=torch.long),))
     elif mode != "ddp":
         dpar.parallelize(model, strategy=mode)
     return model
@@ -92,7 +96,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, 
         window = f"measured step ({mode})"
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            model = placed(mode)
+            model = placed(mode, args.rows)
             runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             for step in range(args.warmup):

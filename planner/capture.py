@@ -236,7 +236,7 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
 
 def _experts(model: nn.Module, graph: OpGraph) -> tuple[ExpertsInfo, ...]:
     """The model's routed experts modules, with the (token, expert) rows their first op reads: its first 2-D
-    activation input, ``(rows, width)``."""
+    activation input, ``(rows, width)``; and the size of their output, the last op of the module that op is in."""
     owner = {p.name: p.op for p in graph.params}
     found = []
     for name, module in experts_modules(model).items():
@@ -246,7 +246,8 @@ def _experts(model: nn.Module, graph: OpGraph) -> tuple[ExpertsInfo, ...]:
             ((shape, size) for shape, size in zip(op.input_shapes, op.input_itemsizes) if len(shape) == 2), None)
         if read is not None:
             (rows, width), itemsize = read
-            found.append(ExpertsInfo(name, params, module.num_experts, rows, width, itemsize))
+            output = [o.output_numel for o in graph.ops if o.module == op.module][-1]
+            found.append(ExpertsInfo(name, params, module.num_experts, rows, width, itemsize, output))
     return tuple(found)
 
 

@@ -46,7 +46,10 @@ their data-parallel collectives, state sharding and α terms run over the ``dp``
 ``ep``), and each module exchanges its (token, expert) rows as the runtime does ([Note: routed tokens in fixed-size
 buffers]): ep x (its rows / D) x width bytes per all-to-all, two forward (out and back) plus one of the int64 expert
 ids, two backward, on the critical path like tp's. The experts' compute is priced as the op graph holds it, at a
-balanced routing.
+balanced routing. Under a tp axis the experts of a module whose count tp divides are spread over it by expert, as
+the runtime spreads them ([Note: experts spread over a tensor-parallel group]): 1/tp of their parameters and of the
+work of the ops reading them, and one all-reduce of the module's output forward and one of its inputs' gradient
+backward, on tp's critical path.
 
 Overlap: data-parallel collectives of the forward (zero2/fsdp gathers) hide behind forward
 compute and those of the backward (gradient reduction, fsdp's second gather) behind
@@ -156,6 +159,9 @@ class CostModel:
         self.links = device.links(layout.mesh_shape) if math.prod(layout.mesh_shape) > 1 else ()  # one rank: no link
         self.dp, self.tp, self.ep = layout.dp_degree, layout.tp_degree, layout.ep_degree
         self.experts = graph.expert_parameters() if self.ep > 1 else frozenset()  # split over ep: 1/ep per rank
+        # Spread over tp by expert where tp divides their count (no ep axis beside a tp one): 1/tp per rank.
+        self.tp_experts = graph.expert_parameters(self.tp) if self.tp > 1 else frozenset()
+        self.tp_expert_ops = frozenset(p.op for p in graph.params if p.name in self.tp_experts and p.op is not None)
         self.owned: dict[int, list[ParamInfo]] = defaultdict(list)
         for info in graph.params:
             if info.op is not None:
@@ -199,8 +205,15 @@ class CostModel:
         return seconds
 
     def param_numel(self, info: ParamInfo, placement: str) -> float:
-        """Elements per rank of a parameter placed ``placement`` on the tp axis (an expert's: 1/ep of them)."""
+        """Elements per rank of a parameter placed ``placement`` on the tp axis (an expert's: 1/ep of them, or 1/tp
+        where tp spreads them)."""
+        if info.name in self.tp_experts:  # by expert, whatever the op's candidate (which never splits it)
+            placement = "S(0)"
         return local_numel(info.shape, placement, self.tp) / (self.ep if info.name in self.experts else 1)
+
+    def tp_split(self, index: int, cand: Candidate) -> int:
+        """How many ways op ``index``'s work divides over tp: the candidate's split, or the experts' spread."""
+        return self.tp if cand.split or index in self.tp_expert_ops else 1
 
     def data_degree(self, expert: bool) -> int:
         """The ranks a parameter is reduced (and, under zero2 and fsdp, sharded) over: an expert's ``dp`` ranks, every
@@ -214,7 +227,14 @@ class CostModel:
         return axes if self.data_degree(expert) > 1 else ()
 
     def expert_exchange(self) -> list[tuple[str, str, float, int, str]]:
-        """(kind, phase, bytes of one, count, where) of the experts' all-to-alls per step (see the Note)."""
+        """(kind, phase, bytes of one, count, where) of the experts' all-to-alls per step (see the Note); under tp,
+        the all-reduces of the spread experts' partial sums, their output forward and their inputs' gradient backward
+        (see [Note: experts spread over a tensor-parallel group])."""
+        if self.tp_experts:
+            return [(kind, phase, info.output_numel * info.itemsize / self.dp, 1, f"{info.module}: {what}")
+                    for info in self.graph.experts if info.num_experts % self.tp == 0
+                    for kind, phase, what in (("all_reduce", "forward", "its experts' partial sums"),
+                                              ("all_reduce", "backward", "its inputs' gradient"))]
         if not self.experts:
             return []
         found = []
@@ -227,9 +247,9 @@ class CostModel:
         return found
 
     def expert_exchange_seconds(self) -> float:
-        """The all-to-alls' time, on the critical path."""
-        return sum(count * self.collective(kind, nbytes, (self.layout.ep_axis,))
-                   for kind, _, nbytes, count, _ in self.expert_exchange())
+        """The experts' exchange (or tp's reductions of them) in time, on the critical path."""
+        axis = self.layout.tp_axis if self.tp_experts else self.layout.ep_axis
+        return sum(count * self.collective(kind, nbytes, (axis,)) for kind, _, nbytes, count, _ in self.expert_exchange())
 
     def tp_collective(self, kind: str, nbytes: float) -> float:
         return 0.0 if self.layout.tp_axis is None else self.collective(kind, nbytes, (self.layout.tp_axis,))
@@ -297,12 +317,12 @@ class CostModel:
         )
         moved += sum(local_numel(s, p, self.tp) * e for s, p, e in zip(op.param_shapes, cand.params, op.param_itemsizes))
         moved += self.activation_bytes(op.output_numel, op.batched, cand.output, op.output_itemsize)
-        flops = op.flops / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
+        flops = op.flops / (self.dp if op.batched else 1) / self.tp_split(index, cand)
         fwd = roofline(flops, moved, op.dtype, self.device)
         grads = int(op.input_grad) + int(op.param_grad) if op.params else 2 * int(op.input_grad)
         bwd = fwd * grads
         if op.kernels is not None:  # the op's own ATen kernels (see [Note: an op's kernels] in ``capture.py``)
-            fwd, bwd = self.kernel_seconds(op, cand)
+            fwd, bwd = self.kernel_seconds(op, self.tp_split(index, cand))
         stats = cand.stats * self.tp_collective("all_reduce", self.stats_bytes(op)) if cand.stats else 0.0
         saved = self.saved_bytes(index, cand)
         state = gathered = copies = 0.0
@@ -338,12 +358,11 @@ class CostModel:
                 nbytes[info.requires_grad, info.bucket == "root"] += self.param_numel(info, cand.params[info.slot]) * info.itemsize
         return nbytes
 
-    def kernel_seconds(self, op: Op, cand: Candidate) -> tuple[float, float]:
+    def kernel_seconds(self, op: Op, split: int) -> tuple[float, float]:
         """(forward, backward) seconds of one instance of ``op`` on one rank: each of its kernels at the
-        roofline, its FLOPs and the bytes that carry the batch split over dp, everything over tp when the
-        candidate splits the op."""
+        roofline, its FLOPs and the bytes that carry the batch split over dp, everything over ``split`` (tp, where
+        the op's work divides over it: ``tp_split``)."""
         batch = self.dp if op.batched else 1
-        split = self.tp if cand.split else 1
         seconds = {"forward": 0.0, "backward": 0.0}
         for phase, _, flops, dtype, batched, fixed in op.kernels or ():
             seconds[phase] += roofline(flops / batch / split, (batched / batch + fixed) / split, dtype, self.device)

@@ -76,9 +76,12 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
         if cand.stats and layout.tp_degree > 1:
             collectives.append(_tp("all_reduce", "forward", model.stats_bytes(op), cand.stats * op.count, op.name))
     collectives += _dp_collectives(graph, model, picked)
+    over = "tp" if model.tp_experts else "ep"  # the spread experts' reductions are tp's; the exchange ep's
     for kind, phase, nbytes, count, where in model.expert_exchange():
-        collectives.append(CollectivePlan(kind, "ep", phase, round(nbytes * count), count, where))
+        collectives.append(CollectivePlan(kind, over, phase, round(nbytes * count), count, where))
     ep_comm = model.expert_exchange_seconds()
+    if model.tp_experts:
+        tp_comm, ep_comm = tp_comm + ep_comm, 0.0
     latency = model.dp_latency()
     dp_fwd, dp_bwd = total.dp_fwd + latency["forward"], total.dp_bwd + latency["backward"]
     exposed = tp_comm + ep_comm + max(0.0, dp_fwd - total.compute_fwd) + max(0.0, dp_bwd - total.compute_bwd)
@@ -140,6 +143,8 @@ def _parameters(graph: OpGraph, model: CostModel, picked: list[Candidate]) -> tu
     for info in graph.params:
         tp_placement = "R" if info.op is None else picked[info.op].params[info.slot]
         expert = info.name in model.experts
+        if info.name in model.tp_experts:  # spread over tp by expert
+            tp_placement = "S(0)"
         placements = tuple(
             (tp_placement if role == "tp" else "S(0)" if role == "ep" and expert else layout.dp_placement) if n > 1 else "R"
             for role, n in zip(layout.roles, layout.mesh_shape)

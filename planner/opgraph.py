@@ -85,6 +85,7 @@ class ExpertsInfo:
     rows: int
     width: int
     itemsize: int
+    output_numel: int = 0  # elements of its output, global batch: what tp reduces where the experts are spread over tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,5 +99,6 @@ class OpGraph:
     traced_ops: int  # compute ops before repeated blocks were collapsed
     experts: tuple[ExpertsInfo, ...] = ()  # the routed experts modules, which an ep axis splits
 
-    def expert_parameters(self) -> frozenset[str]:
-        return frozenset(name for info in self.experts for name in info.params)
+    def expert_parameters(self, divisible_by: int = 1) -> frozenset[str]:
+        """The experts' parameters (of the modules whose count ``divisible_by`` divides)."""
+        return frozenset(name for info in self.experts if info.num_experts % divisible_by == 0 for name in info.params)

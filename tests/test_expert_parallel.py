@@ -443,6 +443,37 @@ def test_the_planner_prices_each_experts_exchange_and_its_share_of_the_experts()
     assert "has no routed experts" in refused["ddp+ep"]
 
 
+def test_the_planner_prices_the_experts_spread_over_tp_and_its_plan_spreads_them(world_of_four) -> None:
+    """HF Mixtral as above on a (2, 2) ("dp", "tp") mesh: each experts module's weights take 1/tp (placed S(0) over
+    tp), and its output (8 x 32 tokens of 64, over dp 2) is all-reduced over tp forward, its inputs' gradient
+    backward; the own MoE's plan under ddp+tp, applied, spreads the experts as parallelize's own tp plan does."""
+    import torch
+
+    import dpar
+    from dpar.compiler.costs import device_spec
+    from dpar.planner.capture import build_op_graph
+    from dpar.planner.strategies import evaluate_strategies
+    from third_party import global_batch
+
+    model, inputs = _tiny_mixtral_on_meta()
+    graph = build_op_graph(model, inputs)
+    assert [e.output_numel for e in graph.experts] == [8 * 32 * 64] * 2
+    plan = evaluate_strategies(graph, (2, 2), device_spec("h100"))["ddp+tp"]
+    reductions = [c for c in plan.collectives if "experts" in c.where]
+    assert sorted((c.kind, c.mesh_dim, c.phase, c.bytes) for c in reductions) == sorted(
+        ("all_reduce", "tp", phase, 8 * 32 * 64 * 4 // 2) for phase in ("forward", "backward") for _ in range(2))
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    expert = next(p for p in plan.parameters if p.name == "model.layers.0.mlp.experts.gate_up_proj")
+    assert expert.placements == ("R", "S(0)") and expert.memory_bytes == 16 * numel[expert.name] // 2
+    assert plan.tp_dims()[expert.name] == 0
+
+    own = evaluate_strategies(build_op_graph(_own_moe(), global_batch(0, 8)), (2, 2), device_spec("cpu"))["ddp+tp"]
+    placed = _own_moe()
+    dpar.parallelize(placed, plan=own)
+    assert placed.blocks[0].experts.w_in.shape == (2, 64, 32) and placed.blocks[0].experts.num_experts == 2
+    torch.compile(placed, backend="dpar", options={"compiler": "aot_eager"})(*(t[:2] for t in global_batch(0, 8))).backward()
+
+
 def test_a_deepseek_v3_shaped_moe_on_64_ranks_plans_expert_parallel() -> None:
     """DeepSeek-V3's shape at 16B (HF DeepseekV3 config: 27 layers, 64 routed experts of 1408, top-6, 2 shared), built
     on meta, 64 x 4096 tokens on an (8, 8) mesh of 80 GB H100s: the planner chooses an ep axis (the experts over the

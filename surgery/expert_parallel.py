@@ -66,12 +66,17 @@ def split_experts(model: nn.Module, ep_mesh: DeviceMesh) -> ExpertSplit:
     found = experts_modules(model)
     ep = ep_mesh.size()
     if not found:
+        listed = next((name for name, module in model.named_modules()
+                       if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts"), None)
+        kind = (f"; {listed} is an nn.ModuleList of {len(model.get_submodule(listed))} expert modules, which its MoE "
+                "layer loops over itself, so no rank can hold only some of them: store them stacked, as one module's "
+                "(num_experts, ...) weights in either convention (Hugging Face's since transformers 5)"
+                if listed is not None else ". For a dense model choose a strategy without 'ep' (ddp, fsdp, ...)")
         raise OptionsError(
             f"expert parallelism spreads routed experts over the 'ep' axis, but {type(model).__name__} has no experts "
             "module: a module with num_experts, weights of shape (num_experts, ...) and forward(hidden_states, "
             "top_k_index, top_k_weights) (Hugging Face's) or forward(rows sorted by expert, tokens per expert) "
-            "(torchtitan's GroupedExperts). For a dense model "
-            "choose a strategy without 'ep' (ddp, fsdp, ...)"
+            f"(torchtitan's GroupedExperts){kind}"
         )
     for name, module in found.items():
         if module.num_experts % ep:

@@ -151,8 +151,36 @@ def test_a_model_without_routed_experts_is_refused_under_ep(world_of_four) -> No
     import dpar
     from dpar.core.errors import OptionsError
 
-    with pytest.raises(OptionsError, match=r"Sequential has no experts module: a module with num_experts"):
+    with pytest.raises(OptionsError, match=r"Sequential has no experts module: a module with num_experts.*For a dense "
+                       r"model choose a strategy without 'ep'"):
         dpar.parallelize(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), strategy="ep")
+
+
+def _listed_experts():
+    """A mixture of experts as transformers 4 wrote them: a router and an nn.ModuleList of expert MLPs the layer
+    loops over itself."""
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(8, 4, bias=False)
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(4))
+
+        def forward(self, x):
+            chosen = self.gate(x).argmax(-1)
+            return sum(expert(x) * (chosen == e).unsqueeze(-1) for e, expert in enumerate(self.experts))
+
+    return nn.Sequential(Block())
+
+
+def test_experts_in_a_module_list_are_refused_by_name_under_ep(world_of_four) -> None:
+    import dpar
+    from dpar.core.errors import OptionsError
+
+    with pytest.raises(OptionsError, match=r"has no experts module: .*; 0.experts is an nn.ModuleList of 4 expert modules, "
+                       r"which its MoE layer loops over itself.*store them stacked"):
+        dpar.parallelize(_listed_experts(), strategy="ep")
 
 
 def test_experts_the_ep_degree_does_not_divide_are_refused(world_of_four) -> None:

@@ -286,3 +286,32 @@ def test_inspect_shows_the_policy_the_recomputed_ops_and_the_bytes_saved() -> No
     print_activations(rows, Console(file=out, width=120))
     print(out.getvalue())
     assert "ops each block computes again" in out.getvalue() and f"{after:,}" in out.getvalue()
+
+
+def test_blocks_are_found_in_a_model_compiled_through_a_wrapper_of_its_forward() -> None:
+    """A Hugging Face CausalLM compiled directly: its decorated forward takes ``*args``, so Dynamo roots every module
+    path at ``L['args'][0]``. Each decoder layer must still be a block of its own (read as ``[0]`` once, every node
+    fell in one block ``L['args.0``: one checkpointed region, the whole forward recomputed at the start of the
+    backward, and the peak barely lower than keeping everything), so ``full`` holds far fewer activations at the
+    step's peak than ``keep``."""
+    import transformers as tf
+
+    import dpar
+    from dpar.compiler.passes.recompute import BLOCK_KEY, module_path
+
+    node = fx.Graph().placeholder("x")
+    for root in ("L['self']", "L['args'][0]", "L['model']", "L__self__"):
+        node.meta["nn_module_stack"] = {"a": (f"{root}.model.layers[1].mlp", nn.Module)}
+        assert module_path(node) == "model.layers.1.mlp", root
+    config = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config)
+    ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
+    reports = {policy: dpar.explain(model, (ids,), world_size=WORLD, strategy="ddp", device="cpu",
+                                    activation_checkpointing=policy) for policy in ("keep", "full")}
+    joint = next(g for g in reports["full"].graphs if g.label == "joint graph").graph
+    assert {n.meta[BLOCK_KEY] for n in joint.graph.nodes if BLOCK_KEY in n.meta} == {f"model.layers.{i}" for i in range(3)}
+    keep, full = (reports[p].memory.activations for p in ("keep", "full"))
+    print(f"activations at the peak: keep {keep:,} B, full {full:,} B")
+    assert full < 0.6 * keep

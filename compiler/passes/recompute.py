@@ -84,7 +84,9 @@ RECOMPUTE_KEY, GRAPH_ID_KEY = "recompute", "ac_graph_id"
 BLOCK_KEY = "dpar_block"
 """``node.meta`` key this pass sets on each forward node of a block: the block's path (``layers.3``)."""
 
-_ROOT = re.compile(r"^L\['self'\]\.?|^L__self__\.?")
+# The compiled frame's local holding the root module: ``L['self']`` (its forward), ``L['args'][0]`` (a wrapper taking
+# ``*args``: Hugging Face's decorated forwards), ``L['model']`` (a function given the model), ``L__self__`` (older).
+_ROOT = re.compile(r"^L\['[^']*'\](?:\[\d+\])*\.?|^L__self__\.?")
 _INDEX = re.compile(r"\[(\d+)\]")
 
 

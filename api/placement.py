@@ -365,15 +365,15 @@ def _split_tensor(
     ``tp_plan`` the split dims come from the forward run once on fake ``example_inputs``, and routed experts are
     spread over the axis by expert (see [Note: experts spread over a tensor-parallel group]). Returns the
     splits and the forwards of the experts modules split by expert."""
-    if tp_plan is None:
-        if example_inputs is None:
-            raise OptionsError(
-                f"strategy {strategy.value!r} needs to know which dimension of each parameter to split: pass "
-                "example_inputs=(...) (one batch; the forward runs once on fake tensors to pair "
-                "column- and row-parallel layers) or tp_plan={name: dim or None}"
-            )
-        tp_plan = expert_parallel.experts_by_expert(model, megatron_dims(model, example_inputs), tp_mesh.size())
+    if tp_plan is None and example_inputs is None:
+        raise OptionsError(
+            f"strategy {strategy.value!r} needs to know which dimension of each parameter to split: pass "
+            "example_inputs=(...) (one batch; the forward runs once on fake tensors to pair "
+            "column- and row-parallel layers) or tp_plan={name: dim or None}"
+        )
     group, experts = tp_mesh.get_group(), expert_parallel.experts_modules(model)
+    if tp_plan is None:
+        tp_plan = expert_parallel.experts_by_expert(experts, megatron_dims(model, example_inputs), tp_mesh.size())
     splits = tensor_parallel.split_parameters(model, tp_plan, group)
     return splits, expert_parallel.local_expert_forwards(
         experts, splits, group.group_name, tp_mesh.size(), tp_mesh.get_local_rank())

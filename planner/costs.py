@@ -204,12 +204,15 @@ class CostModel:
                 seconds[phase] += experts * self.collective(kind, 0.0, self.layout.expert_dp_axes)
         return seconds
 
+    def tp_placement(self, info: ParamInfo, placement: str) -> str:
+        """The parameter's placement on the tp axis: the op's candidate's, or by expert where tp spreads experts (no
+        candidate splits an expert weight)."""
+        return "S(0)" if info.name in self.tp_experts else placement
+
     def param_numel(self, info: ParamInfo, placement: str) -> float:
         """Elements per rank of a parameter placed ``placement`` on the tp axis (an expert's: 1/ep of them, or 1/tp
         where tp spreads them)."""
-        if info.name in self.tp_experts:  # by expert, whatever the op's candidate (which never splits it)
-            placement = "S(0)"
-        return local_numel(info.shape, placement, self.tp) / (self.ep if info.name in self.experts else 1)
+        return local_numel(info.shape, self.tp_placement(info, placement), self.tp) / (self.ep if info.name in self.experts else 1)
 
     def tp_split(self, index: int, cand: Candidate) -> int:
         """How many ways op ``index``'s work divides over tp: the candidate's split, or the experts' spread."""

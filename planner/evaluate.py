@@ -141,10 +141,8 @@ def _parameters(graph: OpGraph, model: CostModel, picked: list[Candidate]) -> tu
     layout = model.layout
     found = []
     for info in graph.params:
-        tp_placement = "R" if info.op is None else picked[info.op].params[info.slot]
+        tp_placement = model.tp_placement(info, "R" if info.op is None else picked[info.op].params[info.slot])
         expert = info.name in model.experts
-        if info.name in model.tp_experts:  # spread over tp by expert
-            tp_placement = "S(0)"
         placements = tuple(
             (tp_placement if role == "tp" else "S(0)" if role == "ep" and expert else layout.dp_placement) if n > 1 else "R"
             for role, n in zip(layout.roles, layout.mesh_shape)

@@ -87,23 +87,16 @@ def split_experts(model: nn.Module, ep_mesh: DeviceMesh) -> ExpertSplit:
     group = ep_mesh.get_group()
     dims = {f"{name}.{p}": 0 for name, module in found.items() for p, _ in module.named_parameters(recurse=False)}
     splits = tensor_parallel.split_parameters(model, dims, group)
-    forwards = {}
-    for module in found.values():
-        layout = ExpertLayout(module.num_experts, ep, group.group_name)
-        forward = type(module).forward
-        if _convention(module) == ROUTED:  # Hugging Face's forward counts its experts; ids of local are empty slots
-            module.num_experts = layout.local
-            module._is_expert_parallel = True
-            forwards[module] = _exchanging(exchange, forward, layout)
-        else:  # torchtitan's reads no count (its MoE sizes buffers by num_experts: left whole)
-            forwards[module] = _exchanging(exchange_grouped, forward, layout)
+    forwards = {module: _split_forward(module, ExpertLayout(module.num_experts, ep, group.group_name),
+                                       exchange, exchange_grouped) for module in found.values()}
     return ExpertSplit({m: s for m, s in splits.items() if m in forwards}, forwards)
 
 
-def experts_by_expert(model: nn.Module, tp_dims: dict[str, int | None], tp: int) -> dict[str, int | None]:
-    """``tp_dims`` (the automatic tensor-parallel plan) with every experts module whose count ``tp`` divides split by
-    expert, dim 0 of each of its weights (see [Note: experts spread over a tensor-parallel group])."""
-    spread = {f"{name}.{p}": 0 for name, module in experts_modules(model).items() if module.num_experts % tp == 0
+def experts_by_expert(found: dict[str, nn.Module], tp_dims: dict[str, int | None], tp: int) -> dict[str, int | None]:
+    """``tp_dims`` (the automatic tensor-parallel plan) with every experts module (``found`` by ``experts_modules``)
+    whose count ``tp`` divides split by expert, dim 0 of each of its weights (see [Note: experts spread over a
+    tensor-parallel group])."""
+    spread = {f"{name}.{p}": 0 for name, module in found.items() if module.num_experts % tp == 0
               for p, _ in module.named_parameters(recurse=False)}
     return {**tp_dims, **spread}
 
@@ -125,14 +118,8 @@ def local_expert_forwards(found: dict[str, nn.Module], splits: tensor_parallel.S
                 f"split by expert, dim 0 of every weight (tp_plan={{{_dims_shown(name, dict.fromkeys(dims, 0))}, ...}}), "
                 "or kept whole (None for each)"
             )
-        layout = ExpertLayout(module.num_experts, tp, tp_group, rank)
-        forward = type(module).forward
-        if _convention(module) == ROUTED:
-            module.num_experts = layout.local
-            module._is_expert_parallel = True
-            forwards[module] = _exchanging(local_experts, forward, layout)
-        else:
-            forwards[module] = _exchanging(local_experts_grouped, forward, layout)
+        forwards[module] = _split_forward(module, ExpertLayout(module.num_experts, tp, tp_group, rank),
+                                          local_experts, local_experts_grouped)
     return forwards
 
 
@@ -146,11 +133,19 @@ def _convention(module: nn.Module) -> int:
     return len(arguments) - 1
 
 
-def _exchanging(run: Callable[..., Any], forward: Callable[..., Any], layout: ExpertLayout) -> Callable[..., Any]:
-    """The experts module's forward under expert parallelism: its own ``forward`` inside ``run`` (runtime's
-    ``exchange`` or ``exchange_grouped``, by the module's convention)."""
+def _split_forward(
+    module: nn.Module, layout: ExpertLayout, routed: Callable[..., Any], grouped: Callable[..., Any],
+) -> Callable[..., Any]:
+    """The experts module's forward over ``layout``: its own ``forward`` inside runtime's ``routed`` or ``grouped``
+    (by the module's convention). Hugging Face's forward counts its experts, so it is given its local count (an id
+    of ``local`` is an empty slot); torchtitan's reads no count (its MoE sizes buffers by num_experts: left whole)."""
+    forward = type(module).forward
+    run = routed if _convention(module) == ROUTED else grouped
+    if run is routed:
+        module.num_experts = layout.local
+        module._is_expert_parallel = True
 
-    def exchanging(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def split_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return run(module, forward, layout, *args, **kwargs)
 
-    return exchanging
+    return split_forward

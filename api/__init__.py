@@ -13,7 +13,8 @@ from dpar.planning import Plan, plan
 from dpar.runtime import checkpoint
 from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.core.errors import (
-    ActivationPolicyError, BatchMismatchError, CheckpointError, CollectiveMismatchError, CollectiveStallError, DivergedRanksError, DparError,
+    ActivationPolicyError, BatchMismatchError, CheckpointError, CollectiveMismatchError, ContextParallelError,
+    CollectiveStallError, DivergedRanksError, DparError,
     InitializationError, InspectionError, NonFiniteGradientError, NotCompiledError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
     SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError, TooFewBlocksError, TooFewMicroBatchesError,
     UnmaterializedStateError, WrappedTwiceError,
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
     "CollectiveStallError",
+    "ContextParallelError",
     "DivergedRanksError",
     "DparError",
     "InitializationError",

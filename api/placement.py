@@ -65,6 +65,9 @@ ACCEPTS: dict[str, tuple[frozenset[str], str]] = {
     "same_batch_in_tp_group": (_taking(lambda s: s.tensor_parallel), (
         "same_batch_in_tp_group says every rank of a tensor-parallel group is fed the same rows; strategy "
         "{strategy!r} has no such group: feed every rank its own slice, as with DDP")),
+    "same_batch_in_cp_group": (_taking(lambda s: s.context_parallel), (
+        "same_batch_in_cp_group says every rank of a context-parallel group is fed the same rows; strategy "
+        "{strategy!r} has no such group: feed every rank its own slice, as with DDP")),
     "sequence_parallel": (_taking(lambda s: s.tensor_parallel), (
         "sequence_parallel splits the activations between tensor-parallel layers; it needs a "
         f"tensor-parallel strategy ({', '.join(TENSOR_PARALLEL)}), not {{strategy!r}}")),
@@ -148,7 +151,8 @@ def parallelize(
     max_inflight_gathers: int | None = None, param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None, tp_plan: dict[str, int | None] | None = None,
     example_inputs: Sequence[Any] | None = None, plan: Plan | None = None, memory_budget_gb: float | None = None,
-    sequence_parallel: bool = False, same_batch_in_tp_group: bool = False, sync_every: int | None = None,
+    sequence_parallel: bool = False, same_batch_in_tp_group: bool = False, same_batch_in_cp_group: bool = False,
+    sync_every: int | None = None,
     outer_optimizer: local_sgd.OuterSGD | None = None,
     activation_checkpointing: str | dict[str, str] | ActivationPolicy | None = None,
 ) -> nn.Module:
@@ -161,7 +165,15 @@ def parallelize(
     all-gather before the next column-parallel layer, so norms and residuals hold 1/tp of the tokens. Every
     strategy takes DDP's data contract: each rank is fed its own slice of the global batch, and tensor parallel
     moves the rows a group needs itself; ``same_batch_in_tp_group=True`` says the user already feeds every rank
-    of a tensor-parallel group the same rows (Megatron's habit), which the first steps check. Which dimension of
+    of a tensor-parallel group the same rows (Megatron's habit), which the first steps check.
+
+    ``cp`` splits each sequence over a 1-D ``mesh`` (context parallel); ``ddp+cp``, ``zero2+cp`` and ``fsdp+cp``
+    take a 2-D mesh named ``("dp", "cp")``. Dim 1 of every input as long as the first input's dim 1 is the
+    sequence, split in two chunks per rank (head and tail, so causal attention costs every rank alike);
+    attention reads the keys and values all-gathered, and the loss is the mean over the whole sequence's tokens.
+    Under DDP's contract each rank computes its share of every sequence of its group (DDP's numbers, DDP's
+    activation memory); ``same_batch_in_cp_group=True`` says every rank of a cp group is fed the same rows
+    (torchtitan's loader over "dp" only), and each then holds 1/cp of their activations. Which dimension of
     each parameter tensor parallel splits comes from ``tp_plan`` (name -> dim, None for replicated) or, without
     it, from the forward run once on ``example_inputs``. ``plan`` (from ``dpar.plan``) gives strategy, mesh and
     splits; ``strategy="auto"`` plans first, from ``example_inputs`` and ``memory_budget_gb``.
@@ -189,7 +201,8 @@ def parallelize(
         plan = plan.as_run()
         strategy, tp_plan = plan.strategy, plan.tp_dims()
     options = dict(sync_every=sync_every, outer_optimizer=outer_optimizer, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   same_batch_in_tp_group=same_batch_in_tp_group, sequence_parallel=sequence_parallel,
+                   same_batch_in_tp_group=same_batch_in_tp_group, same_batch_in_cp_group=same_batch_in_cp_group,
+                   sequence_parallel=sequence_parallel,
                    activation_checkpointing=activation_checkpointing)
     chosen = _checked(model, strategy, bucket_cap_mb, max_inflight_gathers, options)
     eager_guard.refuse_eager_training(model, strategy)  # see [Note: a model that never reaches the backend]
@@ -240,8 +253,8 @@ def _place(
         experts.install(model, tensor_parallel.state_dict_mesh(ep_mesh, experts_dp_mesh, mesh, "ep"))
     attach(ParallelPlan(  # kept in model's ModelState (see [Note: facts keyed by name, not by tensor])
         chosen, _axes(mesh, _roles(chosen, mesh)), buckets, max_inflight_gathers, options["param_dtype"],
-        options["reduce_dtype"], options["sequence_parallel"], options["same_batch_in_tp_group"], options["sync_every"],
-        options["activation_checkpointing"],
+        options["reduce_dtype"], options["sequence_parallel"], options["same_batch_in_tp_group"],
+        options["same_batch_in_cp_group"], options["sync_every"], options["activation_checkpointing"],
     ), model)
     if chosen.data_parallel in _APPLY_MODE:
         _APPLY_MODE[chosen.data_parallel](model, mesh, options["sync_every"], options["outer_optimizer"])
@@ -329,7 +342,11 @@ def _checked_mesh(strategy: Strategy, mesh: DeviceMesh | None, world: int, devic
             f"strategy {strategy.value!r} needs the mesh's dimensions named {names}, got {mesh.mesh_dim_names}; "
             f"pass init_device_mesh(..., mesh_dim_names={names})"
         )
-    if ndim == 2 and strategy.tensor_parallel and sorted(mesh.mesh_dim_names or ()) != sorted(names):
+    if ndim == 1 and strategy.context_parallel and mesh.mesh_dim_names not in (None, names):
+        raise OptionsError(
+            f"strategy {strategy.value!r} needs a 1-D mesh named {names} (or unnamed), got {mesh.mesh_dim_names}"
+        )
+    if ndim == 2 and (strategy.tensor_parallel or strategy.context_parallel) and sorted(mesh.mesh_dim_names or ()) != sorted(names):
         raise OptionsError(
             f"strategy {strategy.value!r} needs the 2-D mesh's dimensions named {names}, got "
             f"{mesh.mesh_dim_names}; pass init_device_mesh(..., mesh_dim_names={names})"
@@ -338,9 +355,10 @@ def _checked_mesh(strategy: Strategy, mesh: DeviceMesh | None, world: int, devic
 
 
 def _roles(strategy: Strategy, mesh: DeviceMesh) -> tuple[AxisRole, ...]:
-    """Each mesh dimension's role: by position, or by name for a data and a tensor axis (either order)."""
-    if strategy.tensor_parallel and mesh.ndim == 2:
-        return tuple(AxisRole.TENSOR if name == "tp" else strategy.roles[0] for name in mesh.mesh_dim_names)
+    """Each mesh dimension's role: by position, or by name for a data and a tensor or context axis (either order)."""
+    if (strategy.tensor_parallel or strategy.context_parallel) and mesh.ndim == 2:
+        second = strategy.mesh_dim_names[1]
+        return tuple(strategy.roles[1] if name == second else strategy.roles[0] for name in mesh.mesh_dim_names)
     return strategy.roles
 
 
@@ -349,6 +367,8 @@ def _sub_meshes(strategy: Strategy, mesh: DeviceMesh) -> tuple[DeviceMesh | None
     parameters outside the experts are data parallel over every rank: a 1-D mesh of the whole world."""
     if strategy.expert_parallel:
         return (mesh if mesh.ndim == 1 else DeviceMesh(mesh.device_type, torch.arange(mesh.size()))), None
+    if strategy.context_parallel:  # parameters whole over "cp": the data axis only, if any
+        return (mesh["dp"] if mesh.ndim == 2 else None), None
     if not strategy.tensor_parallel:
         return mesh, None
     return (mesh["dp"], mesh["tp"]) if mesh.ndim == 2 else (None, mesh)

@@ -95,6 +95,9 @@ def dpar_backend(
         compiled = compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook, joint_pass=passes.joint())
     if plan.same_batch_in_tp_group and world.backend != "fake":
         return checking_same_rows(compiled, [i.index for i in inputs if i.kind is InputKind.DATA], passes.tensor.mesh.group_name)
+    if plan.same_batch_in_cp_group and world.backend != "fake":
+        return checking_same_rows(compiled, [i.index for i in inputs if i.kind is InputKind.DATA], passes.context.group_name,
+                                  "same_batch_in_cp_group", "context-parallel")
     return compiled
 
 

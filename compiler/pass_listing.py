@@ -66,6 +66,7 @@ from dpar.compiler.pipeline_parallel.sharded import ShardLayout, gather_paramete
 from dpar.core.plan import AxisRole, DataParallel, MeshAxis, ParallelPlan, Strategy
 from dpar.compiler.registry import STAGES_KEY, PassStage, record
 from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout, holds_a_block
+from dpar.compiler.context_parallel import ContextParallel
 from dpar.compiler.tensor_parallel import TensorParallel
 from dpar.runtime.agreement import agree
 from dpar.runtime.gradient_sync import BackwardDispatch, ForwardDispatch, Variant
@@ -144,6 +145,7 @@ class PassListing:
     def __init__(self, plan: ParallelPlan, inputs: Sequence[GraphInput], world: World, options: Options) -> None:
         self.plan, self.inputs, self.world, self.options = plan, list(inputs), world, options
         self.tensor = TensorParallel(inputs, plan) if plan.strategy.tensor_parallel else None
+        self.context = ContextParallel(inputs, plan) if plan.strategy.context_parallel else None
         self.sharded = ShardedGroups(inputs, plan, self._world_axis()) if plan.strategy.shards_parameters else None
         replicate = plan.axis(AxisRole.REPLICATE)
         self.gradients = (
@@ -184,6 +186,8 @@ class PassListing:
     def dynamo_passes(self) -> list[Pass]:
         if self.tensor is not None and self.tensor.group_batch is not None:
             return [("mark_own_rows", self.tensor.mark_own_rows)]
+        if self.context is not None:
+            return [("mark_sequences", self.context.mark_inputs)]
         return []
 
     def joint_passes(self) -> list[Pass]:
@@ -196,11 +200,15 @@ class PassListing:
             passes += [("tag_gathers", self.sharded.tag_gathers), ("save_random_ops", save_random_ops)]
         if self.plan.activations.recomputes:  # last: it keeps the tags the strategy's passes chose
             passes.append(("tag_recompute", lambda g: tag_recompute(g, self.plan.activations)))
-        elif self.tensor is not None:  # after tag_gathers: fsdp's re-gathers stay the backward's
+        elif self.tensor is not None or self.context is not None:  # after tag_gathers: fsdp's re-gathers stay the backward's
             passes.append(("keep_collectives_in_forward", keep_collectives_in_forward))
         return passes
 
     def _tensor_parallel_passes(self) -> list[Pass]:
+        """The joint graph's passes of an axis activations cross (tensor or context), which no-grad graphs run too."""
+        if self.context is not None:
+            unroll = [("unroll_group_batch", self.context.unroll_group_batch)] if self.context.group_batch is not None else []
+            return [*unroll, ("context_parallel", self.context.context_parallel)]
         if self.tensor is None:
             return []
         unroll = [("unroll_group_batch", self.tensor.unroll_group_batch)] if self.tensor.group_batch is not None else []

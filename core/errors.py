@@ -30,6 +30,11 @@ class TensorParallelPlanError(OptionsError):
     parameter no stage reads."""
 
 
+class ContextParallelError(OptionsError):
+    """Context parallel cannot split this model's sequences exactly: a sequence not divisible into two
+    chunks per rank, or an attention kernel (or a mask gradient) the context-parallel pass does not follow."""
+
+
 class ActivationPolicyError(OptionsError):
     """An activation-checkpointing policy dpar cannot apply: an unknown policy, a block the model does
     not have, a model without numbered blocks, or checkpointing where it is not supported yet."""

@@ -36,6 +36,7 @@ class AxisRole(enum.Enum):
     SHARD = "shard"  # parameters, gradients and optimizer state split along dim 0 over it
     TENSOR = "tensor"  # layers split Megatron-style; activations cross it
     EXPERT = "expert"  # routed experts split over it, tokens sent to them; fed different rows, the rest replicated
+    CONTEXT = "context"  # each sequence split over it (context parallel); activations cross it, parameters replicated
     # A pipeline axis (stages) is the next role.
 
 
@@ -81,6 +82,10 @@ class Strategy(enum.Enum):
     DDP_EP = "ddp+ep"
     ZERO2_EP = "zero2+ep"
     FSDP_EP = "fsdp+ep"
+    CP = "cp"
+    DDP_CP = "ddp+cp"
+    ZERO2_CP = "zero2+cp"
+    FSDP_CP = "fsdp+cp"
 
     @classmethod
     def parse(cls, name: str, auto: bool = True) -> Strategy:
@@ -91,7 +96,8 @@ class Strategy(enum.Enum):
     def compose(cls, data_parallel: DataParallel | None, tensor_parallel: bool) -> Strategy:
         """The strategy of one data axis doing ``data_parallel`` (None: no data axis), with a tensor axis or not."""
         return next(s for s in cls if s.data_parallel is data_parallel and s.tensor_parallel is tensor_parallel
-                    and not s.expert_parallel and len(s.roles) == (data_parallel is not None) + tensor_parallel)
+                    and not s.expert_parallel and not s.context_parallel
+                    and len(s.roles) == (data_parallel is not None) + tensor_parallel)
 
     @property
     def data_parallel(self) -> DataParallel | None:
@@ -106,10 +112,12 @@ class Strategy(enum.Enum):
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
         """The mesh's dimension names: ``("dp", "tp")`` with a data and a tensor axis, ``("dp", "ep")`` with an
-        expert axis (required by name), else each axis named by its role (the names of an unnamed mesh's axes)."""
-        if len(self.roles) == 2 and (self.tensor_parallel or self.expert_parallel):
-            return ("dp", "tp" if self.tensor_parallel else "ep")
-        return tuple("ep" if role is AxisRole.EXPERT else role.value for role in self.roles)
+        expert axis and ``("dp", "cp")`` with a context axis (required by name), else each axis named by its role
+        (the names of an unnamed mesh's axes)."""
+        short = {AxisRole.TENSOR: "tp", AxisRole.EXPERT: "ep", AxisRole.CONTEXT: "cp"}
+        if len(self.roles) == 2 and self.roles[1] in short:
+            return ("dp", short[self.roles[1]])
+        return tuple(short[r] if r in (AxisRole.EXPERT, AxisRole.CONTEXT) else r.value for r in self.roles)
 
     @property
     def tensor_parallel(self) -> bool:
@@ -119,6 +127,11 @@ class Strategy(enum.Enum):
     def expert_parallel(self) -> bool:
         """Routed experts split over an "ep" axis (runtime/expert_parallel.py)."""
         return AxisRole.EXPERT in self.roles
+
+    @property
+    def context_parallel(self) -> bool:
+        """Each sequence split over a "cp" axis (compiler/context_parallel.py)."""
+        return AxisRole.CONTEXT in self.roles
 
     @property
     def shards_parameters(self) -> bool:
@@ -166,10 +179,16 @@ _SHAPES: dict[Strategy, tuple[DataParallel | None, tuple[AxisRole, ...]]] = {
     # The experts' blocks sharded over "dp", the rest over every rank (see ShardedGroups).
     Strategy.ZERO2_EP: (DataParallel.ZERO2, (AxisRole.SHARD, AxisRole.EXPERT)),
     Strategy.FSDP_EP: (DataParallel.FSDP, (AxisRole.SHARD, AxisRole.EXPERT)),
+    # Parameters whole over the cp axis; their gradients, partial sums over it, reduced in the graph.
+    Strategy.CP: (None, (AxisRole.CONTEXT,)),
+    Strategy.DDP_CP: (DataParallel.DDP, (AxisRole.REPLICATE, AxisRole.CONTEXT)),
+    Strategy.ZERO2_CP: (DataParallel.ZERO2, (AxisRole.SHARD, AxisRole.CONTEXT)),
+    Strategy.FSDP_CP: (DataParallel.FSDP, (AxisRole.SHARD, AxisRole.CONTEXT)),
 }
 
 _NO_BUCKETS = {
     Strategy.TP: "its collectives carry activations, each where the graph needs it",
+    Strategy.CP: "its gradients are reduced over the cp axis in the graph, each where it is computed",
     Strategy.LOCAL_SGD: "it averages the parameters every sync_every steps, one flattened all-reduce per dtype",
 }
 
@@ -277,6 +296,7 @@ class ParallelPlan:
     reduce_dtype: torch.dtype | None = None  # gradients reduce-scattered in; None: as computed
     sequence_parallel: bool = False
     same_batch_in_tp_group: bool = False  # the user feeds every rank of a tensor-parallel group the same rows
+    same_batch_in_cp_group: bool = False  # the user feeds every rank of a context-parallel group the same rows
     sync_every: int | None = None  # local_sgd: optimizer steps between averages of the replicas
     activations: ActivationPolicy = KEEP_ACTIVATIONS  # what each block saves for the backward, what it recomputes
 
@@ -292,8 +312,8 @@ class ParallelPlan:
 
     @property
     def data_axes(self) -> tuple[MeshAxis, ...]:
-        """The axes along which ranks are fed different rows."""
-        return tuple(a for a in self.axes if a.role is not AxisRole.TENSOR)
+        """The axes along which ranks are fed different rows (a tensor or context axis moves its group's rows itself)."""
+        return tuple(a for a in self.axes if a.role not in (AxisRole.TENSOR, AxisRole.CONTEXT))
 
 
 def replicated(group_name: str, size: int) -> ParallelPlan:

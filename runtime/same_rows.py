@@ -1,4 +1,4 @@
-"""Checking a user's promise that every rank of a tensor-parallel group is fed the same rows."""
+"""Checking a user's promise that every rank of a tensor- or context-parallel group is fed the same rows."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def _first_difference(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup)
 
 
 def checking_same_rows(
-    compiled: Callable[..., Any], data: Sequence[int], group_name: str
+    compiled: Callable[..., Any], data: Sequence[int], group_name: str, option: str = "same_batch_in_tp_group",
+    group: str = "tensor-parallel",
 ) -> Callable[..., Any]:
     """``compiled`` (called by Dynamo with the graph's inputs) that, for its first calls, checks that
     the inputs at positions ``data`` agree across the group."""
@@ -46,9 +47,9 @@ def checking_same_rows(
             found = _first_difference(tensors, resolve_process_group(group_name))
             if found is not None:
                 raise BatchMismatchError(
-                    f"parallelize(..., same_batch_in_tp_group=True) promised that every rank of a tensor-parallel "
+                    f"parallelize(..., {option}=True) promised that every rank of a {group} "
                     f"group is fed the same rows, but {found}. Feed the group one batch (shard the data over the "
-                    "data-parallel ranks only), or drop same_batch_in_tp_group and feed every rank its own slice, "
+                    f"data-parallel ranks only), or drop {option} and feed every rank its own slice, "
                     "as with DDP: dpar then moves the rows itself"
                 )
         return compiled(*args)

@@ -6,7 +6,8 @@ view to the global shape becomes a view to the local one), the vocabulary-split
 embedding (look up only this rank's rows, zeros elsewhere, then the partial
 sums add up to the full lookup), and its backward (scatter only into this
 rank's rows). The tensor-parallel markers go: their block is the value itself; so do the experts' markers
-(their value is this rank's share, placed by propagation).
+(their value is this rank's share, placed by propagation) and context parallel's (its input arrives as
+this rank's chunks of the sequence).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.tensor import Shard
 from dpar.compiler.propagation.propagate import GRAD_MARKER, WEIGHT_MARKER, MeshDim
 from dpar.compiler.propagation.rules import EXPERTS_INPUT, EXPERTS_PARTIAL
 from dpar.core.facts import local_block
+from dpar.runtime.context_parallel import SEQUENCE_SPLIT
 
 aten = torch.ops.aten
 
@@ -86,7 +88,7 @@ def localize(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
         elif node.target is aten.embedding_dense_backward.default and node.meta.get("placement") == Shard(0):
             _split_embedding_backward(graph, node, mesh)
     for node in list(graph.nodes):
-        if node.target in (WEIGHT_MARKER, GRAD_MARKER, EXPERTS_PARTIAL, EXPERTS_INPUT):
+        if node.target in (WEIGHT_MARKER, GRAD_MARKER, EXPERTS_PARTIAL, EXPERTS_INPUT, SEQUENCE_SPLIT):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     graph.lint()

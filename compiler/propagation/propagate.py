@@ -19,6 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import dpar.runtime.tensor_parallel  # noqa: F401  (registers the marker ops)
 from dpar.core.errors import TensorParallelPlanError
+from dpar.compiler.propagation.context_rules import context_candidates
 from dpar.compiler.propagation.redistribute import SLICE_COST, cost, nbytes_of, redistribute
 from dpar.compiler.propagation.rules import (
     TRANSPOSES,
@@ -35,12 +36,15 @@ GRAD_MARKER = torch.ops.dpar.tensor_parallel_grad.default
 
 @dataclasses.dataclass(frozen=True)
 class MeshDim:
-    """The tensor-parallel mesh dimension, as this rank sees it."""
+    """The mesh dimension propagation places values over (tensor or context parallel), as this rank sees it."""
 
     size: int
     rank: int
     group_name: str
     sequence_parallel: bool = False
+    period: int = 0
+    """A context-parallel axis: the sequence length, whose runs a shard splits in two chunks per rank
+    ([Note: a sequence's two chunks per rank]); 0 for a tensor-parallel axis (contiguous blocks)."""
 
 
 WASTED_WORK = SLICE_COST
@@ -120,7 +124,7 @@ class _Redistributor:
             with self.graph.inserting_before(consumer):
                 self.made[key] = redistribute(
                     self.graph, value, here, want,
-                    tp=self.mesh.size, rank=self.mesh.rank, group_name=self.mesh.group_name,
+                    tp=self.mesh.size, rank=self.mesh.rank, group_name=self.mesh.group_name, period=self.mesh.period,
                 )
         return self.made[key]
 
@@ -157,7 +161,8 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
                 # Its traced value is this rank's block, as a placeholder's is: nothing to rewrite after it.
                 chosen = Candidate((Shard(node.args[1]),), (Replicate(),))
             else:
-                candidates = candidates_for(node, mesh.size)
+                candidates = (context_candidates(node, mesh.size, mesh.period) if mesh.period
+                              else candidates_for(node, mesh.size))
                 if mesh.sequence_parallel:
                     candidates += sequence_shard(node, mesh.size)
                 chosen = _choose(node, candidates, mesh.size, wanted.get(node))

@@ -10,6 +10,7 @@ that, bytes being equal, fewer collectives win.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -130,16 +131,22 @@ def _memory_layout(val: torch.Tensor) -> list[int] | None:
 
 
 def redistribute(
-    graph: fx.Graph, value: fx.Node, src: Placement, dst: Placement, *, tp: int, rank: int, group_name: str
+    graph: fx.Graph, value: fx.Node, src: Placement, dst: Placement, *, tp: int, rank: int, group_name: str,
+    period: int = 0,
 ) -> fx.Node:
     """Nodes (at the graph's insertion point) turning ``value`` from ``src`` into ``dst``.
 
-    The result carries ``value``'s global fake value, as propagation reads global shapes.
+    ``period`` > 0: a shard is the balanced layout of a context-parallel axis (see [Note: a sequence's two
+    chunks per rank]) instead of contiguous blocks. The result carries ``value``'s global fake value, as
+    propagation reads global shapes.
     """
     replay: list[fx.Node] = []
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         value, replay = _before_rounding(value)
-    result = _redistribute(graph, value, src, dst, tp=tp, rank=rank, group_name=group_name)
+    if period and (isinstance(src, Shard) or isinstance(dst, Shard)):
+        result = _balanced(graph, value, src, dst, BalancedLayout(tp, rank, period), group_name)
+    else:
+        result = _redistribute(graph, value, src, dst, tp=tp, rank=rank, group_name=group_name)
     result.meta["val"] = value.meta["val"]
     for step in replay:  # what the single-device program does to the whole sum, after it
         result = _call(graph, step.target, (result, *step.args[1:]), dst)
@@ -259,3 +266,102 @@ def _redistribute(
         start, length = local_block(shape[dst.dim], tp, rank)
         return _call(graph, aten.slice.Tensor, (value, dst.dim, start, start + length), dst)
     raise ValueError(f"dpar internal error: no redistribution from {src} to {dst}")
+
+
+# [Note: a sequence's two chunks per rank]
+# Over a context-parallel axis of ``cp`` ranks a shard is not a contiguous block: each run of
+# ``period`` (the sequence length) along the dimension is cut into 2 * cp chunks, and rank r holds
+# chunks r and 2 * cp - 1 - r of every run, side by side (torchtitan's head-tail load balancing:
+# under a causal mask the early chunks attend to few keys and the late ones to many, so each rank
+# gets one of each and the same work). A dimension of ``k * period`` (batch and sequence
+# flattened, as before every Linear) holds ``k`` runs, each split alike. Every shard over the axis
+# is this layout, so ops that treat the dimension independently need not know it; only moving a
+# value in or out of it does: a slice of two chunks, an all-gather followed by putting the chunks
+# back in order, or a reduce-scatter of the chunks put in rank order first.
+
+
+@dataclasses.dataclass(frozen=True)
+class BalancedLayout:
+    """The layout of a shard over a context-parallel axis: ``size`` ranks, this one, the run length."""
+
+    size: int
+    rank: int
+    period: int
+
+    @property
+    def chunk(self) -> int:
+        return self.period // (2 * self.size)
+
+    def runs(self, length: int) -> int:
+        return length // self.period
+
+
+def _at(graph: fx.Graph, target: object, *args: object) -> fx.Node:
+    return graph.call_function(target, args)
+
+
+def _balanced_slice(graph: fx.Graph, value: fx.Node, dim: int, layout: BalancedLayout) -> fx.Node:
+    """This rank's two chunks of every run along ``dim`` of a whole (replicated) value."""
+    shape = list(value.meta["val"].shape)
+    runs, chunk, r = layout.runs(shape[dim]), layout.chunk, layout.rank
+    split = _at(graph, aten.reshape.default, value, [*shape[:dim], runs, 2 * layout.size, chunk, *shape[dim + 1:]])
+    head = _at(graph, aten.slice.Tensor, split, dim + 1, r, r + 1)
+    tail = _at(graph, aten.slice.Tensor, split, dim + 1, 2 * layout.size - 1 - r, 2 * layout.size - r)
+    both = _at(graph, aten.cat.default, [head, tail], dim + 1)
+    return _at(graph, aten.reshape.default, both, [*shape[:dim], runs * 2 * chunk, *shape[dim + 1:]])
+
+
+def _balanced_gather(graph: fx.Graph, value: fx.Node, dim: int, layout: BalancedLayout, group_name: str) -> fx.Node:
+    """The whole value from every rank's two chunks per run: all-gathered, then the chunks put back in order
+    (rank j's first chunk is chunk j of its run, its second chunk 2 * cp - 1 - j)."""
+    val = value.meta["val"]
+    shape, cp, chunk = list(val.shape), layout.size, layout.chunk
+    runs = layout.runs(shape[dim])
+    dense, order = _dim_first(graph, value, dim, len(shape))
+    rest = [shape[d] for d in order[1:]]
+    gathered = _collective(graph, c10d.all_gather_into_tensor.default, (dense, cp, group_name))
+    waited = _at(graph, c10d.wait_tensor.default, gathered)
+    by_rank = _at(graph, aten.reshape.default, waited, [cp, runs, 2, chunk, *rest])
+    heads = _at(graph, aten.select.int, by_rank, 2, 0)  # (cp, runs, chunk, ...): chunks 0 .. cp-1 in rank order
+    tails = _at(graph, aten.flip.default, _at(graph, aten.select.int, by_rank, 2, 1), [0])  # chunks cp .. 2cp-1
+    chunks = _at(graph, aten.cat.default, [heads, tails], 0)  # (2cp, runs, chunk, ...)
+    in_order = _at(graph, aten.transpose.int, chunks, 0, 1)
+    whole = _at(graph, aten.reshape.default, in_order, [runs * layout.period, *rest])
+    return _dim_back(graph, whole, order, _memory_layout(val))
+
+
+def _balanced_scatter(graph: fx.Graph, value: fx.Node, dim: int, layout: BalancedLayout, group_name: str) -> fx.Node:
+    """Each rank's two chunks per run of the sum of a partial value: the chunks put in rank order, reduce-scattered."""
+    val = value.meta["val"]
+    shape, cp, chunk = list(val.shape), layout.size, layout.chunk
+    runs = layout.runs(shape[dim])
+    dense, order = _dim_first(graph, value, dim, len(shape))
+    rest = [shape[d] for d in order[1:]]
+    chunks = _at(graph, aten.reshape.default, dense, [runs, 2 * cp, chunk, *rest])
+    heads = _at(graph, aten.slice.Tensor, chunks, 1, 0, cp)
+    tails = _at(graph, aten.flip.default, _at(graph, aten.slice.Tensor, chunks, 1, cp, 2 * cp), [1])
+    paired = _at(graph, aten.stack.default, [heads, tails], 2)  # (runs, cp, 2, chunk, ...)
+    by_rank = _at(graph, aten.transpose.int, paired, 0, 1)
+    flat = _at(graph, aten.reshape.default, by_rank, [cp * runs * 2 * chunk, *rest])
+    scattered = _collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", cp, group_name))
+    waited = _at(graph, c10d.wait_tensor.default, scattered)
+    return _dim_back(graph, waited, order, _memory_layout(val))
+
+
+def _balanced(
+    graph: fx.Graph, value: fx.Node, src: Placement, dst: Placement, layout: BalancedLayout, group_name: str
+) -> fx.Node:
+    """``_redistribute`` for a context-parallel axis: a shard moves to another dimension through the whole value."""
+    if isinstance(src, Partial):
+        result = _balanced_scatter(graph, value, dst.dim, layout, group_name)
+    else:
+        if isinstance(src, Shard):
+            whole = _balanced_gather(graph, value, src.dim, layout, group_name)
+            whole.meta["val"] = value.meta["val"]
+            if isinstance(dst, Replicate):
+                whole.meta["placement"] = dst
+                return whole
+            value = whole
+        result = _balanced_slice(graph, value, dst.dim, layout)
+    # Sizes here are local already: an alias keeps localize from dividing them again.
+    return _call(graph, aten.alias.default, (result,), dst)

@@ -139,7 +139,7 @@ POINTWISE = _LINEAR | _SCALING | {
     aten.silu.default, aten.silu_backward.default, aten.exp.default, aten.rsqrt.default,
     aten.pow.Tensor_Scalar, aten.sqrt.default, aten.where.self, aten.masked_fill.Scalar,
     aten.add.Scalar, aten.sub.Scalar, aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar,
-    aten.eq.Scalar, aten.ne.Scalar, aten.logical_not.default, aten.copy.default, aten.lift_fresh_copy.default,
+    aten.eq.Scalar, aten.ne.Scalar, aten.ge.Tensor, aten.where.Scalar, aten.logical_not.default, aten.copy.default, aten.lift_fresh_copy.default,
 }
 
 

@@ -1,0 +1,52 @@
+"""cp's passes: each rank's rows marked and unrolled over its group, its sequences marked, then the context-parallel rewrite.
+
+Which of them run, and in what order, is ``pass_listing.py``'s to say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.fx as fx
+
+from dpar.compiler.capture import GraphInput, InputKind
+from dpar.compiler.graph_utils import refresh_fake_values
+from dpar.compiler.passes.context_parallel import context_parallel_pass, mark_sequences, sequence_length
+from dpar.compiler.passes.group_batch import GroupBatch, mark_own_rows, unroll_group_batch
+from dpar.compiler.propagation.propagate import MeshDim
+from dpar.core.plan import AxisRole, ParallelPlan
+from dpar.core.world import world_of_group
+
+
+class ContextParallel:
+    """The context axis of a plan as the passes see it.
+
+    Under DDP's data contract the group's rows are moved and the graph unrolled once per rank of the
+    group, as tensor parallel does ([Note: the data contract under tensor parallel]): every rank then
+    computes its chunks of every sequence of the group, so its activations are DDP's. ``group_batch`` is
+    None where the user feeds the group identical rows, and each rank holds 1/cp of one copy's.
+    """
+
+    def __init__(self, inputs: Sequence[GraphInput], plan: ParallelPlan) -> None:
+        axis = plan.axis(AxisRole.CONTEXT)
+        assert axis is not None, "a context-parallel plan has a context axis"
+        self.size, self.rank, self.group_name = axis.size, world_of_group(axis.group_name).rank, axis.group_name
+        self.group_batch = None if plan.same_batch_in_cp_group else GroupBatch(axis.size, self.rank, axis.group_name)
+        self.data = [i.index for i in inputs if i.kind is InputKind.DATA]
+        self.length = 0  # the sequence length, read off the Dynamo graph's inputs
+
+    def mark_inputs(self, gm: fx.GraphModule) -> fx.GraphModule:
+        self.length = sequence_length(gm, self.data, self.size)
+        if self.group_batch is not None:
+            gm = mark_own_rows(gm, self.data)
+        return mark_sequences(gm, self.data, self.length)
+
+    def unroll_group_batch(self, joint: fx.GraphModule) -> fx.GraphModule:
+        assert self.group_batch is not None
+        joint = unroll_group_batch(joint, self.group_batch)
+        refresh_fake_values(joint, [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder"])
+        return joint
+
+    def context_parallel(self, joint: fx.GraphModule) -> fx.GraphModule:
+        mesh = MeshDim(size=self.size, rank=self.rank, group_name=self.group_name, period=self.length)
+        return context_parallel_pass(joint, mesh)

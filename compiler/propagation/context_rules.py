@@ -1,0 +1,171 @@
+"""Sharding rules over a context-parallel axis, where a shard is a sequence's balanced chunks.
+
+Most ops take ``rules.RULES``' candidates unchanged: an op that treats a dimension
+independently computes its share of a balanced shard as of a block. What differs:
+
+- A shard lives only on a dimension of whole runs of the sequence (``k * period``):
+  any candidate naming another is dropped, so the layout is defined wherever it is used.
+- Views carry a shard through a flattening when it is the *innermost* dimension of its
+  run (``(batch, seq, hidden) -> (batch * seq, hidden)``, before every Linear), where
+  tensor parallel's blocks need the outermost; the token index is then ``b * seq + s``.
+- Attention runs on this rank's queries against every key and value (all-gathered;
+  their gradients come back as partial sums, reduce-scattered): the mask's rows are
+  the queries', so a causal mask from global positions stays right.
+- An embedding looked up with split indices is split alike; its weight gradient is a
+  partial sum over the group's tokens. So is a loss summed over tokens, with the count
+  of valid tokens beside it (``passes/context_parallel.py`` rewrites a mean into both).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from dpar.compiler.propagation.rules import (
+    ATTENTION,
+    ATTENTION_BACKWARD,
+    _MASK_ARGUMENTS,
+    Candidate,
+    _argument,
+    _broadcast_placement,
+    candidates_for,
+    replicated,
+    shape_of,
+    tensor_inputs,
+    view_groups,
+)
+from dpar.runtime.context_parallel import SEQUENCE_SPLIT
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+_REDUCTION_SUM = 2
+
+
+def _innermost(dims: list[int], shape: tuple[int, ...]) -> int | None:
+    return next((d for d in reversed(dims) if shape[d] != 1), None)
+
+
+def view(node: fx.Node, period: int) -> list[Candidate]:
+    """A shard stays one through a view where it is the innermost dimension of its run and lands on the
+    innermost dimension of the matching run, a whole number of sequences long."""
+    source = tensor_inputs(node)[0]
+    here = source.meta.get("placement", R)
+    if not isinstance(here, Shard):
+        return [Candidate((here,), (here,))]
+    before, after = shape_of(source), shape_of(node)
+    for gi, gj in view_groups(before, after):
+        if here.dim in gi:
+            target = _innermost(gj, after)
+            if _innermost(gi, before) == here.dim and target is not None and after[target] % period == 0:
+                return [Candidate((here,), (Shard(target),)), Candidate((R,), (R,))]
+    return [Candidate((R,), (R,))]
+
+
+def attention(node: fx.Node, period: int) -> list[Candidate]:
+    """This rank's queries (dim 2 of ``(batch, heads, seq, head_dim)``) against all keys and values.
+
+    Forward: queries, output and log-sum-exp split, keys and values whole, the mask split
+    by rows (whole where it broadcasts over them). Backward: the same inputs, the gradient
+    of the queries split, those of the keys and values partial sums over the group.
+    """
+    inputs = tensor_inputs(node)
+    backward = node.target in ATTENTION_BACKWARD
+    query, key, value = node.args[1:4] if backward else node.args[0:3]
+    mask = _argument(node, _MASK_ARGUMENTS)
+    split = Shard(2)
+    if query.meta.get("placement") != split and not (backward and node.args[0].meta.get("placement") == split):
+        return replicated(node, 0)
+    ins = tuple(
+        R if n is key or n is value else _broadcast_placement(4, shape_of(n), split) if n is mask else split
+        for n in inputs
+    )
+    vals = node.meta["val"]
+    vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+    if backward:  # grad_query, grad_key, grad_value (and a mask's gradient, which cp refuses before here)
+        outs = tuple((split if i == 0 else P) if isinstance(v, torch.Tensor) else None for i, v in enumerate(vals))
+    else:  # out, logsumexp (batch, heads, seq), then seeds and sizes
+        outs = tuple((split if v.dim() >= 3 else R) if isinstance(v, torch.Tensor) else None for v in vals)
+    return [Candidate(ins, outs)] + replicated(node, 0)
+
+
+def embedding(node: fx.Node, period: int) -> list[Candidate]:
+    """Split indices look up split rows of a whole table."""
+    weight, indices = tensor_inputs(node)[:2]
+    here = indices.meta.get("placement", R)
+    if weight.meta.get("placement", R) == R and isinstance(here, Shard):
+        return [Candidate((R, here), (Shard(here.dim),))]
+    return replicated(node, 0)
+
+
+def embedding_backward(node: fx.Node, period: int) -> list[Candidate]:
+    """The table's gradient from split tokens: a partial sum (not with ``scale_grad_by_freq``, which
+    divides by counts over all tokens)."""
+    indices = tensor_inputs(node)[1]
+    here = indices.meta.get("placement", R)
+    scaled = node.args[4] if len(node.args) > 4 else False
+    if isinstance(here, Shard) and not scaled:
+        return [Candidate((Shard(here.dim), here), (P,))]  # the gradient's leading dims are the indices'
+
+    return replicated(node, 0)
+
+
+def nll_loss(node: fx.Node, period: int) -> list[Candidate]:
+    """``nll_loss_forward`` summed over split rows: the sum and the count of valid targets are partial sums."""
+    inputs = tensor_inputs(node)
+    logits, target = inputs[:2]
+    if node.args[3] == _REDUCTION_SUM and len(shape_of(logits)) == 2 and Shard(0) in (
+            logits.meta.get("placement"), target.meta.get("placement")):
+        return [Candidate((Shard(0), Shard(0), *(R for _ in inputs[2:])), (P, P))]
+    return replicated(node, 0)
+
+
+def nll_loss_backward(node: fx.Node, period: int) -> list[Candidate]:
+    """Each split row's gradient needs only its own target and the whole count (a mean's divisor)."""
+    inputs = tensor_inputs(node)  # grad_output, self, target, [weight], total_weight
+    logits, target = inputs[1:3]
+    if len(shape_of(logits)) == 2 and Shard(0) in (logits.meta.get("placement"), target.meta.get("placement")):
+        ins = tuple(Shard(0) if n is logits or n is target else R for n in inputs)
+        return [Candidate(ins, (Shard(0),))]
+    return replicated(node, 0)
+
+
+def sequence_split(node: fx.Node, period: int) -> list[Candidate]:
+    dim = node.args[1]
+    return [Candidate((Shard(dim),), (Shard(dim),))]
+
+
+CONTEXT_RULES = {
+    aten.view.default: view,
+    aten._unsafe_view.default: view,
+    aten.reshape.default: view,
+    aten.unsqueeze.default: view,
+    aten.squeeze.dim: view,
+    **dict.fromkeys(ATTENTION | ATTENTION_BACKWARD, attention),
+    aten.embedding.default: embedding,
+    aten.embedding_dense_backward.default: embedding_backward,
+    aten.nll_loss_forward.default: nll_loss,
+    aten.nll_loss_backward.default: nll_loss_backward,
+    SEQUENCE_SPLIT: sequence_split,
+}
+
+
+def _whole_runs(node: fx.Node, candidate: Candidate, period: int) -> bool:
+    """Every shard the candidate names is on a dimension of whole sequences, where the balanced layout is defined."""
+    vals = node.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+    pairs: list[tuple[torch.Tensor, Placement | str | None]] = [
+        (n.meta["val"], p) for n, p in zip(tensor_inputs(node), candidate.inputs)
+    ] + [(v, p) for v, p in zip(vals, candidate.outputs) if isinstance(v, torch.Tensor)]
+    return all(not isinstance(p, Shard) or (v.dim() > p.dim and v.shape[p.dim] % period == 0) for v, p in pairs)
+
+
+def context_candidates(node: fx.Node, size: int, period: int) -> list[Candidate]:
+    """The candidates of ``node`` over a context-parallel axis of ``size`` ranks and sequences of ``period``."""
+    rule = CONTEXT_RULES.get(node.target)
+    found = rule(node, period) if rule is not None else candidates_for(node, size)
+    kept = [c for c in found if _whole_runs(node, c, period)]
+    return kept or replicated(node, size)
+

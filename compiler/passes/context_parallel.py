@@ -5,9 +5,10 @@ Before AOTAutograd, ``mark_sequences`` reads the user's sequence-long inputs thr
 ``dpar::sequence_split``. On the joint graph, ``context_parallel_pass`` makes explicit
 what a split changes the meaning of, then lets sharding propagation place every value:
 
-- causal attention (``is_causal=True``) gets its mask spelled out from global positions,
-  so that each rank's queries see the keys before them in the whole sequence (the kernel's
-  own flag would mask by local positions);
+- causal attention (``is_causal=True``) on this rank's two chunks is computed per chunk:
+  causally over the chunk's own keys, fully over the keys before it, merged by their
+  log-sum-exps (the kernel's own flag would mask by local positions, and a mask from
+  global positions would hold ``seq / cp x seq`` elements);
 - a loss averaged over tokens becomes the sum over tokens divided by the count of valid
   ones, two partial sums reduced over the group: the mean over the whole sequence, not a
   mean of the ranks' means (which differ once padding or ignored labels are uneven).
@@ -24,12 +25,15 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from dpar.compiler.graph_utils import refresh_fake_values
 from dpar.compiler.passes.group_batch import OWN_ROWS
 from dpar.compiler.passes.tensor_parallel import split_addmm
 from dpar.compiler.propagation.localize import localize
+from dpar.compiler.passes.sequence_parallel import tag_sequence_gathers_for_recompute
 from dpar.compiler.propagation.propagate import MeshDim, propagate_placements
+from dpar.compiler.propagation.redistribute import BalancedLayout, dense_in, memory_layout
 from dpar.compiler.propagation.rules import ATTENTION, ATTENTION_BACKWARD
 from dpar.core.errors import ContextParallelError
 from dpar.runtime.context_parallel import SEQUENCE_SPLIT
@@ -39,10 +43,8 @@ aten = torch.ops.aten
 SEQUENCE_DIM = 1
 """Where a sequence-long input holds its tokens: (batch, seq, ...), as Hugging Face, nanoGPT and torchtitan feed them."""
 
-_FOLLOWED = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-}
+FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _MEAN, _SUM = 1, 2
 
 
@@ -90,60 +92,132 @@ def mark_sequences(gm: fx.GraphModule, data: Sequence[int], length: int) -> fx.G
     return gm
 
 
-def _argument_index(node: fx.Node, name: str) -> int:
-    return next(i for i, a in enumerate(node.target._schema.arguments) if a.name == name)
-
-
 def _call(graph: fx.Graph, target: object, *args: object, **kwargs: object) -> fx.Node:
     return graph.call_function(target, args, kwargs)
 
 
-def _causal_mask(graph: fx.Graph, query: fx.Node, length: int) -> fx.Node:
-    """``(seq, seq)`` additive mask, 0 where a query's global position is at or after the key's, else -inf;
-    its rows (the queries) start split, so no rank builds the whole of it."""
-    val = query.meta["val"]
-    positions = _call(graph, aten.arange.default, length, dtype=torch.int64, device=val.device)
-    rows = _call(graph, aten.unsqueeze.default, _call(graph, SEQUENCE_SPLIT, positions, 0), 1)
-    allowed = _call(graph, aten.ge.Tensor, rows, _call(graph, aten.unsqueeze.default, positions, 0))
-    mask = _call(graph, aten.where.Scalar, allowed, 0.0, float("-inf"))
-    return mask if val.dtype == torch.float32 else _call(graph, aten._to_copy.default, mask, dtype=val.dtype)
-
-
-def explicit_causal_masks(gm: fx.GraphModule, length: int) -> fx.GraphModule:
-    """Every causal attention (forward and backward) with its mask spelled out from global positions."""
-    graph = gm.graph
-    masks: dict[fx.Node, fx.Node] = {}  # query -> its mask
-    for node in list(graph.nodes):
+def check_attention(gm: fx.GraphModule) -> fx.GraphModule:
+    """Every attention in the graph is one the pass splits exactly: the CPU kernel (or attention written out,
+    which propagation follows op by op), without dropout, causal only over one sequence."""
+    for node in gm.graph.nodes:
         if node.target not in ATTENTION | ATTENTION_BACKWARD:
             continue
-        if node.target not in _FOLLOWED:
+        if node.target not in (FLASH, FLASH_BACKWARD):
             raise ContextParallelError(
                 f"context parallel splits attention computed by {node.target}, which its pass does not follow yet "
                 "(it follows scaled_dot_product_attention's CPU kernel and attention written out, as "
                 "attn_implementation='eager' does). On a GPU, run under "
                 "torch.nn.attention.sdpa_kernel(SDPBackend.MATH) or choose eager attention"
             )
-        backward = node.target in ATTENTION_BACKWARD
-        query = node.args[1] if backward else node.args[0]
-        causal_at = _argument_index(node, "is_causal")
-        causal = node.args[causal_at] if causal_at < len(node.args) else node.kwargs.get("is_causal", False)
-        if not causal:
-            continue
-        if node.kwargs.get("attn_mask") is not None:
-            raise ContextParallelError(f"{node}: attention with both a mask and is_causal=True; pass one of them")
-        key = node.args[2] if backward else node.args[1]
-        if query.meta["val"].shape[2] != key.meta["val"].shape[2]:
+        backward = node.target is FLASH_BACKWARD
+        query, key = node.args[1:3] if backward else node.args[0:2]
+        if _argument(node, "dropout_p", 0.0):
+            raise ContextParallelError(
+                f"{node}: attention dropout under context parallel (each rank would draw its own mask over its "
+                "chunks); set the model's attention dropout to 0"
+            )
+        if _argument(node, "is_causal", False) and query.meta["val"].shape[2] != key.meta["val"].shape[2]:
             raise ContextParallelError(
                 f"{node}: causal attention of {query.meta['val'].shape[2]} queries over {key.meta['val'].shape[2]} "
                 "keys (a cache or cross attention); context parallel splits self-attention over one sequence"
             )
-        if query not in masks:
-            with graph.inserting_before(node):
-                masks[query] = _causal_mask(graph, query, length)
-        args = list(node.args)
-        args[causal_at] = False
-        node.args = tuple(args)
-        node.kwargs = {**node.kwargs, "attn_mask": masks[query]}
+    return gm
+
+
+def _argument(node: fx.Node, name: str, default: object) -> object:
+    index = next(i for i, a in enumerate(node.target._schema.arguments) if a.name == name)
+    return node.args[index] if index < len(node.args) else node.kwargs.get(name, default)
+
+
+def _chunks(layout: BalancedLayout) -> tuple[int, int]:
+    """The global indices of this rank's two chunks of a sequence: head, tail."""
+    return layout.rank, 2 * layout.size - 1 - layout.rank
+
+
+def _along(graph: fx.Graph, value: fx.Node, start: int, end: int) -> fx.Node:
+    return _call(graph, aten.slice.Tensor, value, 2, start, end)
+
+
+def _causal_forward(graph: fx.Graph, node: fx.Node, layout: BalancedLayout) -> tuple[fx.Node, fx.Node]:
+    """(output, log-sum-exp) of this rank's queries under a causal mask over global positions: per chunk ``c``,
+    causal attention to chunk ``c``'s keys and full attention to the keys before it, merged by their log-sum-exps."""
+    query, key, value = node.args[:3]
+    scale, length = node.kwargs.get("scale"), layout.chunk
+    outs, lses = [], []
+    for half, chunk in enumerate(_chunks(layout)):
+        q = _along(graph, query, half * length, (half + 1) * length)
+        keys = (chunk * length, (chunk + 1) * length)
+        own = _call(graph, FLASH, q, _along(graph, key, *keys), _along(graph, value, *keys), 0.0, True, scale=scale)
+        out, lse = _call(graph, operator.getitem, own, 0), _call(graph, operator.getitem, own, 1)
+        if chunk:
+            before = _call(graph, FLASH, q, _along(graph, key, 0, keys[0]), _along(graph, value, 0, keys[0]),
+                           0.0, False, scale=scale)
+            out_before, lse_before = _call(graph, operator.getitem, before, 0), _call(graph, operator.getitem, before, 1)
+            merged = _call(graph, aten.logaddexp.default, lse_before, lse)
+            weights = [_call(graph, aten.unsqueeze.default, _call(graph, aten.exp.default,
+                                                                  _call(graph, aten.sub.Tensor, part, merged)), -1)
+                       for part in (lse_before, lse)]
+            dtype = query.meta["val"].dtype
+            if dtype != torch.float32:
+                weights = [_call(graph, aten._to_copy.default, w, dtype=dtype) for w in weights]
+            out = _call(graph, aten.add.Tensor, _call(graph, aten.mul.Tensor, out_before, weights[0]),
+                        _call(graph, aten.mul.Tensor, out, weights[1]))
+            lse = merged
+        outs.append(out)
+        lses.append(lse)
+    return _call(graph, aten.cat.default, outs, 2), _call(graph, aten.cat.default, lses, 2)
+
+
+def _causal_backward(graph: fx.Graph, node: fx.Node, layout: BalancedLayout) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """The gradients of ``_causal_forward``'s pieces, each from the merged output and log-sum-exp (which make a
+    piece's probabilities the whole attention's, restricted to its keys): the queries' per chunk, the keys' and
+    values' (whole sequences, partial sums over the group) added up over the pieces."""
+    grad, query, key, value, out, lse = node.args[:6]
+    scale, length, period = node.kwargs.get("scale"), layout.chunk, layout.period
+    grad_queries, grad_keys, grad_values = [], [], []
+    for half, chunk in enumerate(_chunks(layout)):
+        rows = (half * length, (half + 1) * length)
+        g, q, o = (_along(graph, t, *rows) for t in (grad, query, out))
+        m = _along(graph, lse, *rows)
+        keys = (chunk * length, (chunk + 1) * length)
+        pieces = [(keys, True)] + ([((0, keys[0]), False)] if chunk else [])
+        dq = None
+        for (start, end), causal in pieces:
+            grads = _call(graph, FLASH_BACKWARD, g, q, _along(graph, key, start, end), _along(graph, value, start, end),
+                          o, m, 0.0, causal, scale=scale)
+            piece_dq, dk, dv = (_call(graph, operator.getitem, grads, i) for i in range(3))
+            dq = piece_dq if dq is None else _call(graph, aten.add.Tensor, dq, piece_dq)
+            padding = [0, 0, start, period - end]  # back to the whole sequence: zeros elsewhere
+            grad_keys.append(_call(graph, aten.constant_pad_nd.default, dk, padding))
+            grad_values.append(_call(graph, aten.constant_pad_nd.default, dv, padding))
+        grad_queries.append(dq)
+    total_keys, total_values = grad_keys[0], grad_values[0]
+    for dk, dv in zip(grad_keys[1:], grad_values[1:]):
+        total_keys = _call(graph, aten.add.Tensor, total_keys, dk)
+        total_values = _call(graph, aten.add.Tensor, total_values, dv)
+    return _call(graph, aten.cat.default, grad_queries, 2), total_keys, total_values
+
+
+def causal_attention_by_chunks(gm: fx.GraphModule, layout: BalancedLayout) -> fx.GraphModule:
+    """Split causal attention (now on this rank's queries) computed as ``_causal_forward`` / ``_causal_backward``:
+    the kernel's own causal flag would mask by local positions, and a mask from global positions would cost
+    ``seq / cp x seq`` elements per sequence."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target not in (FLASH, FLASH_BACKWARD) or not _argument(node, "is_causal", False):
+            continue
+        query = 1 if node.target is FLASH_BACKWARD else 0
+        if node.meta.get("placement_inputs", (None, None))[query] != Shard(2):
+            continue  # whole on every rank: the kernel's flag is right
+        with graph.inserting_before(node):
+            results = (_causal_backward if node.target is FLASH_BACKWARD else _causal_forward)(graph, node, layout)
+            # In the kernel's memory layout: the ops after it were traced on its strides (a view after a transpose).
+            results = tuple(r if memory_layout(v) is None else dense_in(graph, r, memory_layout(v))
+                            for r, v in zip(results, node.meta["val"]))
+        for user in list(node.users):
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
     return gm
 
 
@@ -171,12 +245,16 @@ def _position(graph: fx.Graph, node: fx.Node) -> int:
 
 
 def context_parallel_pass(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
-    """Masks and the loss made explicit, placements propagated from the markers, the graph rewritten to local shapes."""
+    """The loss made a sum and a count, placements propagated from the markers, the graph rewritten to local
+    shapes, causal attention computed by chunks; the keys' and values' all-gathers are done again in the
+    backward instead of saved (what is saved is this rank's chunks)."""
     placeholders = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    gm = loss_as_sum_and_count(explicit_causal_masks(split_addmm(gm), mesh.period))
+    gm = loss_as_sum_and_count(check_attention(split_addmm(gm)))
     gm.recompile()
     refresh_fake_values(gm, placeholders)
     gm = localize(propagate_placements(gm, mesh), mesh)
+    gm = causal_attention_by_chunks(gm, BalancedLayout(mesh.size, mesh.rank, mesh.period))
+    gm.graph.lint()
     gm.recompile()
     refresh_fake_values(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
-    return gm
+    return tag_sequence_gathers_for_recompute(gm, mesh.group_name)

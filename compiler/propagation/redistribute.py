@@ -99,10 +99,10 @@ def _dim_back(graph: fx.Graph, value: fx.Node, order: list[int], layout: list[in
     if order == sorted(order) and layout is None:
         return value
     back = graph.call_function(aten.permute.default, (value, _inverse(order)))
-    return _dense_in(graph, back, layout)
+    return dense_in(graph, back, layout)
 
 
-def _dense_in(graph: fx.Graph, value: fx.Node, layout: list[int] | None) -> fx.Node:
+def dense_in(graph: fx.Graph, value: fx.Node, layout: list[int] | None) -> fx.Node:
     """A dense copy of ``value`` laid out in memory in ``layout``'s order (``None``: contiguous)."""
     if layout is None:
         return graph.call_function(aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
@@ -115,7 +115,7 @@ def _inverse(order: list[int]) -> list[int]:
     return [order.index(d) for d in range(len(order))]
 
 
-def _memory_layout(val: torch.Tensor) -> list[int] | None:
+def memory_layout(val: torch.Tensor) -> list[int] | None:
     """The dimensions of a dense, non-contiguous value from outermost to innermost in memory (a transposed
     activation's); ``None`` for a contiguous value or one that is not dense (an expanded one), which the
     collectives' contiguous outputs stand in for as they did at trace time."""
@@ -204,7 +204,7 @@ def _all_to_all(graph: fx.Graph, value: fx.Node, src: int, dst: int, tp: int, gr
     merged = [rows, *dims[1:]]
     merged[at - 1] *= tp
     result = _dim_back(graph, graph.call_function(aten.reshape.default, (beside, merged)), order,
-                       _memory_layout(value.meta["val"]))
+                       memory_layout(value.meta["val"]))
     # Sizes here are local already: an alias keeps localize from dividing them again.
     return _call(graph, aten.alias.default, (result,), Shard(dst))
 
@@ -233,7 +233,7 @@ def _redistribute(
     ndim = len(shape)
     if isinstance(src, Shard) and isinstance(dst, Shard) and shape[src.dim] % tp == 0 and shape[dst.dim] % tp == 0:
         return _all_to_all(graph, value, src.dim, dst.dim, tp, group_name)
-    layout = _memory_layout(value.meta["val"])
+    layout = memory_layout(value.meta["val"])
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         # The reduced value comes back contiguous: reduced in its memory order, it keeps its strides.
         if layout is not None:
@@ -327,7 +327,7 @@ def _balanced_gather(graph: fx.Graph, value: fx.Node, dim: int, layout: Balanced
     chunks = _at(graph, aten.cat.default, [heads, tails], 0)  # (2cp, runs, chunk, ...)
     in_order = _at(graph, aten.transpose.int, chunks, 0, 1)
     whole = _at(graph, aten.reshape.default, in_order, [runs * layout.period, *rest])
-    return _dim_back(graph, whole, order, _memory_layout(val))
+    return _dim_back(graph, whole, order, memory_layout(val))
 
 
 def _balanced_scatter(graph: fx.Graph, value: fx.Node, dim: int, layout: BalancedLayout, group_name: str) -> fx.Node:
@@ -345,7 +345,7 @@ def _balanced_scatter(graph: fx.Graph, value: fx.Node, dim: int, layout: Balance
     flat = _at(graph, aten.reshape.default, by_rank, [cp * runs * 2 * chunk, *rest])
     scattered = _collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", cp, group_name))
     waited = _at(graph, c10d.wait_tensor.default, scattered)
-    return _dim_back(graph, waited, order, _memory_layout(val))
+    return _dim_back(graph, waited, order, memory_layout(val))
 
 
 def _balanced(

@@ -200,11 +200,11 @@ class TorchtitanLM(nn.Module):
 class NanoGPTLM(nn.Module):
     """nanoGPT's model (examples/gpt.py, tied LM head), optionally under CPU bf16 autocast."""
 
-    def __init__(self, autocast: bool = False) -> None:
+    def __init__(self, autocast: bool = False, block_size: int = 16) -> None:
         super().__init__()
         from gpt import GPT, GPTConfig
 
-        self.inner = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_embd=32))
+        self.inner = GPT(GPTConfig(vocab_size=VOCAB, block_size=block_size, n_layer=2, n_head=4, n_embd=32))
         self.autocast = autocast
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -226,6 +226,7 @@ OTHER_MODELS: dict[str, Callable[[], nn.Module]] = {
     "titan_qwen3_moe": lambda: TorchtitanLM("titan_qwen3_moe"),
     "nanogpt": NanoGPTLM,
     "nanogpt_bf16": lambda: NanoGPTLM(autocast=True),
+    "nanogpt_4k": lambda: NanoGPTLM(block_size=4096),
     "own_moe": lambda: _own_moe(),
 }
 
@@ -242,13 +243,13 @@ def build(name: str) -> nn.Module:
     return HuggingFaceLM(name)
 
 
-def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def global_batch(step: int, rows: int, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, labels, attention mask): the mask pads a different number of tokens per row."""
     g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(1, VOCAB, (rows, SEQ), generator=g)
-    mask = torch.ones(rows, SEQ, dtype=torch.long)
+    ids = torch.randint(1, VOCAB, (rows, seq), generator=g)
+    mask = torch.ones(rows, seq, dtype=torch.long)
     for row in range(rows):
-        mask[row, SEQ - (row % 3):] = 0
+        mask[row, seq - (row % 3):] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return ids, labels, mask
 
@@ -266,6 +267,9 @@ class Run:
     mesh_shape: tuple[int, ...] | None = None  # 2-D strategies: (dp, tp) or (replicate, shard)
     parallelize_kwargs: tuple[tuple[str, object], ...] = ()
     options: tuple[tuple[str, object], ...] = ()  # torch.compile(..., options=) beyond the compiler
+    seq: int = SEQ  # tokens per row
+    rows: int = ROWS_PER_RANK  # rows per rank
+    same_rows_in: int = 1  # ranks fed the same rows: a group of this many consecutive ranks shares a slice
 
 
 def _optimizer(name: str, params, lr: float | None = None) -> torch.optim.Optimizer:
@@ -287,15 +291,17 @@ def train(rank: int, world_size: int, run: Run, prepare: Callable[[nn.Module], N
     else:
         kwargs = dict(run.parallelize_kwargs)
         if run.mesh_shape is not None:
-            names = ("replicate", "shard") if run.strategy == "hsdp" else ("dp", "tp")
+            second = run.strategy.split("+")[-1] if "+" in run.strategy else "tp"
+            names = ("replicate", "shard") if run.strategy == "hsdp" else ("dp", second)
             kwargs["mesh"] = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=names)
-        example = rank_slice(global_batch(0, ROWS_PER_RANK * world_size), rank, world_size)
+        example = rank_slice(global_batch(0, run.rows * world_size, run.seq), rank, world_size)
         dpar.parallelize(model, strategy=run.strategy, example_inputs=example, **kwargs)
         runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager", **dict(run.options)})
     opt = _optimizer(run.optimizer, [p for p in model.parameters() if p.requires_grad], run.lr)
+    slices = world_size // run.same_rows_in
     for step in range(STEPS):
         opt.zero_grad()
-        ids, labels, mask = rank_slice(global_batch(step, ROWS_PER_RANK * world_size), rank, world_size)
+        ids, labels, mask = rank_slice(global_batch(step, run.rows * slices, run.seq), rank // run.same_rows_in, slices)
         runner(ids, labels, mask).backward()
         opt.step()
     if run.strategy == "torch_ddp":

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from dpar.compiler.propagation.rules import (
     ATTENTION,
     ATTENTION_BACKWARD,
+    POINTWISE,
+    P,
+    R,
     _MASK_ARGUMENTS,
     Candidate,
     _argument,
@@ -39,7 +42,6 @@ from dpar.compiler.propagation.rules import (
 from dpar.runtime.context_parallel import SEQUENCE_SPLIT
 
 aten = torch.ops.aten
-R, P = Replicate(), Partial()
 
 _REDUCTION_SUM = 2
 
@@ -101,14 +103,14 @@ def embedding(node: fx.Node, period: int) -> list[Candidate]:
 
 
 def embedding_backward(node: fx.Node, period: int) -> list[Candidate]:
-    """The table's gradient from split tokens: a partial sum (not with ``scale_grad_by_freq``, which
-    divides by counts over all tokens)."""
-    indices = tensor_inputs(node)[1]
-    here = indices.meta.get("placement", R)
+    """The table's gradient from split tokens (the indices sliced alike where they are whole, as positions
+    are): a partial sum. Not with ``scale_grad_by_freq``, which divides by counts over all tokens."""
+    grad, indices = tensor_inputs(node)[:2]
+    split = next((p for p in (indices.meta.get("placement", R), grad.meta.get("placement", R))
+                  if isinstance(p, Shard) and p.dim < len(shape_of(indices))), None)
     scaled = node.args[4] if len(node.args) > 4 else False
-    if isinstance(here, Shard) and not scaled:
-        return [Candidate((Shard(here.dim), here), (P,))]  # the gradient's leading dims are the indices'
-
+    if split is not None and not scaled:
+        return [Candidate((split, split), (P,))]  # the gradient's leading dims are the indices'
     return replicated(node, 0)
 
 
@@ -132,6 +134,17 @@ def nll_loss_backward(node: fx.Node, period: int) -> list[Candidate]:
     return replicated(node, 0)
 
 
+def cast(node: fx.Node, period: int) -> list[Candidate] | None:
+    """A partial sum is reduced before a cast to a narrower dtype, as one device rounds the whole sum once
+    (torchtitan's RoPE computes in float32 inside a float64 model; a bfloat16 model's casts alike)."""
+    source = tensor_inputs(node)[0]
+    dtype = node.kwargs.get("dtype")
+    if source.meta.get("placement") is P and dtype is not None and dtype.is_floating_point and (
+            torch.finfo(dtype).bits < torch.finfo(source.meta["val"].dtype).bits):
+        return [Candidate((R,), (R,))]
+    return None  # the generic rule
+
+
 def sequence_split(node: fx.Node, period: int) -> list[Candidate]:
     dim = node.args[1]
     return [Candidate((Shard(dim),), (Shard(dim),))]
@@ -148,8 +161,54 @@ CONTEXT_RULES = {
     aten.embedding_dense_backward.default: embedding_backward,
     aten.nll_loss_forward.default: nll_loss,
     aten.nll_loss_backward.default: nll_loss_backward,
+    aten._to_copy.default: cast,
     SEQUENCE_SPLIT: sequence_split,
 }
+
+
+# [Note: slicing before computing]
+# Propagation runs forward: a value computed from whole inputs is whole, and a consumer that wants it
+# split slices it. For what a model builds from positions alone (Hugging Face's causal mask, a
+# (seq, seq) tensor made by comparing two aranges, then expanded and converted), that computes the
+# whole mask on every rank and keeps 1/cp of it: seq x seq elements at the peak, the term that grows
+# fastest with the sequence. So where a consumer wants a whole value split, and the op making it
+# computes a split output from split inputs (elementwise, broadcast, a view, a cast), a copy of the op
+# runs split on split inputs, recursively, and the whole one is dropped where nothing else reads it:
+# the mask is built from this rank's query positions, a (seq / cp, seq) block.
+
+_SLICED_ELEMENTWISE = POINTWISE | {aten._to_copy.default, aten.clone.default}
+_SLICED_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+                 aten.squeeze.dim}
+
+
+def sliced_inputs(node: fx.Node, want: Shard, period: int) -> tuple[Placement, ...] | None:
+    """The placements of ``node``'s tensor inputs from which it computes its output split as ``want``
+    (None: it cannot, or it would not pay: an input is not a whole number of sequences long there)."""
+    if node.op != "call_function" or isinstance(node.meta.get("val"), (tuple, list)):
+        return None
+    inputs = tensor_inputs(node)
+    out_shape = shape_of(node)
+    if node.target in _SLICED_ELEMENTWISE:
+        wants = tuple(_broadcast_placement(len(out_shape), shape_of(n), want) for n in inputs)
+    elif node.target is aten.expand.default:
+        before = shape_of(inputs[0])
+        dim = want.dim - (len(out_shape) - len(before))
+        wants = (Shard(dim) if dim >= 0 and before[dim] == out_shape[want.dim] else R,)
+    elif node.target in _SLICED_VIEWS:
+        before = shape_of(inputs[0])
+        for gi, gj in view_groups(before, out_shape):
+            if want.dim in gj:
+                source = _innermost(gi, before)
+                if _innermost(gj, out_shape) != want.dim or source is None:
+                    return None
+                wants = (Shard(source),)
+                break
+        else:
+            return None
+    else:
+        return None
+    whole = all(not isinstance(p, Shard) or shape_of(n)[p.dim] % period == 0 for n, p in zip(inputs, wants))
+    return wants if whole and any(isinstance(p, Shard) for p in wants) else None
 
 
 def _whole_runs(node: fx.Node, candidate: Candidate, period: int) -> bool:
@@ -165,7 +224,8 @@ def _whole_runs(node: fx.Node, candidate: Candidate, period: int) -> bool:
 def context_candidates(node: fx.Node, size: int, period: int) -> list[Candidate]:
     """The candidates of ``node`` over a context-parallel axis of ``size`` ranks and sequences of ``period``."""
     rule = CONTEXT_RULES.get(node.target)
-    found = rule(node, period) if rule is not None else candidates_for(node, size)
+    found = rule(node, period) if rule is not None else None
+    found = candidates_for(node, size) if found is None else found
     kept = [c for c in found if _whole_runs(node, c, period)]
     return kept or replicated(node, size)
 

@@ -26,7 +26,7 @@ aten = torch.ops.aten
 # Ops whose output shape is spelled out in their arguments (at this index).
 _SIZED = {
     aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
-    aten.slice_backward.default: 1,
+    aten.slice_backward.default: 1, aten.select_backward.default: 1,
 }
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import dpar.runtime.tensor_parallel  # noqa: F401  (registers the marker ops)
 from dpar.core.errors import TensorParallelPlanError
-from dpar.compiler.propagation.context_rules import context_candidates
+from dpar.compiler.propagation.context_rules import context_candidates, sliced_inputs
 from dpar.compiler.propagation.redistribute import SLICE_COST, cost, nbytes_of, redistribute
 from dpar.compiler.propagation.rules import (
     TRANSPOSES,
@@ -120,6 +120,14 @@ class _Redistributor:
         if here == want:
             return value
         key = (value, want)
+        wants = sliced_inputs(value, want, self.mesh.period) if self.mesh.period and here == Replicate() else None
+        if wants is not None and key not in self.made:  # computed split: see [Note: slicing before computing]
+            with self.graph.inserting_before(consumer):
+                split = self.graph.node_copy(value)
+            for source, source_want in zip(tensor_inputs(value), wants):
+                split.replace_input_with(source, self.to(source, source_want, split))
+            split.meta.update(placement_inputs=wants, placement=want)
+            self.made[key] = split
         if key not in self.made:
             with self.graph.inserting_before(consumer):
                 self.made[key] = redistribute(
@@ -179,6 +187,8 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
                     _accumulate_in_fp32(graph, node)
     if read_whole:
         raise _unproven_split(read_whole)
+    if mesh.period:  # what was computed whole only to be sliced
+        graph.eliminate_dead_code()
     graph.lint()
     return gm
 

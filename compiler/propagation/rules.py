@@ -139,7 +139,9 @@ POINTWISE = _LINEAR | _SCALING | {
     aten.silu.default, aten.silu_backward.default, aten.exp.default, aten.rsqrt.default,
     aten.pow.Tensor_Scalar, aten.sqrt.default, aten.where.self, aten.masked_fill.Scalar,
     aten.add.Scalar, aten.sub.Scalar, aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar,
-    aten.eq.Scalar, aten.ne.Scalar, aten.ge.Tensor, aten.where.Scalar, aten.logical_not.default, aten.copy.default, aten.lift_fresh_copy.default,
+    aten.eq.Scalar, aten.ne.Scalar, aten.ge.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.lt.Tensor, aten.eq.Tensor,
+    aten.ne.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
+    aten.logical_or.default, aten.where.Scalar, aten.where.ScalarOther, aten.where.ScalarSelf, aten.logical_not.default, aten.copy.default, aten.lift_fresh_copy.default,
 }
 
 
@@ -347,6 +349,28 @@ def along(node: fx.Node, tp: int) -> list[Candidate]:
     if here.dim == dim:
         return [Candidate((R,), _outputs(node, R))]
     return [Candidate((here,), _outputs(node, here)), Candidate((R,), _outputs(node, R))]
+
+
+def select(node: fx.Node, tp: int) -> list[Candidate]:
+    """Picking one index along a dimension keeps a shard along any other (one dimension fewer before it)
+    and a partial sum (picking is linear)."""
+    here = tensor_inputs(node)[0].meta.get("placement", R)
+    dim = _dim_argument(node, len(shape_of(tensor_inputs(node)[0])))
+    if not isinstance(here, Shard):
+        return [Candidate((here,), (here,))]
+    if here.dim == dim:
+        return [Candidate((R,), (R,))]
+    return [Candidate((here,), (Shard(here.dim - (here.dim > dim)),)), Candidate((R,), (R,))]
+
+
+def select_backward(node: fx.Node, tp: int) -> list[Candidate]:
+    """``select``'s gradient, zeros but at the picked index: a shard of the gradient is one of the result along
+    the same dimension (one further after the picked one); a partial sum stays one."""
+    here = tensor_inputs(node)[0].meta.get("placement", R)
+    dim = _dim_argument(node, len(shape_of(node)))
+    if not isinstance(here, Shard):
+        return [Candidate((here,), (here,))]
+    return [Candidate((here,), (Shard(here.dim + (here.dim >= dim)),)), Candidate((R,), (R,))]
 
 
 def cat(node: fx.Node, tp: int) -> list[Candidate]:
@@ -567,6 +591,8 @@ RULES: dict[object, Rule] = {
     aten.split.Tensor: along,
     aten.split_with_sizes.default: along,
     aten.cat.default: cat,
+    aten.select.int: select,
+    aten.select_backward.default: select_backward,
     aten.unsqueeze.default: view,  # inserting or dropping a size-1 dimension is a view
     aten.squeeze.dim: view,
     aten.sum.dim_IntList: reduction,

@@ -1,0 +1,114 @@
+"""Activation memory and step time per rank under context parallel 1, 2 and 4, at sequences of 4k, 8k and 16k tokens.
+
+    python benchmarks/context_parallel_memory.py     # about 10 minutes on 2 cores
+    python benchmarks/context_parallel_memory.py --seqs 4096 --degrees 1,2
+
+The model is Hugging Face's Llama at a small hidden size (128, 4 heads, 2 key-value heads, MLP 256,
+2 layers, vocabulary 512), one sequence per cp group, AdamW. cp 1 is the model on one process
+(dpar's ddp at world size 1: the anchor); cp 2 and 4 run ``strategy="cp"`` on that many gloo ranks, every
+rank fed the same sequence (``same_batch_in_cp_group=True``), so each holds its two chunks of it. Memory:
+a profile of a warm step (peak_memory.py's reading): the activation peak is the step's peak of live tensor
+bytes above what was live at its start (parameters, optimizer state). Beside it, cp 1's figure divided by
+cp, the ideal; and the step time, the median of three steps. Rank 0's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+from distributed import run_ranks  # noqa: E402
+from harness import RESULTS, live_bytes, revision  # noqa: E402
+
+VOCAB = 512
+STEPS = 3
+
+
+class Llama(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers as tf
+
+        torch.manual_seed(0)
+        self.inner = tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1 << 15))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def measure(rank: int, world_size: int, seq: int) -> dict[str, float]:
+    import dpar
+
+    model = Llama()
+    if world_size > 1:
+        dpar.parallelize(model, strategy="cp", same_batch_in_cp_group=True)
+    compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        compiled(ids).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # compiles
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("warm step"):
+            step()
+    at_start, peak = live_bytes(prof, "warm step")
+    seconds = []
+    for _ in range(STEPS):
+        dist.barrier() if world_size > 1 else None
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return {"activation_mb": (peak - at_start) / 2**20, "step_s": statistics.median(seconds)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", default="4096,8192,16384")
+    parser.add_argument("--degrees", default="1,2,4")
+    parser.add_argument("--out", default=str(RESULTS / "context_parallel_memory.md"))
+    args = parser.parse_args()
+    seqs = [int(s) for s in args.seqs.split(",")]
+    degrees = [int(d) for d in args.degrees.split(",")]
+    rows = []
+    for seq in seqs:
+        base = None
+        for cp in degrees:
+            found = run_ranks(measure, cp, seq, timeout_s=1200)[0]
+            base = found["activation_mb"] if cp == 1 else base
+            ideal = f"{base / cp:,.1f}" if base is not None else "-"
+            ratio = f"{found['activation_mb'] / base:.3f}" if base else "-"
+            rows.append(f"| {seq:,} | {cp} | {found['activation_mb']:,.1f} | {ideal} | {ratio} | {found['step_s']:.2f} |")
+            print(rows[-1], flush=True)
+    text = "\n".join([
+        "# Context parallel: activation memory and step time per rank",
+        "",
+        f"`python benchmarks/context_parallel_memory.py` at {revision()}, {time.strftime('%Y-%m-%d')}, CPU gloo ranks "
+        "(2 cores shared by all ranks). HF Llama, hidden 128, 2 layers, vocabulary 512, one sequence per cp group "
+        "(`same_batch_in_cp_group=True`); cp 1 is one process.",
+        "",
+        "| sequence | cp | activation peak (MB) | cp 1 / cp (MB) | vs cp 1 | step (s) |",
+        "|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+    ])
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Context parallel (cp, ddp+cp, zero2+cp, fsdp+cp): each sequence split over a "cp" axis, against torch DDP.
+
+Models this project did not write (Hugging Face's Llama with a padding mask, nanoGPT and torchtitan's
+Llama 3 with causal attention) train 5 AdamW steps; in float64 the parameters must equal torch DDP's on
+the same slices to 1e-9 (rounding is ~1e-15 there; a wrong split, a label shifted across a chunk
+boundary or a loss averaged per rank stays ~1e-3 or more). One case at 4,096 tokens per sequence.
+The structure of the pass is read off its graphs in a fake world of 4 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import dpar
+import third_party
+from distributed import run_ranks
+from dpar.compiler.collectives import collectives
+from fake_world import fake_world
+from gpt import GPT, GPTConfig
+from third_party import Run, assert_figures, max_abs_diff, needs_torchtitan
+
+FLOAT64 = 1e-9
+FLOAT32 = 1e-4
+
+# (model, strategy, mesh shape, rows per rank, tokens per row, ranks fed the same rows, float64)
+TWO_RANKS = [
+    ("llama", "cp", None, 2, 8, 1, True),
+    ("llama", "cp", None, 2, 8, 1, False),
+    ("nanogpt", "cp", None, 2, 8, 1, True),
+    ("titan_llama3", "cp", None, 2, 8, 1, True),
+    ("llama", "cp", None, 2, 8, 2, True),  # same_batch_in_cp_group: one copy, each rank its chunks
+    ("nanogpt_4k", "cp", None, 1, 4096, 1, True),
+]
+FOUR_RANKS = [
+    ("llama", "fsdp+cp", (2, 2), 2, 8, 1, True),
+    ("llama", "ddp+cp", (2, 2), 2, 8, 1, True),
+    ("nanogpt", "cp", None, 1, 16, 1, True),  # cp 4: a chunk of 2 tokens
+]
+
+
+def _train_cases(rank: int, world_size: int, cases: list[tuple]) -> dict[str, float | str]:
+    found: dict[str, float | str] = {}
+    for model, strategy, mesh_shape, rows, seq, same, wide in cases:
+        label = f"{model} {strategy} {seq} tokens" + (" same_batch_in_cp_group" if same > 1 else "") + (
+            " float64" if wide else "")
+        torch.set_default_dtype(torch.float64 if wide else torch.float32)
+        torch._dynamo.reset()  # another sequence length of the same model code would be traced as a symbol
+        kwargs = (("same_batch_in_cp_group", True),) if same > 1 else ()
+        try:
+            reference = third_party.train(rank, world_size, Run(model, "torch_ddp", rows=rows, seq=seq, same_rows_in=same))
+            state = third_party.train(rank, world_size, Run(
+                model, strategy, mesh_shape=mesh_shape, rows=rows, seq=seq, same_rows_in=same, parallelize_kwargs=kwargs))
+            if rank == 0:
+                found[label] = max_abs_diff(reference, state)
+        except Exception as error:  # reported with the others' figures
+            found[label] = f"{type(error).__name__}: {str(error)[:300]}"
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return found
+
+
+def _check(found: dict[str, float | str], cases: list[tuple]) -> None:
+    wide = {k: v for k, v in found.items() if k.endswith("float64")}
+    assert_figures(wide, "context parallel vs torch DDP (float64)", FLOAT64, sum(c[-1] for c in cases))
+    narrow = {k: v for k, v in found.items() if not k.endswith("float64")}
+    if narrow:
+        assert_figures(narrow, "context parallel vs torch DDP (float32)", FLOAT32, len(narrow))
+
+
+def test_context_parallel_matches_torch_ddp_on_two_ranks() -> None:
+    needs_torchtitan("titan_llama3")
+    _check(run_ranks(_train_cases, 2, TWO_RANKS, timeout_s=600)[0], TWO_RANKS)
+
+
+def test_context_parallel_with_a_data_axis_matches_torch_ddp_on_four_ranks() -> None:
+    _check(run_ranks(_train_cases, 4, FOUR_RANKS, timeout_s=600)[0], FOUR_RANKS)
+
+
+# --- structure, in a fake world --------------------------------------------------------------------
+
+SEQ, CP = 64, 4
+
+
+def _graphs(model: nn.Module, *inputs: torch.Tensor, world: int = CP, **kwargs) -> dict[str, object]:
+    with fake_world(world) as graphs:
+        dpar.parallelize(model, strategy="cp", mesh=init_device_mesh("cpu", (world,)), **kwargs)
+        torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(*inputs).backward()
+        return {g.label: g.graph for g in graphs}
+
+
+def _nano(seq: int = SEQ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=seq, n_layer=2, n_head=4, n_embd=32))
+    ids = torch.randint(0, 64, (2, seq))
+    return model, ids, ids.roll(-1, 1)
+
+
+def test_each_rank_attends_with_its_two_chunks_against_gathered_keys() -> None:
+    """One copy (the group fed one batch): every attention kernel runs on a chunk of seq / (2 cp) queries;
+    per layer the forward all-gathers keys and values, the backward gathers them again and reduce-scatters
+    their gradients (one reduce-scatter: nanoGPT's fused qkv); the loss is a sum and a count all-reduced;
+    nothing else gathers activations (not the logits, not the positions' gradient)."""
+    model, ids, targets = _nano()
+    graphs = _graphs(model, ids, targets, same_batch_in_cp_group=True)
+    forward, backward = graphs["forward graph"], graphs["backward graph"]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    queries = {n.args[0].meta["val"].shape[2] for n in forward.graph.nodes if n.target is flash}
+    assert queries == {SEQ // (2 * CP)}
+    kinds = lambda gm: [(c.kind, str(c.dtype)) for c in collectives(gm)]  # noqa: E731
+    layers = 2
+    assert kinds(forward).count(("all_gather", "torch.float32")) == 2 * layers
+    assert kinds(forward).count(("all_reduce", "torch.float32")) == 2  # the loss's sum and count
+    assert kinds(backward).count(("all_gather", "torch.float32")) == 2 * layers  # keys and values again
+    assert kinds(backward).count(("reduce_scatter", "torch.float32")) == layers
+    vocab_sized = [c for c in collectives(forward) if c.shape and c.shape[-1] == "64" and c.kind == "all_gather"]
+    assert not vocab_sized, vocab_sized
+
+
+def test_refusals_name_the_problem_before_the_first_step() -> None:
+    model, ids, targets = _nano(SEQ)
+    with pytest.raises(dpar.ContextParallelError, match=r"sequence length 60 is not divisible by 2 x cp = 8"):
+        _graphs(model, ids[:, :60].contiguous(), targets[:, :60].contiguous())
+    with fake_world(4):
+        with pytest.raises(dpar.OptionsError, match=r"named \('dp', 'cp'\)"):
+            dpar.parallelize(_nano()[0], strategy="fsdp+cp", mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
+        with pytest.raises(dpar.OptionsError, match="same_batch_in_cp_group"):
+            dpar.parallelize(_nano()[0], strategy="fsdp", same_batch_in_cp_group=True)

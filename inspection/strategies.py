@@ -88,6 +88,7 @@ STRATEGIES: dict[str, InspectedStrategy] = {
     "tp+sp": InspectedStrategy("tp+sp", Strategy.TP, (("sequence_parallel", True),)),
     **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.DDP_TP, Strategy.ZERO2_TP, Strategy.FSDP_TP)},
     **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.EP, Strategy.DDP_EP, Strategy.ZERO2_EP, Strategy.FSDP_EP)},
+    **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.CP, Strategy.DDP_CP, Strategy.ZERO2_CP, Strategy.FSDP_CP)},
     "auto": InspectedStrategy("auto", None),
 }
 

@@ -43,9 +43,10 @@ def _taking(accepts: Callable[[Strategy], bool], auto: bool = False) -> frozense
 
 
 _MIXED_PRECISION = _taking(  # auto: its plan decides
-    lambda s: s.shards_parameters and not s.tensor_parallel and not s.expert_parallel, auto=True)
+    lambda s: s.shards_parameters and not s.tensor_parallel and not s.expert_parallel and not s.context_parallel,
+    auto=True)
 _DTYPES_REFUSED = (
-    "{option} applies to the sharded strategies without a tensor or expert axis ("
+    "{option} applies to the sharded strategies without a tensor, expert or context axis ("
     + ", ".join(sorted(_MIXED_PRECISION - {"auto"})) + "), which gather parameters in param_dtype and "
     "reduce-scatter gradients in reduce_dtype; for {strategy!r} use torch.autocast"
 )

@@ -51,8 +51,8 @@ class InspectedStrategy:
 
     @property
     def reduces_gradients(self) -> bool:
-        """Its backward must reduce gradients over data-parallel ranks (tp alone need not)."""
-        return self.strategy is not None and self.strategy.data_parallel is not None
+        """Its backward must reduce gradients over data-parallel ranks or the cp axis (tp alone need not)."""
+        return self.strategy is not None and (self.strategy.data_parallel is not None or self.strategy.context_parallel)
 
     def prepare(
         self, model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int, bucket_cap_mb: float | None,

@@ -25,10 +25,10 @@ from dpar.core.plan import AxisRole, Strategy
 from dpar.planner.layout import MODES
 
 # The named strategies the planner prices: at most one data axis beside a tensor or an expert axis, doing a mode it
-# knows.
+# knows (not a context axis yet: docs/limitations.md).
 STRATEGIES = tuple(
     s.value for s in Strategy
-    if s.data_parallel in (None, *MODES.values())
+    if s.data_parallel in (None, *MODES.values()) and not s.context_parallel
     and sum(r not in (AxisRole.TENSOR, AxisRole.EXPERT) for r in s.roles) <= 1
 )
 LAYOUT_MODE = {mode: name for name, mode in MODES.items()}

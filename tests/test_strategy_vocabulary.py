@@ -26,19 +26,23 @@ def named(predicate) -> set[str]:
 
 
 def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
-    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "ep", "ddp+ep", "zero2+ep", "fsdp+ep", "auto")
+    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "ep", "ddp+ep", "zero2+ep", "fsdp+ep", "cp", "ddp+cp", "zero2+cp", "fsdp+cp", "auto")
     assert TENSOR_PARALLEL == ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
-    assert named(lambda s: s.all_reduces_gradients) == {"ddp", "ddp+tp", "zero1", "ep", "ddp+ep"}
+    assert named(lambda s: s.all_reduces_gradients) == {"ddp", "ddp+tp", "zero1", "ep", "ddp+ep", "ddp+cp"}
     assert named(lambda s: s.expert_parallel) == {"ep", "ddp+ep", "zero2+ep", "fsdp+ep"}
-    assert named(lambda s: s.identical_gradients) == {"ddp", "zero1"}
-    assert named(lambda s: s.shards_parameters) == {"zero2", "fsdp", "hsdp", "zero2+tp", "fsdp+tp", "zero2+ep", "fsdp+ep"}
-    assert named(lambda s: s.reshard_after_forward) == {"fsdp", "hsdp", "fsdp+tp", "fsdp+ep"}
-    assert named(lambda s: s.buckets_laid_out_by is None) == {"tp", "local_sgd"}
+    assert named(lambda s: s.context_parallel) == {"cp", "ddp+cp", "zero2+cp", "fsdp+cp"}
+    assert named(lambda s: s.identical_gradients) == {"ddp", "zero1", "ddp+cp"}
+    assert named(lambda s: s.shards_parameters) == {"zero2", "fsdp", "hsdp", "zero2+tp", "fsdp+tp", "zero2+ep", "fsdp+ep",
+                                                    "zero2+cp", "fsdp+cp"}
+    assert named(lambda s: s.reshard_after_forward) == {"fsdp", "hsdp", "fsdp+tp", "fsdp+ep", "fsdp+cp"}
+    assert named(lambda s: s.buckets_laid_out_by is None) == {"tp", "local_sgd", "cp"}
     assert PRICED == ("ddp", "zero2", "fsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "ep", "ddp+ep", "zero2+ep", "fsdp+ep")
     assert S.HSDP.roles == (AxisRole.REPLICATE, AxisRole.SHARD) and S.HSDP.mesh_dim_names == ("replicate", "shard")
     assert S.FSDP_TP.mesh_dim_names == ("dp", "tp") and S.FSDP.mesh_dim_names == ("shard",)
     assert S.EP.roles == (AxisRole.EXPERT,) and S.EP.mesh_dim_names == ("ep",) and S.DDP_EP.mesh_dim_names == ("dp", "ep")
     assert S.FSDP_EP.roles == (AxisRole.SHARD, AxisRole.EXPERT) and S.FSDP_EP.mesh_dim_names == ("dp", "ep")
+    assert S.CP.mesh_dim_names == ("cp",) and S.FSDP_CP.roles == (AxisRole.SHARD, AxisRole.CONTEXT)
+    assert S.FSDP_CP.mesh_dim_names == ("dp", "cp")
     table = {name: (s.strategy, s.local_state, s.shards_parameters, s.takes_bucket_cap, s.reduces_gradients)
              for name, s in INSPECTED.items()}
     assert table == {
@@ -49,12 +53,14 @@ def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
         "fsdp+tp": (S.FSDP_TP, True, False, True, True), "auto": (None, True, False, False, False),
         "ep": (S.EP, True, False, False, True), "ddp+ep": (S.DDP_EP, True, False, False, True),
         "zero2+ep": (S.ZERO2_EP, True, False, True, True), "fsdp+ep": (S.FSDP_EP, True, False, True, True),
+        "cp": (S.CP, False, False, False, True), "ddp+cp": (S.DDP_CP, True, False, False, True),
+        "zero2+cp": (S.ZERO2_CP, True, False, True, True), "fsdp+cp": (S.FSDP_CP, True, False, True, True),
     }
 
 
 def test_compose_inverts_mode_and_tensor_axis() -> None:
     for s in Strategy:
-        if sum(r is not AxisRole.TENSOR for r in s.roles) <= 1 and not s.expert_parallel:  # hsdp: two data axes
+        if sum(r is not AxisRole.TENSOR for r in s.roles) <= 1 and not s.expert_parallel and not s.context_parallel:  # hsdp: 2 data axes
             assert Strategy.compose(s.data_parallel, s.tensor_parallel) is s
     assert {layout.strategy for layout in layouts((2, 2), None)} == {"ddp", "zero2", "fsdp", "ddp+tp", "zero2+tp", "fsdp+tp"}
     assert {layout.strategy for layout in layouts((4,), ("tp",))} == {"tp"}
@@ -96,7 +102,7 @@ def test_validation_table_names_the_strategies_taking_each_option() -> None:
     assert ACCEPTS["sequence_parallel"][0] == set(TENSOR_PARALLEL) == ACCEPTS["same_batch_in_tp_group"][0]
     assert ACCEPTS["sync_every"][0] == {"local_sgd"} == ACCEPTS["outer_optimizer"][0]
     assert ACCEPTS["param_dtype"][0] == {"zero2", "fsdp", "hsdp", "auto"} == ACCEPTS["reduce_dtype"][0]
-    with pytest.raises(OptionsError, match=r"param_dtype applies to the sharded strategies without a tensor or expert axis \(fsdp, hsdp, zero2\).*for 'zero1' use torch.autocast"):
+    with pytest.raises(OptionsError, match=r"param_dtype applies to the sharded strategies without a tensor, expert or context axis \(fsdp, hsdp, zero2\).*for 'zero1' use torch.autocast"):
         dpar.parallelize(torch.nn.Linear(4, 4), strategy="zero1", param_dtype=torch.bfloat16)
 
 

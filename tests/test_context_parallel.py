@@ -9,6 +9,8 @@ The structure of the pass is read off its graphs in a fake world of 4 ranks.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -128,3 +130,25 @@ def test_refusals_name_the_problem_before_the_first_step() -> None:
             dpar.parallelize(_nano()[0], strategy="fsdp+cp", mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
         with pytest.raises(dpar.OptionsError, match="same_batch_in_cp_group"):
             dpar.parallelize(_nano()[0], strategy="fsdp", same_batch_in_cp_group=True)
+
+
+def test_grouped_query_keys_and_values_are_gathered_before_their_repeat() -> None:
+    """HF Llama with 2 key-value heads for 4 query heads: attention's keys and values are gathered as the 2 heads
+    the projection made, not as the 4 that ``repeat_kv`` expands them to; the causal mask HF builds is built as
+    this rank's rows only (no (seq, seq) value in the forward)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    model = third_party.HuggingFaceLM("llama")
+    model.inner = tf.LlamaForCausalLM(config)
+    ids = torch.randint(1, 64, (1, SEQ))
+    graphs = _graphs(model, ids, ids, torch.ones_like(ids), same_batch_in_cp_group=True)
+    forward = graphs["forward graph"]
+    gathered = [math.prod(int(d) for d in c.shape) for c in collectives(forward)
+                if c.kind == "all_gather" and c.dtype == torch.float32]
+    assert gathered and set(gathered) == {SEQ // CP * 2 * 8}, gathered  # local tokens x 2 heads x head_dim 8
+    whole = [n for n in forward.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+             and n.meta["val"].dim() >= 2 and tuple(n.meta["val"].shape[-2:]) == (SEQ, SEQ)]
+    assert not whole, whole

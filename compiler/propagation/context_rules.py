@@ -211,6 +211,23 @@ def sliced_inputs(node: fx.Node, want: Shard, period: int) -> tuple[Placement, .
     return wants if whole and any(isinstance(p, Shard) for p in wants) else None
 
 
+_MOVES = _SLICED_VIEWS | {aten.expand.default, aten.clone.default}
+
+
+def repeats_a_split_value(node: fx.Node) -> bool:
+    """Whether ``node`` only moves or repeats the data of a split value, through an ``expand`` that makes it
+    larger: gathered whole, the value before the expand moves fewer bytes (grouped-query attention's keys and
+    values, repeated per query head by Hugging Face's ``repeat_kv`` before attention gathers them)."""
+    if node.op != "call_function" or node.target not in _MOVES:
+        return False
+    source = tensor_inputs(node)[0]
+    if not isinstance(source.meta.get("placement"), Shard):
+        return False
+    if node.target is aten.expand.default and source.meta["val"].numel() < node.meta["val"].numel():
+        return True
+    return repeats_a_split_value(source)
+
+
 def _whole_runs(node: fx.Node, candidate: Candidate, period: int) -> bool:
     """Every shard the candidate names is on a dimension of whole sequences, where the balanced layout is defined."""
     vals = node.meta.get("val")

@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import dpar.runtime.tensor_parallel  # noqa: F401  (registers the marker ops)
 from dpar.core.errors import TensorParallelPlanError
-from dpar.compiler.propagation.context_rules import context_candidates, sliced_inputs
+from dpar.compiler.propagation.context_rules import context_candidates, repeats_a_split_value, sliced_inputs
 from dpar.compiler.propagation.redistribute import SLICE_COST, cost, nbytes_of, redistribute
 from dpar.compiler.propagation.rules import (
     TRANSPOSES,
@@ -128,6 +128,12 @@ class _Redistributor:
                 split.replace_input_with(source, self.to(source, source_want, split))
             split.meta.update(placement_inputs=wants, placement=want)
             self.made[key] = split
+        if self.mesh.period and want == Replicate() and key not in self.made and repeats_a_split_value(value):
+            whole = self.to(tensor_inputs(value)[0], want, consumer)  # gathered before it is repeated
+            with self.graph.inserting_before(consumer):
+                repeated = self.graph.node_copy(value, lambda n: whole if n is tensor_inputs(value)[0] else n)
+            repeated.meta.update(placement_inputs=(want,), placement=want)
+            self.made[key] = repeated
         if key not in self.made:
             with self.graph.inserting_before(consumer):
                 self.made[key] = redistribute(

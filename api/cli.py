@@ -56,11 +56,12 @@ def _inspect(args: argparse.Namespace) -> int:
         options["bucket_cap_mb"] = args.bucket_cap_mb
     policy = args.activation_checkpointing
     console = Console(width=None if sys.stdout.isatty() else 160)  # pipes and CI logs: wide tables
+    placement = {"same_batch_in_cp_group": True} if args.same_batch_in_cp_group else {}
     try:
         report = explain(
             model, example_inputs, world_size=args.world_size, strategy=args.strategy,
             options=options, device=args.device, optimizer=args.optimizer, profile_kernels=args.profile_kernels,
-            **({"activation_checkpointing": policy} if policy not in (None, "keep") else {}),
+            **({"activation_checkpointing": policy} if policy not in (None, "keep") else {}), **placement,
         )
     except OptionsError as error:
         console.print(f"dpar inspect: {error}", markup=False, highlight=False)
@@ -69,8 +70,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if policy not in (None, "keep"):
         from dpar.inspect.activations import activation_rows, print_activations
 
-        keep = explain(model, example_inputs, world_size=args.world_size, strategy=args.strategy,
-                       options=options, device=args.device, optimizer=args.optimizer, profile_kernels=args.profile_kernels)
+        keep = explain(model, example_inputs, world_size=args.world_size, strategy=args.strategy, options=options,
+                       device=args.device, optimizer=args.optimizer, profile_kernels=args.profile_kernels, **placement)
         print_activations(activation_rows(policy, report, keep), console)
     if args.trace:
         console.print(f"trace: {report.timeline.save(args.trace, report.memory_timeline)} (open in ui.perfetto.dev)")
@@ -198,6 +199,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sink-waits", action="store_true", help="keep each wait next to its collective")
     p.add_argument("--activation-checkpointing", default=None, choices=("keep", "selective", "full"),
                    help="every block's policy, as dpar.parallelize(activation_checkpointing=...) takes it")
+    p.add_argument("--same-batch-in-cp-group", action="store_true", help="cp strategies: every rank of a cp group "
+                   "fed the same rows, as dpar.parallelize(same_batch_in_cp_group=True): each holds its chunks of one batch")
     p.add_argument("--profile-kernels", action="store_true", help="time every kernel of the graphs on this machine "
                    "(CUDA if present, else the CPU) and price them so, not by the roofline; --device must be this machine's")
     p.add_argument("--code", action="store_true", help="print every graph after every pass")

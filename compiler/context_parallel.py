@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import torch.fx as fx
 
 from dpar.compiler.capture import GraphInput, InputKind
-from dpar.compiler.graph_utils import refresh_fake_values
 from dpar.compiler.passes.context_parallel import context_parallel_pass, mark_sequences, sequence_length
 from dpar.compiler.passes.group_batch import GroupBatch, mark_own_rows, unroll_group_batch
 from dpar.compiler.propagation.propagate import MeshDim
@@ -43,9 +42,7 @@ class ContextParallel:
 
     def unroll_group_batch(self, joint: fx.GraphModule) -> fx.GraphModule:
         assert self.group_batch is not None
-        joint = unroll_group_batch(joint, self.group_batch)
-        refresh_fake_values(joint, [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder"])
-        return joint
+        return unroll_group_batch(joint, self.group_batch)
 
     def context_parallel(self, joint: fx.GraphModule) -> fx.GraphModule:
         mesh = MeshDim(size=self.size, rank=self.rank, group_name=self.group_name, period=self.length)

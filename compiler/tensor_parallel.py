@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import torch.fx as fx
 
 from dpar.compiler.capture import GraphInput, InputKind
-from dpar.compiler.graph_utils import refresh_fake_values
 from dpar.compiler.passes.group_batch import GroupBatch, mark_own_rows, unroll_group_batch
 from dpar.compiler.passes.tensor_parallel import tensor_parallel_pass
 from dpar.core.plan import AxisRole, ParallelPlan
@@ -39,9 +38,7 @@ class TensorParallel:
 
     def unroll_group_batch(self, joint: fx.GraphModule) -> fx.GraphModule:
         assert self.group_batch is not None
-        joint = unroll_group_batch(joint, self.group_batch)
-        refresh_fake_values(joint, [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder"])
-        return joint
+        return unroll_group_batch(joint, self.group_batch)
 
     def tensor_parallel(self, joint: fx.GraphModule) -> fx.GraphModule:
         return tensor_parallel_pass(joint, self.mesh)

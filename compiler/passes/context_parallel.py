@@ -26,11 +26,13 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
+from torch.utils.checkpoint import CheckpointPolicy
 
 from dpar.compiler.graph_utils import refresh_fake_values
 from dpar.compiler.passes.group_batch import OWN_ROWS
 from dpar.compiler.passes.tensor_parallel import split_addmm
 from dpar.compiler.propagation.localize import localize
+from dpar.compiler.passes.recompute import RECOMPUTE_KEY
 from dpar.compiler.passes.sequence_parallel import tag_sequence_gathers_for_recompute
 from dpar.compiler.propagation.propagate import MeshDim, propagate_placements
 from dpar.compiler.propagation.redistribute import BalancedLayout, dense_in, memory_layout
@@ -138,6 +140,13 @@ def _along(graph: fx.Graph, value: fx.Node, start: int, end: int) -> fx.Node:
     return _call(graph, aten.slice.Tensor, value, 2, start, end)
 
 
+def _log_add_exp(graph: fx.Graph, a: fx.Node, b: fx.Node) -> fx.Node:
+    """``log(exp(a) + exp(b))`` from ops every backend lowers (Inductor refuses ``logaddexp`` already decomposed)."""
+    top = _call(graph, aten.maximum.default, a, b)
+    total = _call(graph, aten.add.Tensor, *(_call(graph, aten.exp.default, _call(graph, aten.sub.Tensor, x, top)) for x in (a, b)))
+    return _call(graph, aten.add.Tensor, top, _call(graph, aten.log.default, total))
+
+
 def _causal_forward(graph: fx.Graph, node: fx.Node, layout: BalancedLayout) -> tuple[fx.Node, fx.Node]:
     """(output, log-sum-exp) of this rank's queries under a causal mask over global positions: per chunk ``c``,
     causal attention to chunk ``c``'s keys and full attention to the keys before it, merged by their log-sum-exps."""
@@ -153,7 +162,7 @@ def _causal_forward(graph: fx.Graph, node: fx.Node, layout: BalancedLayout) -> t
             before = _call(graph, FLASH, q, _along(graph, key, 0, keys[0]), _along(graph, value, 0, keys[0]),
                            0.0, False, scale=scale)
             out_before, lse_before = _call(graph, operator.getitem, before, 0), _call(graph, operator.getitem, before, 1)
-            merged = _call(graph, aten.logaddexp.default, lse_before, lse)
+            merged = _log_add_exp(graph, lse_before, lse)
             weights = [_call(graph, aten.unsqueeze.default, _call(graph, aten.exp.default,
                                                                   _call(graph, aten.sub.Tensor, part, merged)), -1)
                        for part in (lse_before, lse)]
@@ -244,6 +253,18 @@ def _position(graph: fx.Graph, node: fx.Node) -> int:
     return next(i for i, n in enumerate(graph.nodes) if n is node)
 
 
+def save_split_indices(gm: fx.GraphModule) -> fx.GraphModule:
+    """This rank's chunks of integer inputs (token ids, labels) are saved for the backward, not cut again there:
+    Inductor's CPU code generation fails on a scatter (an embedding's gradient) indexed through the cut
+    (a vectorized int64 index it asserts on), and the chunks are small."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if (node.target is aten.alias.default and isinstance(node.meta.get("placement"), Shard)
+                and isinstance(val, torch.Tensor) and not val.dtype.is_floating_point):
+            node.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_SAVE
+    return gm
+
+
 def context_parallel_pass(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
     """The loss made a sum and a count, placements propagated from the markers, the graph rewritten to local
     shapes, causal attention computed by chunks; the keys' and values' all-gathers are done again in the
@@ -257,4 +278,4 @@ def context_parallel_pass(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     refresh_fake_values(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
-    return tag_sequence_gathers_for_recompute(gm, mesh.group_name)
+    return save_split_indices(tag_sequence_gathers_for_recompute(gm, mesh.group_name))

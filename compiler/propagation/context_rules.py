@@ -114,6 +114,35 @@ def embedding_backward(node: fx.Node, period: int) -> list[Candidate]:
     return replicated(node, 0)
 
 
+_ZEROS = {aten.full.default, aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
+
+
+def masked_index_put(node: fx.Node, period: int) -> list[Candidate]:
+    """Inductor's form of an embedding's gradient: values added into a table of zeros at split indices give a
+    partial sum of the table (only into zeros: a table with values of its own would be counted cp times)."""
+    table, mask = node.args[:2]
+    (indices,) = node.args[2]
+    values = node.args[3]
+    here = indices.meta.get("placement", R)
+    zeros = table.target in _ZEROS and (table.target is not aten.full.default or table.args[1] == 0)
+    if not (isinstance(here, Shard) and zeros):
+        return None
+    wants = {table: R, mask: Shard(here.dim), indices: here, values: Shard(here.dim)}
+    return [Candidate(tuple(wants[n] for n in tensor_inputs(node)), (P,))]
+
+
+def gather(node: fx.Node, period: int) -> list[Candidate] | None:
+    """``gather`` along a whole dimension: split rows of the values and of the index give split rows
+    (Inductor's form of the loss's pick of each target's log-probability)."""
+    source, index = tensor_inputs(node)[:2]
+    dim = node.args[1] % len(shape_of(source))
+    split = next((p for p in (source.meta.get("placement"), index.meta.get("placement"))
+                  if isinstance(p, Shard) and p.dim != dim), None)
+    if split is None or shape_of(source)[split.dim] != shape_of(index)[split.dim]:
+        return None
+    return [Candidate((split, split), (split,))]
+
+
 def nll_loss(node: fx.Node, period: int) -> list[Candidate]:
     """``nll_loss_forward`` summed over split rows: the sum and the count of valid targets are partial sums."""
     inputs = tensor_inputs(node)
@@ -162,6 +191,8 @@ CONTEXT_RULES = {
     aten.nll_loss_forward.default: nll_loss,
     aten.nll_loss_backward.default: nll_loss_backward,
     aten._to_copy.default: cast,
+    aten._unsafe_masked_index_put_accumulate.default: masked_index_put,
+    aten.gather.default: gather,
     SEQUENCE_SPLIT: sequence_split,
 }
 

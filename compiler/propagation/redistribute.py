@@ -300,6 +300,13 @@ def _at(graph: fx.Graph, target: object, *args: object) -> fx.Node:
     return graph.call_function(target, args)
 
 
+def _reversed(graph: fx.Graph, value: fx.Node, dim: int, length: int) -> fx.Node:
+    """``value`` with its ``length`` entries along ``dim`` in reverse order (slices joined, not ``flip``, which
+    Inductor both decomposes and falls back on)."""
+    pieces = [_at(graph, aten.slice.Tensor, value, dim, i, i + 1) for i in reversed(range(length))]
+    return pieces[0] if length == 1 else _at(graph, aten.cat.default, pieces, dim)
+
+
 def _balanced_slice(graph: fx.Graph, value: fx.Node, dim: int, layout: BalancedLayout) -> fx.Node:
     """This rank's two chunks of every run along ``dim`` of a whole (replicated) value."""
     shape = list(value.meta["val"].shape)
@@ -323,9 +330,9 @@ def _balanced_gather(graph: fx.Graph, value: fx.Node, dim: int, layout: Balanced
     waited = _at(graph, c10d.wait_tensor.default, gathered)
     by_rank = _at(graph, aten.reshape.default, waited, [cp, runs, 2, chunk, *rest])
     heads = _at(graph, aten.select.int, by_rank, 2, 0)  # (cp, runs, chunk, ...): chunks 0 .. cp-1 in rank order
-    tails = _at(graph, aten.flip.default, _at(graph, aten.select.int, by_rank, 2, 1), [0])  # chunks cp .. 2cp-1
+    tails = _reversed(graph, _at(graph, aten.select.int, by_rank, 2, 1), 0, cp)  # chunks cp .. 2cp-1
     chunks = _at(graph, aten.cat.default, [heads, tails], 0)  # (2cp, runs, chunk, ...)
-    in_order = _at(graph, aten.transpose.int, chunks, 0, 1)
+    in_order = _at(graph, aten.permute.default, chunks, [1, 0, *range(2, 3 + len(rest))])
     whole = _at(graph, aten.reshape.default, in_order, [runs * layout.period, *rest])
     return _dim_back(graph, whole, order, memory_layout(val))
 
@@ -339,9 +346,9 @@ def _balanced_scatter(graph: fx.Graph, value: fx.Node, dim: int, layout: Balance
     rest = [shape[d] for d in order[1:]]
     chunks = _at(graph, aten.reshape.default, dense, [runs, 2 * cp, chunk, *rest])
     heads = _at(graph, aten.slice.Tensor, chunks, 1, 0, cp)
-    tails = _at(graph, aten.flip.default, _at(graph, aten.slice.Tensor, chunks, 1, cp, 2 * cp), [1])
-    paired = _at(graph, aten.stack.default, [heads, tails], 2)  # (runs, cp, 2, chunk, ...)
-    by_rank = _at(graph, aten.transpose.int, paired, 0, 1)
+    tails = _reversed(graph, _at(graph, aten.slice.Tensor, chunks, 1, cp, 2 * cp), 1, cp)
+    paired = _at(graph, aten.cat.default, [_at(graph, aten.unsqueeze.default, half, 2) for half in (heads, tails)], 2)
+    by_rank = _at(graph, aten.permute.default, paired, [1, 0, *range(2, 4 + len(rest))])  # (cp, runs, 2, chunk, ...)
     flat = _at(graph, aten.reshape.default, by_rank, [cp * runs * 2 * chunk, *rest])
     scattered = _collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", cp, group_name))
     waited = _at(graph, c10d.wait_tensor.default, scattered)

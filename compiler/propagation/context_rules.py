@@ -131,6 +131,19 @@ def masked_index_put(node: fx.Node, period: int) -> list[Candidate]:
     return [Candidate(tuple(wants[n] for n in tensor_inputs(node)), (P,))]
 
 
+def slice_scatter(node: fx.Node, period: int) -> list[Candidate] | None:
+    """Inductor's form of a slice's gradient (the slice written into zeros): split along another dimension it stays
+    split; a partial sum written into zeros stays one."""
+    base, source = tensor_inputs(node)[:2]
+    dim = node.args[2] % len(shape_of(node)) if len(node.args) > 2 else 0
+    here = source.meta.get("placement", R)
+    if isinstance(here, Shard) and here.dim != dim:
+        return [Candidate((here, here), (here,))]
+    if here is P and base.target in _ZEROS and (base.target is not aten.full.default or base.args[1] == 0):
+        return [Candidate((R, P), (P,))]
+    return None
+
+
 def gather(node: fx.Node, period: int) -> list[Candidate] | None:
     """``gather`` along a whole dimension: split rows of the values and of the index give split rows
     (Inductor's form of the loss's pick of each target's log-probability)."""
@@ -193,6 +206,7 @@ CONTEXT_RULES = {
     aten._to_copy.default: cast,
     aten._unsafe_masked_index_put_accumulate.default: masked_index_put,
     aten.gather.default: gather,
+    aten.slice_scatter.default: slice_scatter,
     SEQUENCE_SPLIT: sequence_split,
 }
 

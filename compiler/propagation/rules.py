@@ -598,6 +598,7 @@ RULES: dict[object, Rule] = {
     aten.sum.dim_IntList: reduction,
     aten.sum.default: reduction,
     aten.mean.dim: reduction,
+    aten.amax.default: reduction,
     **dict.fromkeys(SOFTMAX | SOFTMAX_BACKWARD, softmax),
     **dict.fromkeys(LAYER_NORM | LAYER_NORM_BACKWARD, layer_norm),
     **dict.fromkeys(ATTENTION | ATTENTION_BACKWARD, attention),

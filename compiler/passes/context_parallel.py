@@ -36,7 +36,7 @@ from dpar.compiler.passes.recompute import RECOMPUTE_KEY
 from dpar.compiler.passes.sequence_parallel import tag_sequence_gathers_for_recompute
 from dpar.compiler.propagation.propagate import MeshDim, propagate_placements
 from dpar.compiler.propagation.redistribute import BalancedLayout, dense_in, memory_layout
-from dpar.compiler.propagation.rules import ATTENTION, ATTENTION_BACKWARD
+from dpar.compiler.propagation.rules import ATTENTION, ATTENTION_BACKWARD, argument
 from dpar.core.errors import ContextParallelError
 from dpar.runtime.context_parallel import SEQUENCE_SPLIT
 
@@ -113,22 +113,17 @@ def check_attention(gm: fx.GraphModule) -> fx.GraphModule:
             )
         backward = node.target is FLASH_BACKWARD
         query, key = node.args[1:3] if backward else node.args[0:2]
-        if _argument(node, "dropout_p", 0.0):
+        if argument(node, ("dropout_p",)):
             raise ContextParallelError(
                 f"{node}: attention dropout under context parallel (each rank would draw its own mask over its "
                 "chunks); set the model's attention dropout to 0"
             )
-        if _argument(node, "is_causal", False) and query.meta["val"].shape[2] != key.meta["val"].shape[2]:
+        if argument(node, ("is_causal",)) and query.meta["val"].shape[2] != key.meta["val"].shape[2]:
             raise ContextParallelError(
                 f"{node}: causal attention of {query.meta['val'].shape[2]} queries over {key.meta['val'].shape[2]} "
                 "keys (a cache or cross attention); context parallel splits self-attention over one sequence"
             )
     return gm
-
-
-def _argument(node: fx.Node, name: str, default: object) -> object:
-    index = next(i for i, a in enumerate(node.target._schema.arguments) if a.name == name)
-    return node.args[index] if index < len(node.args) else node.kwargs.get(name, default)
 
 
 def _chunks(layout: BalancedLayout) -> tuple[int, int]:
@@ -213,7 +208,7 @@ def causal_attention_by_chunks(gm: fx.GraphModule, layout: BalancedLayout) -> fx
     ``seq / cp x seq`` elements per sequence."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.target not in (FLASH, FLASH_BACKWARD) or not _argument(node, "is_causal", False):
+        if node.target not in (FLASH, FLASH_BACKWARD) or not argument(node, ("is_causal",)):
             continue
         query = 1 if node.target is FLASH_BACKWARD else 0
         if node.meta.get("placement_inputs", (None, None))[query] != Shard(2):

@@ -29,10 +29,10 @@ from dpar.compiler.propagation.rules import (
     POINTWISE,
     P,
     R,
-    _MASK_ARGUMENTS,
+    MASK_ARGUMENTS,
     Candidate,
-    _argument,
-    _broadcast_placement,
+    argument,
+    broadcast_placement,
     candidates_for,
     replicated,
     shape_of,
@@ -76,12 +76,12 @@ def attention(node: fx.Node, period: int) -> list[Candidate]:
     inputs = tensor_inputs(node)
     backward = node.target in ATTENTION_BACKWARD
     query, key, value = node.args[1:4] if backward else node.args[0:3]
-    mask = _argument(node, _MASK_ARGUMENTS)
+    mask = argument(node, MASK_ARGUMENTS)
     split = Shard(2)
     if query.meta.get("placement") != split and not (backward and node.args[0].meta.get("placement") == split):
         return replicated(node, 0)
     ins = tuple(
-        R if n is key or n is value else _broadcast_placement(4, shape_of(n), split) if n is mask else split
+        R if n is key or n is value else broadcast_placement(4, shape_of(n), split) if n is mask else split
         for n in inputs
     )
     vals = node.meta["val"]
@@ -117,15 +117,19 @@ def embedding_backward(node: fx.Node, period: int) -> list[Candidate]:
 _ZEROS = {aten.full.default, aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
 
 
-def masked_index_put(node: fx.Node, period: int) -> list[Candidate]:
+def _zeros(node: fx.Node) -> bool:
+    """Whether ``node`` makes a tensor of zeros (a gradient's blank before values are written into it)."""
+    return node.target in _ZEROS and (node.target is not aten.full.default or node.args[1] == 0)
+
+
+def masked_index_put(node: fx.Node, period: int) -> list[Candidate] | None:
     """Inductor's form of an embedding's gradient: values added into a table of zeros at split indices give a
     partial sum of the table (only into zeros: a table with values of its own would be counted cp times)."""
     table, mask = node.args[:2]
     (indices,) = node.args[2]
     values = node.args[3]
     here = indices.meta.get("placement", R)
-    zeros = table.target in _ZEROS and (table.target is not aten.full.default or table.args[1] == 0)
-    if not (isinstance(here, Shard) and zeros):
+    if not (isinstance(here, Shard) and _zeros(table)):
         return None
     wants = {table: R, mask: Shard(here.dim), indices: here, values: Shard(here.dim)}
     return [Candidate(tuple(wants[n] for n in tensor_inputs(node)), (P,))]
@@ -139,7 +143,7 @@ def slice_scatter(node: fx.Node, period: int) -> list[Candidate] | None:
     here = source.meta.get("placement", R)
     if isinstance(here, Shard) and here.dim != dim:
         return [Candidate((here, here), (here,))]
-    if here is P and base.target in _ZEROS and (base.target is not aten.full.default or base.args[1] == 0):
+    if here is P and _zeros(base):
         return [Candidate((R, P), (P,))]
     return None
 
@@ -234,7 +238,7 @@ def sliced_inputs(node: fx.Node, want: Shard, period: int) -> tuple[Placement, .
     inputs = tensor_inputs(node)
     out_shape = shape_of(node)
     if node.target in _SLICED_ELEMENTWISE:
-        wants = tuple(_broadcast_placement(len(out_shape), shape_of(n), want) for n in inputs)
+        wants = tuple(broadcast_placement(len(out_shape), shape_of(n), want) for n in inputs)
     elif node.target is aten.expand.default:
         before = shape_of(inputs[0])
         dim = want.dim - (len(out_shape) - len(before))

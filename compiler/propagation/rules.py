@@ -145,7 +145,7 @@ POINTWISE = _LINEAR | _SCALING | {
 }
 
 
-def _broadcast_placement(out_ndim: int, in_shape: Sequence[int], placement: Placement) -> Placement:
+def broadcast_placement(out_ndim: int, in_shape: Sequence[int], placement: Placement) -> Placement:
     """What an input broadcast into an output sharded as ``placement`` must be."""
     if not isinstance(placement, Shard):
         return placement
@@ -184,7 +184,7 @@ def pointwise(node: fx.Node, tp: int) -> list[Candidate]:
         if out is P:
             ins = tuple(P if p is P else R for p in here)
         else:
-            ins = tuple(_broadcast_placement(len(out_shape), shape_of(n), out) for n in inputs)
+            ins = tuple(broadcast_placement(len(out_shape), shape_of(n), out) for n in inputs)
         candidates.append(Candidate(ins, _outputs(node, out)))
     return candidates
 
@@ -324,7 +324,7 @@ def expand(node: fx.Node, tp: int) -> list[Candidate]:
     return _carried(here, dim)
 
 
-def _argument(node: fx.Node, names: Sequence[str]) -> object:
+def argument(node: fx.Node, names: Sequence[str]) -> object:
     """The value passed for the first of ``names`` in the op's schema (positional, keyword or default)."""
     for index, argument in enumerate(node.target._schema.arguments):
         if argument.name in names:
@@ -335,7 +335,7 @@ def _argument(node: fx.Node, names: Sequence[str]) -> object:
 
 
 def _dim_argument(node: fx.Node, ndim: int) -> int:
-    return _argument(node, ("dim",)) % ndim
+    return argument(node, ("dim",)) % ndim
 
 
 def along(node: fx.Node, tp: int) -> list[Candidate]:
@@ -450,7 +450,7 @@ def layer_norm(node: fx.Node, tp: int) -> list[Candidate]:
     return candidates + replicated(node, tp)
 
 
-_MASK_ARGUMENTS = ("attn_mask", "attn_bias")
+MASK_ARGUMENTS = ("attn_mask", "attn_bias")
 # Backward ops that also return the mask's gradient (by output index): where the mask is
 # broadcast over the split heads that gradient is a sum over every rank's heads, so they run whole.
 _MASK_GRADIENT = {aten._scaled_dot_product_efficient_attention_backward.default: 3}
@@ -466,7 +466,7 @@ def attention(node: fx.Node, tp: int) -> list[Candidate]:
     Seeds, offsets and sequence lengths (under three dims) are replicated.
     """
     inputs = tensor_inputs(node)
-    mask = _argument(node, _MASK_ARGUMENTS)
+    mask = argument(node, MASK_ARGUMENTS)
     mask = mask if isinstance(mask, fx.Node) else None
     per_head = [n for n in inputs if n is not mask and len(shape_of(n)) >= 3]
     sharded = [n.meta.get("placement") for n in per_head if isinstance(n.meta.get("placement"), Shard)]
@@ -474,7 +474,7 @@ def attention(node: fx.Node, tp: int) -> list[Candidate]:
     if here is None or not all(can_split(shape_of(n)[here.dim], tp) for n in per_head):
         return replicated(node, tp)
     ins = tuple(
-        _broadcast_placement(4, shape_of(n), here) if n is mask else here if n in per_head else R for n in inputs
+        broadcast_placement(4, shape_of(n), here) if n is mask else here if n in per_head else R for n in inputs
     )
     vals = node.meta["val"]
     outs = tuple(
@@ -528,7 +528,7 @@ def sequence_shard(node: fx.Node, tp: int) -> list[Candidate]:
     if len(shape) < 3 or not can_split(shape[-2], tp) or all(n.meta.get("placement", R) != P for n in inputs):
         return []
     out = Shard(len(shape) - 2)
-    return [Candidate(tuple(_broadcast_placement(len(shape), shape_of(n), out) for n in inputs), _outputs(node, out))]
+    return [Candidate(tuple(broadcast_placement(len(shape), shape_of(n), out) for n in inputs), _outputs(node, out))]
 
 
 def keep_input(node: fx.Node, tp: int) -> list[Candidate]:

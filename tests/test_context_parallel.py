@@ -76,9 +76,46 @@ def _check(found: dict[str, float | str], cases: list[tuple]) -> None:
         assert_figures(narrow, "context parallel vs torch DDP (float32)", FLOAT32, len(narrow))
 
 
+class _LossAndLogits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = third_party.build("llama")
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.lm.inner(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        return out.loss, out.logits
+
+
+def _logits_in_global_order(rank: int) -> tuple[float, float]:
+    """HF Llama in float64, the cp group fed one batch: (max |logits - one process's|, max |gradient - one
+    process's|) for loss + mean(logits^2), the logits coming back whole, in the sequence's order."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        one, split = _LossAndLogits(), _LossAndLogits()
+        dpar.parallelize(split, strategy="cp", same_batch_in_cp_group=True)
+        compiled = torch.compile(split, backend="dpar", options={"compiler": "aot_eager"})
+        batch = third_party.global_batch(0, 4, 16)
+        (loss, logits), (cp_loss, cp_logits) = one(*batch), compiled(*batch)
+        (loss + logits.square().mean()).backward()
+        (cp_loss + cp_logits.square().mean()).backward()
+        grads = max((a.grad - b.grad).abs().max().item() for a, b in zip(one.parameters(), split.parameters()))
+        return (logits - cp_logits).abs().max().item(), grads
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _two_rank_launch(rank: int, world_size: int) -> tuple[dict[str, float | str], tuple[float, float]]:
+    found = _train_cases(rank, world_size, TWO_RANKS)
+    torch._dynamo.reset()
+    return found, _logits_in_global_order(rank)
+
+
 def test_context_parallel_matches_torch_ddp_on_two_ranks() -> None:
+    """The cases above, and the logits HF Llama returns under cp equal one process's, in the sequence's order."""
     needs_torchtitan("titan_llama3")
-    _check(run_ranks(_train_cases, 2, TWO_RANKS, timeout_s=600)[0], TWO_RANKS)
+    found, (logits, grads) = run_ranks(_two_rank_launch, 2, timeout_s=600)[0]
+    _check(found, TWO_RANKS)
+    assert logits <= FLOAT64 and grads <= FLOAT64, (logits, grads)
 
 
 def test_context_parallel_with_a_data_axis_matches_torch_ddp_on_four_ranks() -> None:

@@ -338,14 +338,11 @@ def _checked_mesh(strategy: Strategy, mesh: DeviceMesh | None, world: int, devic
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=names if strategy.expert_parallel else None)
     if mesh is None or mesh.ndim != ndim or mesh.size() != world:
         raise OptionsError(_mesh_refusal(strategy, world, None if mesh is None else tuple(mesh.shape), device_type))
-    if strategy.expert_parallel and mesh.mesh_dim_names not in ((None, names) if ndim == 1 else (names,)):
+    named_by_role = strategy.expert_parallel or (strategy.context_parallel and ndim == 1)
+    if named_by_role and mesh.mesh_dim_names not in ((None, names) if ndim == 1 else (names,)):
         raise OptionsError(
             f"strategy {strategy.value!r} needs the mesh's dimensions named {names}, got {mesh.mesh_dim_names}; "
             f"pass init_device_mesh(..., mesh_dim_names={names})"
-        )
-    if ndim == 1 and strategy.context_parallel and mesh.mesh_dim_names not in (None, names):
-        raise OptionsError(
-            f"strategy {strategy.value!r} needs a 1-D mesh named {names} (or unnamed), got {mesh.mesh_dim_names}"
         )
     if ndim == 2 and (strategy.tensor_parallel or strategy.context_parallel) and sorted(mesh.mesh_dim_names or ()) != sorted(names):
         raise OptionsError(

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch.fx as fx
 
 from dpar.compiler.capture import GraphInput, InputKind
-from dpar.compiler.passes.context_parallel import context_parallel_pass, mark_sequences, sequence_length
+from dpar.compiler.passes.context_parallel import context_parallel_pass, mark_sequences, marked_length, sequence_length
 from dpar.compiler.passes.group_batch import GroupBatch, mark_own_rows, unroll_group_batch
 from dpar.compiler.propagation.propagate import MeshDim
 from dpar.core.plan import AxisRole, ParallelPlan
@@ -32,18 +32,17 @@ class ContextParallel:
         self.size, self.rank, self.group_name = axis.size, world_of_group(axis.group_name).rank, axis.group_name
         self.group_batch = None if plan.same_batch_in_cp_group else GroupBatch(axis.size, self.rank, axis.group_name)
         self.data = [i.index for i in inputs if i.kind is InputKind.DATA]
-        self.length = 0  # the sequence length, read off the Dynamo graph's inputs
 
     def mark_inputs(self, gm: fx.GraphModule) -> fx.GraphModule:
-        self.length = sequence_length(gm, self.data, self.size)
+        length = sequence_length(gm, self.data, self.size)
         if self.group_batch is not None:
             gm = mark_own_rows(gm, self.data)
-        return mark_sequences(gm, self.data, self.length)
+        return mark_sequences(gm, self.data, length)
 
     def unroll_group_batch(self, joint: fx.GraphModule) -> fx.GraphModule:
         assert self.group_batch is not None
         return unroll_group_batch(joint, self.group_batch)
 
     def context_parallel(self, joint: fx.GraphModule) -> fx.GraphModule:
-        mesh = MeshDim(size=self.size, rank=self.rank, group_name=self.group_name, period=self.length)
+        mesh = MeshDim(size=self.size, rank=self.rank, group_name=self.group_name, period=marked_length(joint))
         return context_parallel_pass(joint, mesh)

@@ -94,6 +94,12 @@ def mark_sequences(gm: fx.GraphModule, data: Sequence[int], length: int) -> fx.G
     return gm
 
 
+def marked_length(gm: fx.GraphModule) -> int:
+    """The sequence length ``mark_sequences`` split the inputs by, read off its markers."""
+    marker = next(n for n in gm.graph.nodes if n.target is SEQUENCE_SPLIT)
+    return marker.args[0].meta["val"].shape[marker.args[1]]
+
+
 def _call(graph: fx.Graph, target: object, *args: object, **kwargs: object) -> fx.Node:
     return graph.call_function(target, args, kwargs)
 

@@ -107,19 +107,20 @@ CASES = {
               ("titan_qwen3_moe", "tp", None)),
     # On ("dp", "ep") meshes: the experts' blocks replicated (ddp+ep) or sharded (zero2+ep, fsdp+ep) over "dp";
     # on a ("dp", "tp") mesh spread over "tp" and sharded over "dp".
-    4: (("own_moe", "ep", None), ("own_moe", "ddp+ep", (2, 2)), ("own_moe", "fsdp+ep", (2, 2)),
-        ("qwen3_moe", "fsdp+ep", (2, 2)), ("mixtral", "zero2+ep", (2, 2)), ("qwen3_moe", "fsdp+tp", (2, 2))),
+    4: (("own_moe", "ddp+ep", (2, 2)), ("own_moe", "fsdp+ep", (2, 2)), ("qwen3_moe", "fsdp+ep", (2, 2)),
+        ("qwen3_moe", "fsdp+tp", (2, 2))),
+    # The same paths again: a 1-D ep axis of 4, zero2 between ddp's and fsdp's handling of the experts' blocks.
+    "4 more": (("own_moe", "ep", None), ("mixtral", "zero2+ep", (2, 2))),
 }
 
 
-@pytest.mark.parametrize("case", [2, 4, pytest.param("titan", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("case", [2, 4, *(pytest.param(c, marks=pytest.mark.extended) for c in ("titan", "4 more"))])
 def test_ep_trains_as_torch_ddp(case: int | str) -> None:
     from third_party import needs_torchtitan
 
-    if isinstance(case, str):
-        for name, _, _ in CASES[case]:
-            needs_torchtitan(name)
-    ranks = 2 if isinstance(case, str) else case
+    for name, _, _ in CASES[case]:
+        needs_torchtitan(name)
+    ranks = {"titan": 2, "4 more": 4}.get(case, case)
     found = run_ranks(_against_torch_ddp, ranks, CASES[case], timeout_s=1200)[0]
     for name, figures in found.items():
         print(f"{name}: {figures}")

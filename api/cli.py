@@ -228,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
                    "activations (selective or full checkpointing) when that is the fastest way to fit")
     p.add_argument("--device", default="h100", choices=sorted(PRESETS), help="cost-model preset, as dpar inspect's")
     p.add_argument("--mesh-dim-names", type=lambda t: tuple(t.split(",")), default=None,
-                   help="fix each dimension's role instead of letting the solver choose: dp,tp")
+                   help="fix each dimension's role (dp, tp, ep, cp) instead of letting the solver choose: dp,tp")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON (Plan.from_json reads it)")
     p.add_argument("--op-graph", action="store_true", help="report the search's op-graph figures; default: the chosen "
                    "plan's compute and activations counted on its compiled graphs, as dpar inspect counts them")

@@ -201,6 +201,7 @@ def parallelize(
             activation_checkpointing = plan.activations
         plan = plan.as_run()
         strategy, tp_plan = plan.strategy, plan.tp_dims()
+        same_batch_in_cp_group = same_batch_in_cp_group or plan.same_batch_in_cp_group
     options = dict(sync_every=sync_every, outer_optimizer=outer_optimizer, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    same_batch_in_tp_group=same_batch_in_tp_group, same_batch_in_cp_group=same_batch_in_cp_group,
                    sequence_parallel=sequence_parallel,
@@ -456,14 +457,15 @@ def _axes(mesh: DeviceMesh, roles: tuple[AxisRole, ...]) -> tuple[MeshAxis, ...]
 
 def _mesh_of_plan(model: nn.Module, plan: Plan, ranks: torch.Tensor | None = None) -> DeviceMesh:
     """The mesh ``parallelize`` takes for ``plan`` (already ``as_run``): one flat data-parallel
-    group, ``(world,)`` for tp alone, or ``("dp", "tp")`` with the dp axes folded into one.
+    group, ``(world,)`` for tp alone, ``("dp", "tp")`` with the dp axes folded into one, or the plan's own
+    axes where it has an ep or a cp axis (planner/layout.py places them as the runtime takes them).
 
     ``ranks`` (default: ranks in order, ``plan.mesh_shape``) places every rank on the plan's
     axes, so the tp group is the one the plan priced on the tp axis's links.
     """
     device_type = _mesh_device_type(model)
     ranks = ranks if ranks is not None else torch.arange(math.prod(plan.mesh_shape)).reshape(plan.mesh_shape)
-    if "ep" in plan.mesh_dim_names:  # ("ep",) or ("dp", "ep"), as planner/layout.py places an ep axis
+    if "ep" in plan.mesh_dim_names or "cp" in plan.mesh_dim_names:  # ("ep",) / ("dp", "ep"), and cp's: planner/layout.py
         return DeviceMesh(device_type, ranks, mesh_dim_names=plan.mesh_dim_names)
     if "tp" not in plan.mesh_dim_names or plan.data_parallel_degree == 1:  # the other axes have size 1
         return DeviceMesh(device_type, ranks.flatten())

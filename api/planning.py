@@ -91,9 +91,9 @@ def plan(
 # plan that recomputes is priced again keeping every activation, for the before/after table. The search's
 # op-graph figures differ where the graphs do (the min-cut partitioner recomputes pointwise ops the op graph
 # counts as saved; Hugging Face's GQA copies K and V under torch.compile only); the tp/dp split of the
-# communication stays the search's, which the report does not keep. Plans with a tensor-parallel axis keep the
-# search's figures: compiling tp's propagation for every rank's graphs costs minutes at real sizes (Llama-3-8B,
-# ddp+tp on 8 x 8: 611 s of CPU, where the search took 18 s); ``dpar.explain(model, inputs, plan=plan)``
+# communication stays the search's, which the report does not keep. Plans with a tensor- or context-parallel axis
+# keep the search's figures: compiling their propagation for every rank's graphs costs minutes at real sizes
+# (Llama-3-8B, ddp+tp on 8 x 8: 611 s of CPU, where the search took 18 s); ``dpar.explain(model, inputs, plan=plan)``
 # prices one when asked.
 
 
@@ -101,7 +101,7 @@ def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[ob
                      device: str | DeviceSpec = "h100") -> Plan:
     """``chosen`` with the figures ``dpar.explain`` reports for it on ``model`` fed ``example_inputs`` (the global
     batch the plan was priced at): see the Note above."""
-    if "tp" in chosen.mesh_dim_names:  # see the Note
+    if "tp" in chosen.mesh_dim_names or "cp" in chosen.mesh_dim_names:  # see the Note
         return chosen
     device = device_spec(device)
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
@@ -244,7 +244,7 @@ def _mesh_dim_names(names: Sequence[str] | None, shape: tuple[int, ...]) -> tupl
     names = tuple(names)
     if len(names) != len(shape) or any(n not in ROLES for n in names):
         raise OptionsError(
-            f"mesh_dim_names must name each of the {len(shape)} mesh dimension(s) 'dp', 'tp' or 'ep'; got {names}")
+            f"mesh_dim_names must name each of the {len(shape)} mesh dimension(s) 'dp', 'tp', 'ep' or 'cp'; got {names}")
     if names.count("tp") > 1:
         raise OptionsError(f"mesh_dim_names {names}: at most one dimension can be 'tp' (the runtime applies one tp axis)")
     return names
@@ -268,8 +268,16 @@ def _usable_layouts(graph: OpGraph, shape: tuple[int, ...], names: tuple[str, ..
             + (f"the model's experts modules hold {sorted(set(counts))} experts, which it does not divide" if counts
                else "the model has no routed experts module")
             + "; an 'ep' axis is the last, after at most one 'dp' ('ep' or ('dp', 'ep')), of a degree dividing the experts")
+    length = graph.sequence_length
+    if names is not None and "cp" in names and not layouts(shape, names, counts, length):
+        cp = shape[names.index("cp")]
+        raise OptionsError(
+            f"mesh_dim_names {names} asks for context parallel over {cp} ranks, but "
+            + (f"the sequence of {length} tokens is not divisible by 2 x {cp} (two chunks a rank)" if length
+               else "the model has no attention over a sequence dim of its inputs")
+            + "; a 'cp' axis is the last, after at most one 'dp' ('cp' or ('dp', 'cp'))")
     found = [
-        layout for layout in layouts(shape, names, counts)
+        layout for layout in layouts(shape, names, counts, length)
         if graph.batch_size % layout.dp_degree == 0 and _splits_a_parameter(graph, layout.tp_degree)
     ]
     if not found:

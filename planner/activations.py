@@ -157,13 +157,14 @@ class Priced:
     memory: float  # state + saved activations + the live block
     activations: float  # saved activations + the live block
     recompute_s: float
-    exposed_s: float  # tp comm + unhidden dp comm
+    exposed_s: float  # tp, ep and cp comm + unhidden dp comm
     step_s: float  # compute + recompute + exposed
 
 
 def price(graph: OpGraph, model: CostModel, picked: list[Candidate], recompute: Recompute, compute_s: float,
-          tp_comm_s: float) -> Priced:
-    """Totals of ``picked`` (``compute_s`` and ``tp_comm_s`` as ``evaluate`` priced them, under KEEP) under ``recompute``."""
+          critical_comm_s: float) -> Priced:
+    """Totals of ``picked`` (``compute_s`` and ``critical_comm_s``, the tp, ep and cp collectives, as ``evaluate``
+    priced them, under KEEP) under ``recompute``."""
     acts = ActivationModel(graph, model, recompute)
     costs = [model.op_cost(o, c) for o, c in enumerate(picked)]
     memory, saved = acts.total(picked, costs)
@@ -172,7 +173,7 @@ def price(graph: OpGraph, model: CostModel, picked: list[Candidate], recompute: 
     fwd, bwd = sum(c.compute_fwd for c in costs), sum(c.compute_bwd for c in costs)
     dp_fwd = sum(c.dp_fwd for c in costs) + latency["forward"]
     dp_bwd = sum(c.dp_bwd for c in costs) + latency["backward"]
-    exposed = tp_comm_s + max(0.0, dp_fwd - fwd) + max(0.0, dp_bwd - bwd - recompute_s)
+    exposed = critical_comm_s + max(0.0, dp_fwd - fwd) + max(0.0, dp_bwd - bwd - recompute_s)
     return Priced(memory, saved, recompute_s, exposed, compute_s + recompute_s + exposed)
 
 
@@ -180,7 +181,7 @@ def with_policy(plan: Plan, graph: OpGraph, assignment: Assignment, device: Devi
     """``plan`` (``evaluate``'s, which keeps every activation) under ``recompute``: memory, recompute time and step."""
     model = CostModel(graph, assignment.layout, device)
     c = plan.cost
-    priced = price(graph, model, chosen(graph, assignment), recompute, c.compute_s, c.tp_comm_s)
+    priced = price(graph, model, chosen(graph, assignment), recompute, c.compute_s, c.critical_comm_s)
     cost = dataclasses.replace(
         c,
         exposed_comm_s=priced.exposed_s,
@@ -284,7 +285,7 @@ def _with_totals(
     latency = model.dp_latency()
     fwd, bwd = sum(x.compute_fwd for x in costs), sum(x.compute_bwd for x in costs)
     dp_fwd, dp_bwd = sum(x.dp_fwd for x in costs) + latency["forward"], sum(x.dp_bwd for x in costs) + latency["backward"]
-    exposed = c.tp_comm_s + max(0.0, dp_fwd - fwd) + max(0.0, dp_bwd - bwd - recompute_s)
+    exposed = c.critical_comm_s + max(0.0, dp_fwd - fwd) + max(0.0, dp_bwd - bwd - recompute_s)
     keep_memory = c.memory_bytes_keep if c.memory_bytes_keep is not None else c.memory_bytes_per_rank
     keep_acts = c.activation_bytes_keep if c.activation_bytes_keep is not None else c.activation_bytes_per_rank
     cost = dataclasses.replace(

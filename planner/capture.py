@@ -231,7 +231,9 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
     ops = [dataclasses.replace(op, kernels=op.kernels + folded[i]) if folded.get(i) and op.kernels is not None else op
            for i, op in enumerate(ops)]
     graph = collapse_repeats(ops, list(parameters.items()), batch_size, batch_bytes)
-    return dataclasses.replace(graph, experts=_experts(model, graph))
+    tokens = [x for x in flat_inputs if x.dim() >= 2]  # the sequence dim a cp axis splits, as the runtime finds it
+    length = int(tokens[0].shape[1]) if tokens and graph.has_attention else 0
+    return dataclasses.replace(graph, experts=_experts(model, graph), sequence_length=length)
 
 
 def _experts(model: nn.Module, graph: OpGraph) -> tuple[ExpertsInfo, ...]:

@@ -51,6 +51,15 @@ the runtime spreads them ([Note: experts spread over a tensor-parallel group]): 
 work of the ops reading them, and one all-reduce of the module's output forward and one of its inputs' gradient
 backward, on tp's critical path.
 
+Context parallelism (a ``cp`` axis, planner/layout.py): the tokens of every sequence split over it, so everything
+the batch divides (activations, compute, the saved bytes) divides by D x cp, the token degree; the parameters stay
+whole over it (state sharded over ``dp`` only) and each trained parameter's gradient, a partial sum over the
+sequence, is all-reduced over ``cp`` on its own (no bucket: an α each), hidden behind the backward as the
+data-parallel collectives are. Each attention op gathers its keys and values whole over ``cp`` (the tensors that
+reach it before any repeat of grouped heads, as the runtime gathers them: ``repeats_a_split_value`` in
+``compiler/propagation/context_rules.py``), twice (the forward, and the backward again, which does not keep them) and reduce-scatters
+their gradients: (rows / D) x sequence x width bytes each, on the critical path like tp's.
+
 Overlap: data-parallel collectives of the forward (zero2/fsdp gathers) hide behind forward
 compute and those of the backward (gradient reduction, fsdp's second gather) behind
 backward compute: exposed = max(0, comm - compute) per phase. That is the device's
@@ -158,6 +167,7 @@ class CostModel:
         self.graph, self.layout, self.device = graph, layout, device
         self.links = device.links(layout.mesh_shape) if math.prod(layout.mesh_shape) > 1 else ()  # one rank: no link
         self.dp, self.tp, self.ep = layout.dp_degree, layout.tp_degree, layout.ep_degree
+        self.tokens = layout.token_degree  # what divides the batch's work: rows over dp, sequences over cp
         self.experts = graph.expert_parameters() if self.ep > 1 else frozenset()  # split over ep: 1/ep per rank
         # Spread over tp by expert where tp divides their count (no ep axis beside a tp one): 1/tp per rank.
         self.tp_experts = graph.expert_parameters(self.tp) if self.tp > 1 else frozenset()
@@ -195,8 +205,11 @@ class CostModel:
 
     def dp_latency(self) -> dict[str, float]:
         """The α part of the data-parallel collectives: one per bucket and kind, whatever the candidates (under ep
-        the experts' buckets apart, over the ``dp`` axes)."""
+        the experts' buckets apart, over the ``dp`` axes), and under cp one all-reduce per trained parameter."""
         seconds = {"forward": 0.0, "backward": 0.0}
+        if self.layout.cp_axis is not None:
+            trained = sum(p.requires_grad and p.op is not None for p in self.graph.params)
+            seconds["backward"] += trained * self.collective("all_reduce", 0.0, (self.layout.cp_axis,))
         for kind, phase, trained_only, not_root, buckets in self.dp_collectives():
             seconds[phase] += buckets * self.collective(kind, 0.0, self.layout.dp_axes)
             if self.experts and self.reduced_over(True):
@@ -242,7 +255,7 @@ class CostModel:
             return []
         found = []
         for info in self.graph.experts:
-            rows = self.ep * info.rows / self.dp  # fixed-size buffers: this rank's rows to each of ep ranks
+            rows = self.ep * info.rows / self.tokens  # fixed-size buffers: this rank's rows to each of ep ranks
             where = f"{info.module}: rows to their experts and back"
             found += [("all_to_all", "forward", rows * info.width * info.itemsize, 2, where),
                       ("all_to_all", "forward", rows * EXPERT_ID_BYTES, 1, f"{info.module}: the rows' expert ids"),
@@ -253,6 +266,35 @@ class CostModel:
         """The experts' exchange (or tp's reductions of them) in time, on the critical path."""
         axis = self.layout.tp_axis if self.tp_experts else self.layout.ep_axis
         return sum(count * self.collective(kind, nbytes, (axis,)) for kind, _, nbytes, count, _ in self.expert_exchange())
+
+    def context_exchange(self) -> list[tuple[str, str, float, int, str]]:
+        """(kind, phase, bytes of one, count, where) of the attention ops' key / value gathers over cp and their
+        gradients' reduce-scatters, per step (see the Note)."""
+        if self.layout.cp_axis is None:
+            return []
+        found = []
+        for op in self.graph.ops:
+            if op.kind != "attention" or len(op.inputs) < 3:
+                continue
+            for position, what in ((1, "keys"), (2, "values")):
+                src = op.inputs[position]
+                numel, itemsize = ((self.graph.ops[src].output_numel, self.graph.ops[src].output_itemsize) if src >= 0
+                                   else (math.prod(op.input_shapes[position]), op.input_itemsizes[position]))
+                nbytes = numel * itemsize / self.dp  # this dp group's rows, every token
+                where = f"{op.module or op.name}: its {what}"
+                found += [("all_gather", "forward", nbytes, op.count, where), ("all_gather", "backward", nbytes, op.count, where)]
+                if op.input_grad:
+                    found.append(("reduce_scatter", "backward", nbytes, op.count, f"{where}' gradient"))
+        return found
+
+    def context_exchange_seconds(self) -> float:
+        """The attention exchange over cp in time, on the critical path."""
+        return sum(count * self.collective(kind, nbytes, (self.layout.cp_axis,))
+                   for kind, _, nbytes, count, _ in self.context_exchange())
+
+    def context_gradient_seconds(self, nbytes: float) -> float:
+        """The bandwidth term of one gradient's all-reduce over cp (its α: ``dp_latency``); 0 without a cp axis."""
+        return 0.0 if self.layout.cp_axis is None else self.collective("all_reduce", nbytes, (self.layout.cp_axis,), alpha=False)
 
     def tp_collective(self, kind: str, nbytes: float) -> float:
         return 0.0 if self.layout.tp_axis is None else self.collective(kind, nbytes, (self.layout.tp_axis,))
@@ -265,8 +307,9 @@ class CostModel:
         return nbytes, self.tp_collective("all_gather", nbytes)
 
     def activation_bytes(self, numel: float, batched: bool, placement: str, itemsize: int) -> float:
-        """Bytes per rank of an activation: batch split over dp, ``S`` split over tp (``P`` is whole)."""
-        return numel * itemsize / (self.dp if batched else 1) / (self.tp if placement == "S" else 1)
+        """Bytes per rank of an activation: batch split over dp (and its sequences over cp), ``S`` split over tp
+        (``P`` is whole)."""
+        return numel * itemsize / (self.tokens if batched else 1) / (self.tp if placement == "S" else 1)
 
     def accumulation_seconds(self, index: int, cand: Candidate) -> float:
         """The backward's adds summing the gradients of op ``index``'s output that its readers hand back (one
@@ -284,7 +327,7 @@ class CostModel:
         saves] in ``capture.py``)."""
         op = self.graph.ops[index]
         held = self.activation_bytes(op.output_numel, op.batched, cand.output, op.output_itemsize) if self.saved_output[index] else 0.0
-        own = op.internal_saved / (self.dp if op.batched else 1) / (self.tp if cand.split else 1)
+        own = op.internal_saved / (self.tokens if op.batched else 1) / (self.tp if cand.split else 1)
         return held + own
 
     def dp_kernel_bytes(self, numel: dict[tuple[bool, bool], float], degree: int) -> dict[str, float]:
@@ -308,7 +351,7 @@ class CostModel:
     def stats_bytes(self, op: Op) -> float:
         """One fp32 value per row of the (vocab-)sharded input, on this rank."""
         rows = math.prod(op.input_shapes[0][:-1])
-        return rows * STATS_BYTES / (self.dp if op.batched else 1)
+        return rows * STATS_BYTES / (self.tokens if op.batched else 1)
 
     def op_cost(self, index: int, cand: Candidate) -> OpCost:
         op = self.graph.ops[index]
@@ -320,7 +363,7 @@ class CostModel:
         )
         moved += sum(local_numel(s, p, self.tp) * e for s, p, e in zip(op.param_shapes, cand.params, op.param_itemsizes))
         moved += self.activation_bytes(op.output_numel, op.batched, cand.output, op.output_itemsize)
-        flops = op.flops / (self.dp if op.batched else 1) / self.tp_split(index, cand)
+        flops = op.flops / (self.tokens if op.batched else 1) / self.tp_split(index, cand)
         fwd = roofline(flops, moved, op.dtype, self.device)
         grads = int(op.input_grad) + int(op.param_grad) if op.params else 2 * int(op.input_grad)
         bwd = fwd * grads
@@ -328,14 +371,15 @@ class CostModel:
             fwd, bwd = self.kernel_seconds(op, self.tp_split(index, cand))
         stats = cand.stats * self.tp_collective("all_reduce", self.stats_bytes(op)) if cand.stats else 0.0
         saved = self.saved_bytes(index, cand)
-        state = gathered = copies = 0.0
+        state = gathered = copies = cp_gradients = 0.0
         for info in self.owned.get(index, []):
             local = self.param_numel(info, cand.params[info.slot])
             expert = info.name in self.experts
             copies += self.bucket_copy_bytes(info, local * info.itemsize)
+            cp_gradients += self.context_gradient_seconds(local * info.itemsize) if info.requires_grad else 0.0
             state += self.param_state_bytes(local, info.requires_grad, info.itemsize, expert)
             gathered += self.gathered_bytes(local, info.itemsize, info.bucket == "root", expert)
-        dp = {"forward": 0.0, "backward": 0.0}
+        dp = {"forward": 0.0, "backward": cp_gradients}
         kernels = {"forward": 0.0, "backward": 0.0}
         for expert in (False, True):
             nbytes, axes = self.owned_bytes(index, cand, expert), self.reduced_over(expert)
@@ -365,7 +409,7 @@ class CostModel:
         """(forward, backward) seconds of one instance of ``op`` on one rank: each of its kernels at the
         roofline, its FLOPs and the bytes that carry the batch split over dp, everything over ``split`` (tp, where
         the op's work divides over it: ``tp_split``)."""
-        batch = self.dp if op.batched else 1
+        batch = self.tokens if op.batched else 1
         seconds = {"forward": 0.0, "backward": 0.0}
         for phase, _, flops, dtype, batched, fixed in op.kernels or ():
             seconds[phase] += roofline(flops / batch / split, (batched / batch + fixed) / split, dtype, self.device)
@@ -381,12 +425,14 @@ class CostModel:
         return _gathered_bytes[self.layout.data_parallel, root](numel, itemsize) if self.reduced_over(expert) else 0.0
 
     def param_moved_bytes(self, info: ParamInfo, placement: str) -> float:
-        """Bytes one rank sends per step for this parameter's data-parallel collectives."""
+        """Bytes one rank sends per step for this parameter's data-parallel collectives (and its gradient's all-reduce
+        over cp)."""
+        payload = self.param_numel(info, placement) * info.itemsize
+        over_cp = self.moved("all_reduce", payload, (self.layout.cp_axis,)) if self.layout.cp_axis is not None and info.requires_grad else 0.0
         axes = self.reduced_over(info.name in self.experts)
         if not axes:
-            return 0.0
-        payload = self.param_numel(info, placement) * info.itemsize
-        return sum(
+            return over_cp
+        return over_cp + sum(
             self.moved(kind, payload, axes)
             for kind, _, trained_only, not_root, _ in self.dp_collectives()
             if (info.requires_grad or not trained_only) and not (not_root and info.bucket == "root")

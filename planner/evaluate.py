@@ -82,20 +82,24 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
     ep_comm = model.expert_exchange_seconds()
     if model.tp_experts:
         tp_comm, ep_comm = tp_comm + ep_comm, 0.0
+    for kind, phase, nbytes, count, where in model.context_exchange():
+        collectives.append(CollectivePlan(kind, "cp", phase, round(nbytes * count), count, where))
+    cp_comm = model.context_exchange_seconds()
     latency = model.dp_latency()
     dp_fwd, dp_bwd = total.dp_fwd + latency["forward"], total.dp_bwd + latency["backward"]
-    exposed = tp_comm + ep_comm + max(0.0, dp_fwd - total.compute_fwd) + max(0.0, dp_bwd - total.compute_bwd)
+    exposed = tp_comm + ep_comm + cp_comm + max(0.0, dp_fwd - total.compute_fwd) + max(0.0, dp_bwd - total.compute_bwd)
     compute = total.compute_fwd + total.compute_bwd
     activations = sum(op.count * model.saved_bytes(i, c) for i, (op, c) in enumerate(zip(graph.ops, picked)) if op.kind != "output")
     cost = CostBreakdown(
         compute_s=compute,
-        comm_s=tp_comm + ep_comm + dp_fwd + dp_bwd,
+        comm_s=tp_comm + ep_comm + cp_comm + dp_fwd + dp_bwd,
         exposed_comm_s=exposed,
         step_s=compute + exposed,
         memory_bytes_per_rank=round(total.memory),
         tp_comm_s=tp_comm,
         dp_comm_s=dp_fwd + dp_bwd,
         ep_comm_s=ep_comm,
+        cp_comm_s=cp_comm,
         activation_bytes_per_rank=round(activations),
     )
     return Plan(
@@ -106,6 +110,7 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
         parameters=_parameters(graph, model, picked),
         cost=cost,
         batch_size=graph.batch_size,
+        same_batch_in_cp_group=layout.cp_degree > 1 and graph.batch_size % layout.token_degree != 0,
         collectives=tuple(collectives),
         ops=tuple(OpPlan(op.name, op.module, op.kind, c.name, op.count) for op, c in zip(graph.ops, picked)),
     )
@@ -134,6 +139,11 @@ def _dp_collectives(graph: OpGraph, model: CostModel, picked: list[Candidate]) -
                 buckets, where = model.expert_buckets[trained_only, not_root], f"the experts': {where}"
             found.append(CollectivePlan(kind, "dp" if expert or not model.experts else "dp x ep", phase, round(nbytes),
                                         buckets, where))
+    if model.layout.cp_axis is not None:  # each trained parameter's gradient on its own (see the cost model's Note)
+        trained = [p for p in graph.params if p.op is not None and p.requires_grad]
+        nbytes = sum(model.param_numel(p, picked[p.op].params[p.slot]) * p.itemsize for p in trained)
+        found.append(CollectivePlan("all_reduce", "cp", "backward", round(nbytes), len(trained),
+                                    "each trained parameter's gradient (a partial sum over the sequence)"))
     return found
 
 

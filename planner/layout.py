@@ -8,6 +8,10 @@ At most one dimension is ``tp``; several ``dp`` dimensions act as one data-paral
 of their product. An ``ep`` dimension is the last one, with at most one ``dp`` dimension
 before it and no ``tp`` (the runtime's "ep", "ddp+ep", "zero2+ep", "fsdp+ep"): under a
 sharded mode the experts' blocks are sharded over ``dp``, every other parameter over both.
+A ``cp`` dimension (context parallel) splits every sequence: the tokens of each row, not the rows,
+so the ranks along it share rows; the parameters stay whole over it (sharded over ``dp`` only) and
+their gradients are reduced over it too. It is the last, after at most one ``dp`` ("cp",
+"ddp+cp", "zero2+cp", "fsdp+cp"), for a model with attention whose sequence two chunks per rank divide.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dpar.core.plan import DataParallel, Strategy
 # The data-parallel modes the planner prices, by the name its plans keep, in preference order when costs tie.
 MODES = {"replicate": DataParallel.DDP, "zero2": DataParallel.ZERO2, "fsdp": DataParallel.FSDP}
 DATA_PARALLEL = tuple(MODES)
-ROLES = ("dp", "tp", "ep")
+ROLES = ("dp", "tp", "ep", "cp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,19 @@ class Layout:
         return math.prod(self.mesh_shape[i] for i in self.expert_dp_axes)
 
     @property
+    def cp_axis(self) -> int | None:
+        return self.roles.index("cp") if "cp" in self.roles else None
+
+    @property
+    def cp_degree(self) -> int:
+        return 1 if self.cp_axis is None else self.mesh_shape[self.cp_axis]
+
+    @property
+    def token_degree(self) -> int:
+        """How many ways the global batch's tokens split: rows over the data axes, each sequence over ``cp``."""
+        return self.dp_degree * self.cp_degree
+
+    @property
     def tp_axis(self) -> int | None:
         return self.roles.index("tp") if "tp" in self.roles else None
 
@@ -71,35 +88,50 @@ class Layout:
 
     @property
     def strategy(self) -> str:
-        """``ddp``, ``zero2``, ``fsdp``, ``tp``, ``<dp strategy>+tp``, ``ep`` or ``<dp strategy>+ep``."""
-        if self.ep_axis is not None:
-            return "ep" if len(self.mesh_shape) == 1 else f"{MODES[self.data_parallel].value}+ep"
+        """``ddp``, ``zero2``, ``fsdp``, ``tp``, ``<dp strategy>+tp``, ``ep``, ``<dp strategy>+ep``, ``cp`` or
+        ``<dp strategy>+cp``."""
+        for axis in ("ep", "cp"):
+            if axis in self.roles:
+                return axis if len(self.mesh_shape) == 1 else f"{MODES[self.data_parallel].value}+{axis}"
         tensor = self.tp_degree > 1
         return Strategy.compose(None if tensor and self.dp_degree == 1 else MODES[self.data_parallel], tensor).value
 
 
 def layouts(
     mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None, num_experts: tuple[int, ...] = (),
+    sequence_length: int = 0,
 ) -> list[Layout]:
     """Every role assignment (names fix it) with every data-parallel mode, in tie-break order.
 
-    A dimension of size 1 is ``dp`` unless named: as ``tp`` or ``ep`` it would be the same plan. An ``ep``
+    A dimension of size 1 is ``dp`` unless named: as ``tp``, ``ep`` or ``cp`` it would be the same plan. An ``ep``
     dimension (see the module docstring) only for a model with routed experts (``num_experts``: each experts
-    module's count), whose every count its size divides.
+    module's count), whose every count its size divides; a ``cp`` one only for a model with attention over
+    sequences of ``sequence_length`` tokens (0: none), which two chunks per rank of it divide.
     """
     found = []
     for roles in itertools.product(ROLES, repeat=len(mesh_shape)):
         if roles.count("tp") > 1 or not _expert_roles(roles, mesh_shape, num_experts):
             continue
+        if not _context_roles(roles, mesh_shape, sequence_length):
+            continue
         if mesh_dim_names is not None and roles != mesh_dim_names:
             continue
-        if mesh_dim_names is None and any(r in ("tp", "ep") and n == 1 for r, n in zip(roles, mesh_shape)):
+        if mesh_dim_names is None and any(r != "dp" and n == 1 for r, n in zip(roles, mesh_shape)):
             continue
         dp_degree = math.prod(n for r, n in zip(roles, mesh_shape) if r == "dp")
         modes = DATA_PARALLEL if dp_degree > 1 else DATA_PARALLEL[:1]
-        for mode in modes if "ep" not in roles or len(roles) == 2 else DATA_PARALLEL[:1]:  # "ep" alone: ddp's rest
+        alone = len(roles) == 1 and roles[0] in ("ep", "cp")  # no dp axis: ddp's handling of the rest
+        for mode in DATA_PARALLEL[:1] if alone else modes:
             found.append(Layout(tuple(mesh_shape), roles, mode))
     return found
+
+
+def _context_roles(roles: tuple[str, ...], mesh_shape: tuple[int, ...], sequence_length: int) -> bool:
+    """Whether ``roles`` places a cp axis as the runtime takes one: none, or the last of ("cp",) / ("dp", "cp")
+    over a degree whose two chunks per rank divide the sequence."""
+    if "cp" not in roles:
+        return True
+    return roles in (("cp",), ("dp", "cp")) and sequence_length > 0 and sequence_length % (2 * mesh_shape[-1]) == 0
 
 
 def _expert_roles(roles: tuple[str, ...], mesh_shape: tuple[int, ...], num_experts: tuple[int, ...]) -> bool:

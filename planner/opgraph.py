@@ -98,6 +98,11 @@ class OpGraph:
     batch_bytes: int  # the user inputs that carry the batch dimension, global batch: what a tp group gathers
     traced_ops: int  # compute ops before repeated blocks were collapsed
     experts: tuple[ExpertsInfo, ...] = ()  # the routed experts modules, which an ep axis splits
+    sequence_length: int = 0  # dim 1 of the first input of two or more dims, where an attention op reads it; 0: none
+
+    @property
+    def has_attention(self) -> bool:
+        return any(op.kind == "attention" for op in self.ops)
 
     def expert_parameters(self, divisible_by: int = 1) -> frozenset[str]:
         """The experts' parameters (of the modules whose count ``divisible_by`` divides)."""

@@ -36,17 +36,23 @@ class CostBreakdown:
     the memory at the step's peak and the simulated step; the tp/dp split of the communication stays the search's."""
 
     compute_s: float  # roofline of every op's share, forward and backward
-    comm_s: float  # every collective, hidden or not: tp_comm_s + dp_comm_s
-    exposed_comm_s: float  # tp_comm_s + the dp communication compute does not hide
+    comm_s: float  # every collective, hidden or not: critical_comm_s + dp_comm_s
+    exposed_comm_s: float  # critical_comm_s + the dp communication compute does not hide
     step_s: float  # compute_s + recompute_s + exposed_comm_s
     memory_bytes_per_rank: int  # parameter state + gathered parameters + activations (under the plan's policy)
     tp_comm_s: float = 0.0  # tensor-parallel collectives (critical path)
     dp_comm_s: float = 0.0  # data-parallel collectives (overlap with compute)
     ep_comm_s: float = 0.0  # the experts' all-to-alls (critical path)
+    cp_comm_s: float = 0.0  # the attention ops' key / value gathers over cp and their gradients' (critical path)
     activation_bytes_per_rank: int = 0  # the activation part of memory_bytes_per_rank (saved, or live at the peak)
     recompute_s: float = 0.0  # forward ops run again in the backward (activation checkpointing)
     memory_bytes_keep: int | None = None  # memory_bytes_per_rank of the same placements keeping every activation
     activation_bytes_keep: int | None = None  # ... its activation part
+
+    @property
+    def critical_comm_s(self) -> float:
+        """The collectives on the critical path: tp's, the experts' all-to-alls and cp's key / value exchange."""
+        return self.tp_comm_s + self.ep_comm_s + self.cp_comm_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +72,7 @@ class CollectivePlan:
     """``count`` collectives of one kind per step moving ``bytes`` of payload between them (B of the ring formulas)."""
 
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
-    mesh_dim: str  # "dp", "tp" or "ep" (a dp collective over several data dims runs over all of them: "dp x ep")
+    mesh_dim: str  # "dp", "tp", "ep" or "cp" (a dp collective over several data dims runs over all of them: "dp x ep")
     phase: str  # forward | backward
     bytes: int  # summed over the ``count`` collectives
     count: int
@@ -93,16 +99,20 @@ class Plan:
     rows of the whole tp group). A ``tp`` axis along which no parameter is split would be
     neither: each rank would train on its own rows with no gradient exchange and the replicas
     would drift apart. So such an axis is a ``dp`` axis: the planner never chooses one (a
-    constraint of its ILP) and ``as_run`` renames it in a plan built by hand.
+    constraint of its ILP) and ``as_run`` renames it in a plan built by hand. Along a ``cp``
+    axis the ranks split every sequence of the same rows; they are fed their own rows and move
+    the group's, or, where the global batch has fewer rows than the ranks that would take them
+    (long sequences: ``same_batch_in_cp_group``), each cp group is fed one slice of the batch.
     """
 
     mesh_shape: tuple[int, ...]
-    mesh_dim_names: tuple[str, ...]  # each "dp", "tp" or "ep"
+    mesh_dim_names: tuple[str, ...]  # each "dp", "tp", "ep" or "cp"
     data_parallel: str  # replicate | zero2 | fsdp: what the dp axes do to parameters
-    strategy: str  # ddp, zero2, fsdp, tp, ddp+tp, zero2+tp, fsdp+tp, ep, ddp+ep, zero2+ep, fsdp+ep
+    strategy: str  # ddp, zero2, fsdp, tp, <dp>+tp, ep, <dp>+ep, cp, <dp>+cp
     parameters: tuple[ParameterPlan, ...]
     cost: CostBreakdown
     batch_size: int  # rows of the global batch the plan is priced at; the dp axes split it
+    same_batch_in_cp_group: bool = False  # the batch has fewer rows than dp x cp: each cp group is fed one slice
     collectives: tuple[CollectivePlan, ...] = ()
     ops: tuple[OpPlan, ...] = ()
     activations: ActivationPolicy = KEEP_ACTIVATIONS  # what each block saves; parallelize applies it with the plan
@@ -165,6 +175,7 @@ class Plan:
             ),
             cost=CostBreakdown(**raw["cost"]),
             batch_size=raw["batch_size"],
+            same_batch_in_cp_group=raw.get("same_batch_in_cp_group", False),
             collectives=tuple(CollectivePlan(**c) for c in raw["collectives"]),
             ops=tuple(OpPlan(**o) for o in raw["ops"]),
             activations=_policy_of(raw.get("activations")),
@@ -216,6 +227,8 @@ def _data_split(plan: Plan) -> str:
     """Which axes split the global batch, and the rows each rank is fed (each rank's own slice)."""
     axes = [f"{plan.mesh_dim_names[i]} ({plan.mesh_shape[i]})" for i in plan.data_axes if plan.mesh_shape[i] > 1]
     rows = f"global batch {plan.batch_size} rows, {plan.batch_size // plan.data_parallel_degree} per data-parallel rank"
+    if plan.same_batch_in_cp_group:
+        rows += ", the ranks of a cp group fed the same rows (parallelize(same_batch_in_cp_group=True))"
     return f"data split over: {' x '.join(axes) if axes else 'no axis (every rank computes the whole batch)'}; {rows}"
 
 
@@ -234,6 +247,9 @@ def _role(plan: Plan, axis: int) -> str:
     if plan.mesh_dim_names[axis] == "ep":
         return ("expert parallel: ranks see different rows; the experts' parameters split by expert, routed "
                 "tokens exchanged by all-to-all; the rest data parallel over it")
+    if plan.mesh_dim_names[axis] == "cp":
+        return ("context parallel: each sequence split over it (two chunks a rank), keys and values gathered at "
+                "every attention; parameters whole over it, gradients reduced over it")
     split = sum(1 for d in plan.tp_dims().values() if d is not None)
     return f"tensor parallel: {split} of {len(plan.parameters)} parameters split, the group computes the same rows"
 
@@ -269,6 +285,7 @@ def render(plan: Plan, console: Any) -> None:
     comm = ((("comm (every collective, simulated)", _seconds(c.comm_s)),) if inspected else
             (("tp comm (critical path)", _seconds(c.tp_comm_s)),
              *((("ep all-to-alls (critical path)", _seconds(c.ep_comm_s)),) if c.ep_comm_s else ()),
+             *((("cp key / value exchange (critical path)", _seconds(c.cp_comm_s)),) if c.cp_comm_s else ()),
              ("dp comm (overlappable)", _seconds(c.dp_comm_s))))
     for term, value in (
         ("compute", _seconds(c.compute_s)),

@@ -175,7 +175,8 @@ def _build(
     for rank, layout in enumerate(layouts):
         model = CostModel(graph, layout, device)
         acts = ActivationModel(graph, model, recompute, found)
-        z = problem.var(TIE_LAYOUT * rank + (model.batch_gather()[1] + model.expert_exchange_seconds()) / scale, True)
+        critical = model.batch_gather()[1] + model.expert_exchange_seconds() + model.context_exchange_seconds()
+        z = problem.var(TIE_LAYOUT * rank + critical / scale, True)
         for phase, seconds in model.dp_latency().items():
             overlap[phase][z] = -seconds / scale
         cands = [candidates(op, layout.tp_degree) for op in graph.ops]

@@ -7,7 +7,9 @@ them), the embedding is vocab-parallel and the tied LM head a column Linear over
 and every other op takes the candidate that needs the least resharding of its inputs.
 ``<dp>+tp`` on a 2-D mesh: data parallel on dimension 0, Megatron on dimension 1. ``ep`` on a
 1-D mesh and ``<dp>+ep`` on a 2-D one: the routed experts split over the last dimension, the
-rest data parallel over all (planner/layout.py), for a model with routed experts.
+rest data parallel over all (planner/layout.py), for a model with routed experts. ``cp`` on a 1-D mesh
+and ``<dp>+cp`` on a 2-D one: each sequence split over the last dimension (planner/layout.py), for a
+model with attention.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections import defaultdict
 
 from dpar.compiler.costs import DeviceSpec
 from dpar.planner.evaluate import Assignment, evaluate
-from dpar.planner.layout import Layout
+from dpar.planner.layout import Layout, layouts
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.plan import Plan
 from dpar.planner.rules import FORWARD_CONVERT, Candidate, candidates
@@ -24,12 +26,12 @@ from dpar.core.errors import OptionsError
 from dpar.core.plan import AxisRole, Strategy
 from dpar.planner.layout import MODES
 
-# The named strategies the planner prices: at most one data axis beside a tensor or an expert axis, doing a mode it
-# knows (not a context axis yet: docs/limitations.md).
+# The named strategies the planner prices: at most one data axis beside a tensor, an expert or a context axis, doing
+# a mode it knows.
 STRATEGIES = tuple(
     s.value for s in Strategy
-    if s.data_parallel in (None, *MODES.values()) and not s.context_parallel
-    and sum(r not in (AxisRole.TENSOR, AxisRole.EXPERT) for r in s.roles) <= 1
+    if s.data_parallel in (None, *MODES.values())
+    and sum(r not in (AxisRole.TENSOR, AxisRole.EXPERT, AxisRole.CONTEXT) for r in s.roles) <= 1
 )
 LAYOUT_MODE = {mode: name for name, mode in MODES.items()}
 PREFERRED = {"embedding": ("vocab",)}  # a Linear is column or row by what arrives
@@ -40,7 +42,7 @@ def strategy_layout(name: str, mesh_shape: tuple[int, ...]) -> Layout:
         raise OptionsError(f"unknown strategy {name!r}; the named strategies are {', '.join(STRATEGIES)}")
     strategy = Strategy(name)
     mode = LAYOUT_MODE.get(strategy.data_parallel, "replicate")  # tp alone: no data axis, replicated over none
-    if strategy.expert_parallel:
+    if strategy.expert_parallel or strategy.context_parallel:
         roles = strategy.mesh_dim_names
         if len(mesh_shape) != len(roles):
             raise OptionsError(f"strategy {name!r} takes a {len(roles)}-D mesh {roles}, not {mesh_shape}")
@@ -97,6 +99,9 @@ def strategy_assignment(graph: OpGraph, name: str, mesh_shape: tuple[int, ...]) 
     if layout.ep_axis is not None and (not counts or any(n % layout.ep_degree for n in counts)):
         raise OptionsError(f"strategy {name!r}: the model has no routed experts that {layout.ep_degree} ranks divide "
                            f"(experts per module: {sorted(set(counts))})")
+    if layout.cp_axis is not None and not layouts(layout.mesh_shape, layout.roles, sequence_length=graph.sequence_length):
+        raise OptionsError(f"strategy {name!r}: the model has no attention over a sequence of a length 2 x "
+                           f"{layout.cp_degree} divides (sequence: {graph.sequence_length or 'none'})")
     if graph.batch_size % layout.dp_degree:
         raise OptionsError(f"strategy {name!r}: batch {graph.batch_size} is not divisible by the dp degree {layout.dp_degree}")
     if layout.tp_degree == 1:

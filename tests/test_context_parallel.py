@@ -118,8 +118,35 @@ def test_context_parallel_matches_torch_ddp_on_two_ranks() -> None:
     assert logits <= FLOAT64 and grads <= FLOAT64, (logits, grads)
 
 
+def _planned(rank: int, world_size: int) -> tuple[str, bool, float]:
+    """HF Llama in float64 planned by ``dpar.plan`` on a ("dp", "cp") mesh for a global batch of 2 rows (fewer than
+    the 4 ranks: each cp group is fed one row), applied by ``parallelize(plan=...)``: (its strategy, whether it
+    feeds a cp group one batch, max |parameters - torch DDP's|)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        batch = third_party.global_batch(0, 2, 16)
+        plan = dpar.plan(third_party.build("llama"), batch, mesh_shape=(2, 2), mesh_dim_names=("dp", "cp"))
+        reference = third_party.train(rank, world_size, Run("llama", "torch_ddp", rows=1, seq=16, same_rows_in=2))
+        state = third_party.train(rank, world_size, Run(
+            "llama", plan.strategy, rows=1, seq=16, same_rows_in=2, parallelize_kwargs=(("plan", plan),)))
+        return plan.strategy, plan.same_batch_in_cp_group, max_abs_diff(reference, state) if rank == 0 else 0.0
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _four_rank_launch(rank: int, world_size: int) -> tuple[dict[str, float | str], tuple[str, bool, float]]:
+    found = _train_cases(rank, world_size, FOUR_RANKS)
+    torch._dynamo.reset()
+    return found, _planned(rank, world_size)
+
+
 def test_context_parallel_with_a_data_axis_matches_torch_ddp_on_four_ranks() -> None:
-    _check(run_ranks(_train_cases, 4, FOUR_RANKS, timeout_s=600)[0], FOUR_RANKS)
+    """The cases above, and a plan from ``dpar.plan`` with a cp axis, applied by ``parallelize(plan=...)``."""
+    found, (strategy, same_batch, planned) = run_ranks(_four_rank_launch, 4, timeout_s=600)[0]
+    _check(found, FOUR_RANKS)
+    print(f"planned {strategy} (same_batch_in_cp_group={same_batch}): max |dpar - torch DDP| = {planned:.2e} (float64)")
+    assert strategy.endswith("+cp") and same_batch
+    assert planned <= FLOAT64
 
 
 # --- structure, in a fake world --------------------------------------------------------------------

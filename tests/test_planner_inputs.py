@@ -65,8 +65,10 @@ def test_batch_that_dp_cannot_split_is_an_error_when_dp_is_forced_and_avoided_ot
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(mesh_shape=(2, 4), mesh_dim_names=("dp", "pp")), r"name each of the 2 mesh dimension\(s\) 'dp', 'tp' or 'ep'"),
+        (dict(mesh_shape=(2, 4), mesh_dim_names=("dp", "pp")), r"name each of the 2 mesh dimension\(s\) 'dp', 'tp', 'ep' or 'cp'"),
         (dict(mesh_shape=(2, 4), mesh_dim_names=("tp", "tp")), r"at most one dimension can be 'tp'"),
+        (dict(mesh_shape=(2, 4), mesh_dim_names=("dp", "cp")),
+         r"asks for context parallel over 4 ranks, but the model has no attention over a sequence dim of its inputs"),
         (dict(mesh_shape=(0, 4)), r"mesh_shape must be positive ints"),
         (dict(mesh_shape=(2, 4), device=hardware(FAST)), r"device 'test' has links for 1 mesh dimension\(s\) but mesh_shape \(2, 4\) has 2"),
     ],

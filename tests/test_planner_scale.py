@@ -6,10 +6,12 @@ import math
 import time
 
 import pytest
+import torch
 from planner_models import gpt
 
 from dpar.planner.capture import build_op_graph
 from dpar.planner.plan import policy_label
+from dpar.core.errors import OptionsError
 from dpar.planning import plan
 
 GPT_24 = dict(n_layer=24, n_embd=1024, n_head=16, block=1024, vocab=50304, batch=64)
@@ -71,6 +73,29 @@ def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, recomputes):
         assert p.cost.step_s == min(o.step_s for o in fits)
         assert p.cost.recompute_s == min(o.recompute_s for o in fits if o.step_s == p.cost.step_s)
         assert p.cost.recompute_s < {o.policy: o.recompute_s for o in p.policies}["full"]
+
+
+def test_llama3_8b_at_131k_tokens_on_64_ranks_splits_its_sequences():
+    """Llama-3-8B, 8 sequences of 131,072 tokens on 64 H100s of 80 GB (8 x 8): without a cp axis nothing fits, not
+    even fsdp+tp recomputing every block (a sequence's activations stay on one dp group's 8 ranks); with one the plan
+    splits every sequence over 8 ranks, feeds each cp group one sequence and gathers keys and values at every
+    attention, forward and backward."""
+    model, _, _ = _llama3("8b", rows=8, seq=131072)  # the global batch: 8 rows for 64 ranks
+    start = time.perf_counter()
+    p = plan(model, (torch.zeros(8, 131072, dtype=torch.long, device="meta"),), mesh_shape=(8, 8), memory_budget_gb=80,
+             device="h100")
+    seconds = time.perf_counter() - start
+    print(f"Llama-3-8B at 131k tokens on 8 x 8: {p.strategy} {p.mesh_dim_names}, {policy_label(p.activations)}, "
+          f"{p.cost.step_s:.2f} s/step (cp exchange {p.cost.cp_comm_s * 1e3:.0f} ms), "
+          f"{p.cost.memory_bytes_per_rank / 1e9:.2f} GB per rank, planned in {seconds:.1f} s")
+    assert seconds < 60.0
+    assert p.mesh_dim_names == ("dp", "cp") and p.strategy.endswith("+cp") and p.same_batch_in_cp_group
+    assert p.cost.memory_bytes_per_rank <= 80e9 and p.cost.cp_comm_s > 0
+    assert p.count("all_gather", "cp", "forward") == p.count("all_gather", "cp", "backward") == 2 * 32  # K, V a layer
+    assert p.count("reduce_scatter", "cp", "backward") == 2 * 32
+    with pytest.raises(OptionsError, match="no plan fits memory_budget_gb=80"):
+        plan(model, (torch.zeros(8, 131072, dtype=torch.long, device="meta"),), mesh_shape=(8, 8),
+             mesh_dim_names=("dp", "tp"), memory_budget_gb=80, device="h100")
 
 
 def test_a_tensor_parallel_plan_splits_no_norm_weight():

@@ -36,7 +36,8 @@ def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
                                                     "zero2+cp", "fsdp+cp"}
     assert named(lambda s: s.reshard_after_forward) == {"fsdp", "hsdp", "fsdp+tp", "fsdp+ep", "fsdp+cp"}
     assert named(lambda s: s.buckets_laid_out_by is None) == {"tp", "local_sgd", "cp"}
-    assert PRICED == ("ddp", "zero2", "fsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "ep", "ddp+ep", "zero2+ep", "fsdp+ep")
+    assert PRICED == ("ddp", "zero2", "fsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "ep", "ddp+ep", "zero2+ep", "fsdp+ep",
+                      "cp", "ddp+cp", "zero2+cp", "fsdp+cp")
     assert S.HSDP.roles == (AxisRole.REPLICATE, AxisRole.SHARD) and S.HSDP.mesh_dim_names == ("replicate", "shard")
     assert S.FSDP_TP.mesh_dim_names == ("dp", "tp") and S.FSDP.mesh_dim_names == ("shard",)
     assert S.EP.roles == (AxisRole.EXPERT,) and S.EP.mesh_dim_names == ("ep",) and S.DDP_EP.mesh_dim_names == ("dp", "ep")

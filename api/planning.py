@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,11 +74,18 @@ def plan(
     device = device_spec(device)
     device.links(shape)  # refuses hand-given links that do not match the mesh, before capturing
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    start = time.perf_counter()
     graph = build_op_graph(model, inputs)
+    captured = time.perf_counter()
     found = _usable_layouts(graph, shape, names)
     budget = device.memory_bytes if memory_budget_gb is None else memory_budget_gb * 1e9
     chosen = _fastest(graph, found, device, budget)
-    return priced_on_graphs(chosen, model, inputs, device) if on_graphs else chosen
+    searched = time.perf_counter()
+    seconds = (("capture", captured - start), ("search", searched - captured))
+    if on_graphs:
+        chosen = priced_on_graphs(chosen, model, inputs, device)
+        seconds += (("pricing on the compiled graphs", time.perf_counter() - searched),)
+    return dataclasses.replace(chosen, seconds=seconds)
 
 
 # [Note: the planner searches on its op graph and reports as inspect]

@@ -119,6 +119,8 @@ class Plan:
     policies: tuple[PolicyOption, ...] = ()  # each policy's best, as the solver compared them
     memory_budget_bytes: float | None = None  # the budget it was planned under
     priced_on: str = "op graph"  # or ON_GRAPHS: priced by dpar inspect (api/planning.py, ``on_graphs``)
+    # Wall time planning took, by phase (capture, search, pricing): not part of what the plan is.
+    seconds: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def data_axes(self) -> tuple[int, ...]:
@@ -182,6 +184,7 @@ class Plan:
             policies=tuple(PolicyOption(**o) for o in raw.get("policies", ())),
             memory_budget_bytes=raw.get("memory_budget_bytes"),
             priced_on=raw.get("priced_on", "op graph"),
+            seconds=tuple((phase, s) for phase, s in raw.get("seconds", ())),
         )
 
     def __str__(self) -> str:
@@ -298,6 +301,9 @@ def render(plan: Plan, console: Any) -> None:
     ):
         cost.add_row(term, value)
     console.print(cost)
+    if plan.seconds:
+        phases = ", ".join(f"{phase} {s:.1f} s" for phase, s in plan.seconds)
+        console.print(f"planned in {sum(s for _, s in plan.seconds):.1f} s: {phases}")
     if plan.memory_budget_bytes is not None and c.memory_bytes_per_rank > plan.memory_budget_bytes:
         console.print(f"warning: counted on the {plan.priced_on}, this plan holds {_bytes(c.memory_bytes_per_rank)} per rank, "
                       f"over the budget of {_bytes(plan.memory_budget_bytes)} that the search's op-graph count met")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from dpar.cli import main
@@ -19,6 +20,9 @@ def test_plan_command_prints_every_parameter_and_writes_json(tmp_path, capsys):
     assert all(p.name in printed for p in plan.parameters)
     assert "modelled cost per step" in printed and f"json: {out}" in printed
     assert "data split over: " in printed and f"global batch {plan.batch_size} rows" in printed
+    # The time split: capture, the search, the chosen plan priced on its compiled graphs (dpar plan's default).
+    assert [phase for phase, _ in plan.seconds] == ["capture", "search", "pricing on the compiled graphs"]
+    assert re.search(r"planned in [0-9.]+ s: capture [0-9.]+ s, search [0-9.]+ s, pricing on the compiled graphs", printed)
 
 
 def test_plan_command_takes_one_rank_slice_with_per_rank(tmp_path, capsys):

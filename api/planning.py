@@ -25,6 +25,7 @@ from dpar.planner.opgraph import OpGraph
 from dpar.planner.activations import POLICIES
 from dpar.planner.plan import ON_GRAPHS, CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
 from dpar.planner.rules import candidates
+from dpar.planner.strategies import compare_strategies
 from dpar.core.errors import OptionsError
 from dpar.core.plan import KEEP_ACTIVATIONS, Recompute
 from dpar.core.torch_internals import pytree
@@ -81,10 +82,14 @@ def plan(
     budget = device.memory_bytes if memory_budget_gb is None else memory_budget_gb * 1e9
     chosen = _fastest(graph, found, device, budget)
     searched = time.perf_counter()
-    seconds = (("capture", captured - start), ("search", searched - captured))
+    chosen = dataclasses.replace(chosen, strategies=compare_strategies(graph, shape, device, budget))
+    compared = time.perf_counter()
+    seconds = (("capture", captured - start), ("search", searched - captured),
+               ("the named strategies priced", compared - searched))
     if on_graphs:
         chosen = priced_on_graphs(chosen, model, inputs, device)
-        seconds += (("pricing on the compiled graphs", time.perf_counter() - searched),)
+        if chosen.priced_on == ON_GRAPHS:
+            seconds += (("pricing on the compiled graphs", time.perf_counter() - compared),)
     return dataclasses.replace(chosen, seconds=seconds)
 
 

@@ -128,11 +128,14 @@ class ActivationModel:
         return cost.compute_fwd if self.recomputed(o) else 0.0
 
     def converted(self, e: Edge, src: Candidate, dst: Candidate) -> float:
-        """Bytes of edge ``e``'s forward tp conversion result kept for a recomputed consumer (0 without one)."""
-        if not self.recomputed(e.dst) or FORWARD_CONVERT.get((src.output, dst.inputs[e.position])) is None:
+        """Bytes of edge ``e``'s forward tp conversion result kept for a recomputed consumer (0 without one, and for
+        the token stream gathered from its sequence-parallel shards: the backward gathers it again)."""
+        wanted = dst.inputs[e.position]
+        if not self.recomputed(e.dst) or FORWARD_CONVERT.get((src.output, wanted)) is None or src.output == "Q":
             return 0.0
         src_op = self.graph.ops[e.src]
-        return e.count * self.model.activation_bytes(e.numel, src_op.batched, "R", src_op.output_itemsize)
+        kept = "Q" if wanted == "Q" else "R"  # a collective's output (a reduce-scatter's is the shard)
+        return e.count * self.model.activation_bytes(e.numel, src_op.batched, kept, src_op.output_itemsize)
 
     def total(self, picked: list[Candidate], costs: list[OpCost] | None = None) -> tuple[float, float]:
         """(memory, of which saved activations) per rank under one assignment: what the ILP's memory row sums."""

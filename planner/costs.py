@@ -60,6 +60,13 @@ reach it before any repeat of grouped heads, as the runtime gathers them: ``repe
 ``compiler/propagation/context_rules.py``), twice (the forward, and the backward again, which does not keep them) and reduce-scatters
 their gradients: (rows / D) x sequence x width bytes each, on the critical path like tp's.
 
+Sequence parallel (a tp layout's ``sequence_parallel``, Megatron-SP as the runtime's ``sequence_parallel=True``): a
+token-wise op (a norm, a pointwise op, a row reduction) may take the ``sequence`` candidate (planner/rules.py), on
+1/tp of the tokens (placement ``Q``); the conversions price a row Linear's reduce-scatter into it and the all-gather
+out of it before a column Linear, that gather again in the backward (the runtime does not keep the gathered tokens),
+and the gradients of the weights it reads (a norm's scale), partial sums over tp, all-reduced over it one each, on
+the critical path.
+
 Overlap: data-parallel collectives of the forward (zero2/fsdp gathers) hide behind forward
 compute and those of the backward (gradient reduction, fsdp's second gather) behind
 backward compute: exposed = max(0, comm - compute) per phase. That is the device's
@@ -81,7 +88,7 @@ from dpar.compiler.costs import ALPHA, BETA, B, N, DeviceSpec, comm_time_expr, m
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.compiler.options import DDP_BUCKET_CAP_MB
 from dpar.planner.layout import Layout
-from dpar.planner.opgraph import Edge, Op, OpGraph, ParamInfo
+from dpar.planner.opgraph import Op, OpGraph, ParamInfo
 from dpar.planner.rules import BACKWARD_CONVERT, FORWARD_CONVERT, Candidate
 
 STATS_BYTES = 4  # fp32 per-row statistics of a vocab-parallel softmax / loss
@@ -307,9 +314,9 @@ class CostModel:
         return nbytes, self.tp_collective("all_gather", nbytes)
 
     def activation_bytes(self, numel: float, batched: bool, placement: str, itemsize: int) -> float:
-        """Bytes per rank of an activation: batch split over dp (and its sequences over cp), ``S`` split over tp
-        (``P`` is whole)."""
-        return numel * itemsize / (self.tokens if batched else 1) / (self.tp if placement == "S" else 1)
+        """Bytes per rank of an activation: batch split over dp (and its sequences over cp), ``S`` and ``Q`` split
+        over tp (``P`` is whole)."""
+        return numel * itemsize / (self.tokens if batched else 1) / (self.tp if placement in ("S", "Q") else 1)
 
     def accumulation_seconds(self, index: int, cand: Candidate) -> float:
         """The backward's adds summing the gradients of op ``index``'s output that its readers hand back (one
@@ -393,9 +400,18 @@ class CostModel:
         kernels["backward"] += copies / self.device.memory_bandwidth + self.accumulation_seconds(index, cand)
         n = op.count
         return OpCost(
-            n * fwd + kernels["forward"], n * bwd + kernels["backward"], n * stats,
+            n * fwd + kernels["forward"], n * bwd + kernels["backward"], n * stats + self.sequence_parallel_gradients(index, cand)[1],
             dp["forward"], dp["backward"], n * saved + state + gathered,
         )
+
+    def sequence_parallel_gradients(self, index: int, cand: Candidate) -> tuple[list[float], float]:
+        """(bytes of each, seconds) of the all-reduces over tp of the trained weights op ``index`` reads whole while
+        sequence parallel splits its tokens (a norm's scale: its gradient is a partial sum over tp)."""
+        if cand.name != "sequence":
+            return [], 0.0
+        sizes = [self.param_numel(info, cand.params[info.slot]) * info.itemsize
+                 for info in self.owned.get(index, []) if info.requires_grad]
+        return sizes, sum(self.tp_collective("all_reduce", nbytes) for nbytes in sizes)
 
     def owned_bytes(self, index: int, cand: Candidate, expert: bool = False) -> dict[tuple[bool, bool], float]:
         """Bytes per rank of the parameters op ``index`` owns (the experts', or the others), by (trained, the root's)."""
@@ -438,13 +454,18 @@ class CostModel:
             if (info.requires_grad or not trained_only) and not (not_root and info.bucket == "root")
         )
 
-    def edge_forward(self, edge: Edge, src: Candidate, dst: Candidate) -> tuple[str | None, float]:
-        kind = FORWARD_CONVERT.get((src.output, dst.inputs[edge.position]))
+    def convert_forward(self, src: int, cand: Candidate, wanted: str) -> tuple[str | None, float]:
+        """Op ``src``'s output turned from ``cand``'s placement into ``wanted`` in the forward, once for all the
+        readers that want it so (every instance): the collective and its seconds. The token stream gathered from its
+        sequence-parallel shards (``Q``) is gathered again in the backward, which does not keep it
+        (compiler/passes/sequence_parallel.py)."""
+        kind = FORWARD_CONVERT.get((cand.output, wanted))
         if kind is None:
             return None, 0.0
-        src_op = self.graph.ops[edge.src]
-        nbytes = self.activation_bytes(edge.numel, src_op.batched, "R", src_op.output_itemsize)
-        return kind, edge.count * self.tp_collective(kind, nbytes)
+        op = self.graph.ops[src]
+        nbytes = self.activation_bytes(op.output_numel, op.batched, "R", op.output_itemsize)
+        again = self.tp_collective(kind, nbytes) if cand.output == "Q" else 0.0
+        return kind, op.count * (self.tp_collective(kind, nbytes) + again)
 
     def backward_convert(self, src: int, arriving: str, wanted: str) -> tuple[str | None, float]:
         """Gradients of op ``src``'s output summed in placement ``arriving``, converted to ``wanted``."""

@@ -25,8 +25,8 @@ class Assignment:
 
 
 def chosen(graph: OpGraph, assignment: Assignment) -> list[Candidate]:
-    tp = assignment.layout.tp_degree
-    picked = [candidates(op, tp)[c] for op, c in zip(graph.ops, assignment.choices)]
+    tp, sp = assignment.layout.tp_degree, assignment.layout.sequence_parallel
+    picked = [candidates(op, tp, sp)[c] for op, c in zip(graph.ops, assignment.choices)]
     for a, sa, b, sb in graph.shared:
         if picked[a].params[sa] != picked[b].params[sb]:
             raise OptionsError(
@@ -57,13 +57,16 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
     if batch_bytes:
         tp_comm += seconds
         collectives.append(_tp("all_gather", "forward", batch_bytes, 1, "the batch: the tp group's slices"))
+    readers: dict[tuple[int, str], list[str]] = defaultdict(list)  # (producer, placement wanted) -> its readers
     for e in graph.edges:
-        kind, seconds = model.edge_forward(e, picked[e.src], picked[e.dst])
+        readers[e.src, picked[e.dst].inputs[e.position]].append(graph.ops[e.dst].name)
+    for (u, wanted), names in readers.items():
+        kind, seconds = model.convert_forward(u, picked[u], wanted)
         if kind:
             tp_comm += seconds
-            src = graph.ops[e.src]
-            nbytes = model.activation_bytes(e.numel, src.batched, "R", src.output_itemsize)
-            collectives.append(_tp(kind, "forward", nbytes, e.count, f"{graph.ops[e.src].name} -> {graph.ops[e.dst].name}"))
+            src = graph.ops[u]
+            nbytes = model.activation_bytes(src.output_numel, src.batched, "R", src.output_itemsize)
+            collectives.append(_tp(kind, "forward", nbytes, src.count, f"{src.name} -> {', '.join(names)}"))
     for src, placements in backward_arrivals(graph, picked).items():
         for arriving in sorted(placements):
             kind, seconds = model.backward_convert(src, arriving, picked[src].output_grad)
@@ -72,9 +75,13 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
                 op = graph.ops[src]
                 nbytes = model.activation_bytes(op.output_numel, op.batched, "R", op.output_itemsize)
                 collectives.append(_tp(kind, "backward", nbytes, op.count, f"gradient of {op.name}"))
-    for op, cand in zip(graph.ops, picked):
+    for o, (op, cand) in enumerate(zip(graph.ops, picked)):
         if cand.stats and layout.tp_degree > 1:
             collectives.append(_tp("all_reduce", "forward", model.stats_bytes(op), cand.stats * op.count, op.name))
+        sizes, _ = model.sequence_parallel_gradients(o, cand)
+        if sizes:
+            collectives.append(CollectivePlan("all_reduce", "tp", "backward", round(sum(sizes)), len(sizes),
+                                              f"{op.name}: its weights' gradients (sequence parallel)"))
     collectives += _dp_collectives(graph, model, picked)
     over = "tp" if model.tp_experts else "ep"  # the spread experts' reductions are tp's; the exchange ep's
     for kind, phase, nbytes, count, where in model.expert_exchange():
@@ -107,6 +114,7 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
         mesh_dim_names=tuple(layout.roles),
         data_parallel=layout.data_parallel,
         strategy=layout.strategy,
+        sequence_parallel=layout.sequence_parallel,
         parameters=_parameters(graph, model, picked),
         cost=cost,
         batch_size=graph.batch_size,

@@ -8,6 +8,8 @@ At most one dimension is ``tp``; several ``dp`` dimensions act as one data-paral
 of their product. An ``ep`` dimension is the last one, with at most one ``dp`` dimension
 before it and no ``tp`` (the runtime's "ep", "ddp+ep", "zero2+ep", "fsdp+ep"): under a
 sharded mode the experts' blocks are sharded over ``dp``, every other parameter over both.
+A ``tp`` dimension comes with and without sequence parallel (Megatron-SP: the norms, residuals and
+other token-wise ops between tp layers computed on 1/tp of the tokens, their activations held so).
 A ``cp`` dimension (context parallel) splits every sequence: the tokens of each row, not the rows,
 so the ranks along it share rows; the parameters stay whole over it (sharded over ``dp`` only) and
 their gradients are reduced over it too. It is the last, after at most one ``dp`` ("cp",
@@ -33,6 +35,7 @@ class Layout:
     mesh_shape: tuple[int, ...]
     roles: tuple[str, ...]
     data_parallel: str
+    sequence_parallel: bool = False  # Megatron-SP on the tp axis: the token stream between tp layers split over it
 
     @property
     def dp_axes(self) -> tuple[int, ...]:
@@ -121,8 +124,9 @@ def layouts(
         dp_degree = math.prod(n for r, n in zip(roles, mesh_shape) if r == "dp")
         modes = DATA_PARALLEL if dp_degree > 1 else DATA_PARALLEL[:1]
         alone = len(roles) == 1 and roles[0] in ("ep", "cp")  # no dp axis: ddp's handling of the rest
+        tensor = "tp" in roles and mesh_shape[roles.index("tp")] > 1
         for mode in DATA_PARALLEL[:1] if alone else modes:
-            found.append(Layout(tuple(mesh_shape), roles, mode))
+            found += [Layout(tuple(mesh_shape), roles, mode, sp) for sp in ((False, True) if tensor else (False,))]
     return found
 
 

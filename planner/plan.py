@@ -113,10 +113,12 @@ class Plan:
     cost: CostBreakdown
     batch_size: int  # rows of the global batch the plan is priced at; the dp axes split it
     same_batch_in_cp_group: bool = False  # the batch has fewer rows than dp x cp: each cp group is fed one slice
+    sequence_parallel: bool = False  # on the tp axis (Megatron-SP): parallelize(plan=...) applies it
     collectives: tuple[CollectivePlan, ...] = ()
     ops: tuple[OpPlan, ...] = ()
     activations: ActivationPolicy = KEEP_ACTIVATIONS  # what each block saves; parallelize applies it with the plan
     policies: tuple[PolicyOption, ...] = ()  # each policy's best, as the solver compared them
+    strategies: tuple[PolicyOption, ...] = ()  # the named strategies on the same mesh, priced alike (side by side)
     memory_budget_bytes: float | None = None  # the budget it was planned under
     priced_on: str = "op graph"  # or ON_GRAPHS: priced by dpar inspect (api/planning.py, ``on_graphs``)
     # Wall time planning took, by phase (capture, search, pricing): not part of what the plan is.
@@ -146,6 +148,7 @@ class Plan:
             self,
             mesh_dim_names=layout.roles,
             strategy=layout.strategy,
+            sequence_parallel=False,
             parameters=tuple(dataclasses.replace(p, placements=placements) for p in self.parameters),
         )
 
@@ -171,6 +174,7 @@ class Plan:
             mesh_dim_names=tuple(raw["mesh_dim_names"]),
             data_parallel=raw["data_parallel"],
             strategy=raw["strategy"],
+            sequence_parallel=raw.get("sequence_parallel", False),
             parameters=tuple(
                 ParameterPlan(**{**p, "shape": tuple(p["shape"]), "placements": tuple(p["placements"])})
                 for p in raw["parameters"]
@@ -182,6 +186,7 @@ class Plan:
             ops=tuple(OpPlan(**o) for o in raw["ops"]),
             activations=_policy_of(raw.get("activations")),
             policies=tuple(PolicyOption(**o) for o in raw.get("policies", ())),
+            strategies=tuple(PolicyOption(**o) for o in raw.get("strategies", ())),
             memory_budget_bytes=raw.get("memory_budget_bytes"),
             priced_on=raw.get("priced_on", "op graph"),
             seconds=tuple((phase, s) for phase, s in raw.get("seconds", ())),
@@ -262,7 +267,8 @@ def render(plan: Plan, console: Any) -> None:
     from rich.table import Table
 
     mesh = " x ".join(f"{n} {name}" for n, name in zip(plan.mesh_shape, plan.mesh_dim_names))
-    console.print(f"plan: {plan.strategy} (data_parallel={plan.data_parallel}) on mesh {mesh}")
+    sp = ", sequence parallel" if plan.sequence_parallel else ""
+    console.print(f"plan: {plan.strategy} (data_parallel={plan.data_parallel}{sp}) on mesh {mesh}")
     console.print(_data_split(plan))
     for i, (n, name) in enumerate(zip(plan.mesh_shape, plan.mesh_dim_names)):
         console.print(f"  axis {i} {name} ({n}): {_role(plan, i)}")
@@ -301,12 +307,26 @@ def render(plan: Plan, console: Any) -> None:
     ):
         cost.add_row(term, value)
     console.print(cost)
+    if plan.strategies:
+        _render_strategies(plan, console)
     if plan.seconds:
         phases = ", ".join(f"{phase} {s:.1f} s" for phase, s in plan.seconds)
         console.print(f"planned in {sum(s for _, s in plan.seconds):.1f} s: {phases}")
     if plan.memory_budget_bytes is not None and c.memory_bytes_per_rank > plan.memory_budget_bytes:
         console.print(f"warning: counted on the {plan.priced_on}, this plan holds {_bytes(c.memory_bytes_per_rank)} per rank, "
                       f"over the budget of {_bytes(plan.memory_budget_bytes)} that the search's op-graph count met")
+
+
+def _render_strategies(plan: Plan, console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title="the named strategies on this mesh, each under its fastest policy that fits (priced alike)")
+    for column in ("strategy", "policy", "step", "recompute", "memory/rank", "fits"):
+        table.add_column(column, justify="left" if column in ("strategy", "policy") else "right")
+    for o in sorted(plan.strategies, key=lambda o: (not o.fits, o.step_s if o.fits else o.memory_bytes_per_rank)):
+        table.add_row(o.strategy, o.policy, _seconds(o.step_s) if o.fits else "-", _seconds(o.recompute_s) if o.fits else "-",
+                      _bytes(o.memory_bytes_per_rank) + ("" if o.fits else " (least)"), "yes" if o.fits else "no")
+    console.print(table)
 
 
 def policy_label(policy: ActivationPolicy) -> str:

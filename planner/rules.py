@@ -2,7 +2,9 @@
 
 Placements of an activation on the tp axis: ``R`` (replicate), ``S`` (shard along the
 feature / head dimension that a column Linear produces; views between ops keep it), ``P``
-(partial sums, the output of a row Linear or a vocab-parallel embedding). Along the data
+(partial sums, the output of a row Linear or a vocab-parallel embedding), ``Q`` (the token
+stream split along the sequence: sequence parallel's norms and residuals, a layout's
+``sequence_parallel`` only). Along the data
 parallel axes every op is batch-sharded, so a candidate only describes the tp axis.
 
 A candidate fixes the placement each input must arrive in, the placement of the gradient it
@@ -29,10 +31,19 @@ from dpar.planner.opgraph import Op
 
 # Forward: what turning a producer's placement into a consumer's costs (None: free).
 # P -> S all-reduces and slices: a row Linear's output is reduced whole, as Megatron's g does.
-FORWARD_CONVERT = {("S", "R"): "all_gather", ("P", "R"): "all_reduce", ("P", "S"): "all_reduce"}
+# Sequence parallel: P -> Q reduce-scatters the token stream, Q -> R gathers it before a column Linear; between a
+# feature split and a token split (S <-> Q) the whole value is gathered and sliced; R -> Q only slices.
+FORWARD_CONVERT = {
+    ("S", "R"): "all_gather", ("P", "R"): "all_reduce", ("P", "S"): "all_reduce",
+    ("P", "Q"): "reduce_scatter", ("Q", "R"): "all_gather", ("Q", "S"): "all_gather", ("S", "Q"): "all_gather",
+}
 # Backward: gradients arriving in one placement, wanted in another. P -> S is the
-# reduce-scatter that autograd makes of a forward all-gather.
-BACKWARD_CONVERT = {("S", "R"): "all_gather", ("P", "R"): "all_reduce", ("P", "S"): "reduce_scatter"}
+# reduce-scatter that autograd makes of a forward all-gather (and P -> Q sequence parallel's).
+BACKWARD_CONVERT = {
+    ("S", "R"): "all_gather", ("P", "R"): "all_reduce", ("P", "S"): "reduce_scatter",
+    ("P", "Q"): "reduce_scatter", ("Q", "R"): "all_gather", ("Q", "S"): "all_gather", ("S", "Q"): "all_gather",
+}
+SEQUENCE_KINDS = ("norm", "pointwise", "other")  # token-wise ops sequence parallel may split
 
 LOSS_STATS = 3  # vocab-parallel cross-entropy: row max, sum of exponentials, target logit
 SOFTMAX_STATS = 2  # row max, sum of exponentials
@@ -134,6 +145,19 @@ def _matmul(op: Op, tp: int) -> list[Candidate]:
     return [_uniform("shard", op, "S", (), True)]
 
 
+def _sequence(op: Op, tp: int) -> list[Candidate]:
+    """Sequence parallel: a token-wise op over (batch, sequence, features) or (tokens, features) on 1/tp of the
+    tokens, reading its weights (a norm's scale) whole; inputs over the same tokens (any last dim: a row reduction's,
+    a broadcast scale's) arrive split too, others whole."""
+    shape = op.output_shape
+    if op.kind not in SEQUENCE_KINDS or not op.batched or len(shape) not in (2, 3) or shape[-2] % tp:
+        return []
+    inputs = tuple("Q" if b and s[:-1] == shape[:-1] else "R" for s, b in zip(op.input_shapes, op.input_batched))
+    if "Q" not in inputs:
+        return []
+    return [_candidate("sequence", inputs, inputs, "Q", "Q", ("R",) * len(op.params), True)]
+
+
 SHARDED = {
     "linear": _linear,
     "embedding": _embedding,
@@ -146,9 +170,11 @@ SHARDED = {
 }
 
 
-def candidates(op: Op, tp: int) -> tuple[Candidate, ...]:
-    """``replicate`` first, then whatever ``tp`` divides; only ``replicate`` without a tp axis."""
+def candidates(op: Op, tp: int, sequence_parallel: bool = False) -> tuple[Candidate, ...]:
+    """``replicate`` first, then whatever ``tp`` divides (last, under ``sequence_parallel``, the token split); only
+    ``replicate`` without a tp axis."""
     rule = SHARDED.get(op.kind)
-    if tp == 1 or rule is None:
+    if tp == 1:
         return (replicate(op),)
-    return (replicate(op), *rule(op, tp))
+    found = (replicate(op), *(rule(op, tp) if rule is not None else ()))
+    return (*found, *_sequence(op, tp)) if sequence_parallel else found

@@ -48,7 +48,7 @@ from dpar.planner.costs import CostModel
 from dpar.planner.evaluate import Assignment, chosen
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
-from dpar.planner.rules import candidates
+from dpar.planner.rules import FORWARD_CONVERT, candidates
 from dpar.core.errors import OptionsError
 
 TIE_LAYOUT = 1e-4  # per position in layouts(), in units of single-device compute
@@ -179,7 +179,7 @@ def _build(
         z = problem.var(TIE_LAYOUT * rank + critical / scale, True)
         for phase, seconds in model.dp_latency().items():
             overlap[phase][z] = -seconds / scale
-        cands = [candidates(op, layout.tp_degree) for op in graph.ops]
+        cands = [candidates(op, layout.tp_degree, layout.sequence_parallel) for op in graph.ops]
         x = []
         instance_live: dict[str, dict[int, float]] = defaultdict(dict)
         for o, op_cands in enumerate(cands):
@@ -261,7 +261,7 @@ def _lower_bound(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, reco
         model = CostModel(graph, layout, device)
         acts = ActivationModel(graph, model, recompute, found)
         least = min(least, sum(
-            min(acts.memory(o, c, model.op_cost(o, c)) for c in candidates(op, layout.tp_degree))
+            min(acts.memory(o, c, model.op_cost(o, c)) for c in candidates(op, layout.tp_degree, layout.sequence_parallel))
             for o, op in enumerate(graph.ops)
         ))
     return least
@@ -297,6 +297,7 @@ def _edges(
     """Forward resharding per edge (its result's bytes when a recomputed op reads it: ``memory``); backward per
     producer and gradient placement (see the Note)."""
     pairs: dict[int, dict[tuple[int, int], int]] = {}
+    converted: dict[tuple[int, int, str], list[int]] = defaultdict(list)  # (producer, its candidate, wanted) -> pairs
     for i, e in enumerate(graph.edges):
         src, dst = cands[e.src], cands[e.dst]
         pair: dict[tuple[int, int], int] = {}
@@ -311,19 +312,25 @@ def _edges(
             for c2 in range(len(dst)):
                 problem.row({**{pair[c1, c2]: 1.0 for c1 in range(len(src))}, x[e.dst][c2]: -1.0}, 0.0, 0.0)
         for (c1, c2), v in pair.items():
-            _, seconds = model.edge_forward(e, src[c1], dst[c2])
-            if seconds:
-                problem.cost[v] += seconds / scale
+            wanted = dst[c2].inputs[e.position]
+            if FORWARD_CONVERT.get((src[c1].output, wanted)) is not None:
+                converted[e.src, c1, wanted].append(v)
             kept = acts.converted(e, src[c1], dst[c2])
             if kept:
                 memory[v] = memory.get(v, 0.0) + kept
         pairs[i] = pair
+    for (u, c1, wanted), readers in converted.items():  # one conversion serves every reader wanting it so
+        _, seconds = model.convert_forward(u, cands[u][c1], wanted)
+        if seconds:
+            once = problem.var(seconds / scale, False)
+            for v in readers:
+                problem.row({once: 1.0, v: -1.0}, 0.0, math.inf)
     out_edges: dict[int, list[int]] = defaultdict(list)
     for i, e in enumerate(graph.edges):
         out_edges[e.src].append(i)
     for u, edges in out_edges.items():
         for c1, cand in enumerate(cands[u]):
-            for arriving in ("R", "S", "P"):
+            for arriving in ("R", "S", "P", "Q"):
                 _, seconds = model.backward_convert(u, arriving, cand.output_grad)
                 if not seconds:
                     continue

@@ -14,13 +14,14 @@ model with attention.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 from dpar.compiler.costs import DeviceSpec
 from dpar.planner.evaluate import Assignment, evaluate
 from dpar.planner.layout import Layout, layouts
 from dpar.planner.opgraph import OpGraph
-from dpar.planner.plan import Plan
+from dpar.planner.plan import Plan, PolicyOption
 from dpar.planner.rules import FORWARD_CONVERT, Candidate, candidates
 from dpar.core.errors import OptionsError
 from dpar.core.plan import AxisRole, Strategy
@@ -58,8 +59,9 @@ def strategy_layout(name: str, mesh_shape: tuple[int, ...]) -> Layout:
     return Layout(tuple(mesh_shape), ("dp",) * len(mesh_shape), mode)
 
 
-def megatron(graph: OpGraph, tp: int) -> tuple[int, ...]:
-    """Candidate per op for Megatron tensor parallel (see the module docstring)."""
+def megatron(graph: OpGraph, tp: int, sequence_parallel: bool = False) -> tuple[int, ...]:
+    """Candidate per op for Megatron tensor parallel (see the module docstring); with ``sequence_parallel``
+    Megatron-SP: every token-wise op that can takes the token split."""
     picked: list[Candidate | None] = [None] * len(graph.ops)
     partners: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     for a, sa, b, sb in graph.shared:
@@ -75,7 +77,7 @@ def megatron(graph: OpGraph, tp: int) -> tuple[int, ...]:
     choices = []
     for o, op in enumerate(graph.ops):
         arriving = [picked[u].output if u >= 0 and picked[u] is not None else "R" for u in op.inputs]
-        options = [(c, cand) for c, cand in enumerate(candidates(op, tp)) if consistent(o, cand)]
+        options = [(c, cand) for c, cand in enumerate(candidates(op, tp, sequence_parallel)) if consistent(o, cand)]
         wanted = (("row",) if arriving[0] == "S" else ("column",)) if op.kind == "linear" else PREFERRED.get(op.kind, ())
         matching = [(c, cand) for c, cand in options if cand.name in wanted]
         tied = any(partners[o, s] for s in range(len(op.params)))
@@ -85,8 +87,9 @@ def megatron(graph: OpGraph, tp: int) -> tuple[int, ...]:
                 f"strategy 'tp': tp degree {tp} does not divide the {dims[wanted[0]]} of {op.module or op.name} "
                 f"(weight {op.param_shapes[0]}); use a tp degree that divides it"
             )
-        c, cand = matching[0] if matching else min(
-            options, key=lambda t: sum(FORWARD_CONVERT.get((a, r)) is not None for a, r in zip(arriving, t[1].inputs))
+        c, cand = matching[0] if matching else min(  # the fewest conversions; of as few, the token split
+            options, key=lambda t: (sum(FORWARD_CONVERT.get((a, r)) is not None for a, r in zip(arriving, t[1].inputs)),
+                                    t[1].name != "sequence")
         )
         picked[o] = cand
         choices.append(c)
@@ -107,6 +110,37 @@ def strategy_assignment(graph: OpGraph, name: str, mesh_shape: tuple[int, ...]) 
     if layout.tp_degree == 1:
         return Assignment(layout, (0,) * len(graph.ops))
     return Assignment(layout, megatron(graph, layout.tp_degree))
+
+
+def compare_strategies(
+    graph: OpGraph, mesh_shape: tuple[int, ...], device: DeviceSpec, budget: float | None,
+) -> tuple[PolicyOption, ...]:
+    """Each named strategy that applies to ``mesh_shape`` (a tp one with and without sequence parallel) under its
+    fastest uniform activation policy that fits ``budget`` (the least memory where none does), priced as the search
+    prices: the hand-written layouts a plan is shown beside."""
+    from dpar.planner.activations import with_policy
+    from dpar.planner.solver import policies
+
+    found = []
+    for name in STRATEGIES:
+        try:
+            assignment = strategy_assignment(graph, name, mesh_shape)
+        except OptionsError:
+            continue
+        layout = assignment.layout
+        variants = [assignment] + ([Assignment(dataclasses.replace(layout, sequence_parallel=True),
+                                               megatron(graph, layout.tp_degree, sequence_parallel=True))]
+                                   if layout.tp_degree > 1 else [])
+        for variant in variants:
+            base = evaluate(graph, variant, device)
+            priced = [(r, with_policy(base, graph, variant, device, r)) for r in policies(graph)]
+            fitting = [(r, p) for r, p in priced if budget is None or p.cost.memory_bytes_per_rank <= budget]
+            r, p = (min(fitting, key=lambda t: t[1].cost.step_s) if fitting
+                    else min(priced, key=lambda t: t[1].cost.memory_bytes_per_rank))
+            label = name + (" (sequence parallel)" if variant.layout.sequence_parallel else "")
+            found.append(PolicyOption(r.value, label, p.cost.step_s, p.cost.recompute_s, p.cost.memory_bytes_per_rank,
+                                      bool(fitting)))
+    return tuple(found)
 
 
 def evaluate_strategies(graph: OpGraph, mesh_shape: tuple[int, ...], device: DeviceSpec) -> dict[str, Plan | str]:

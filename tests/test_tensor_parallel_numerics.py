@@ -55,9 +55,10 @@ def test_sequence_parallel_matches_one_process(strategy: str, world: int, optimi
 
 def train_planned(
     rank: int, world_size: int, case: Case, roles: tuple[str, ...], links: tuple[float, float] | None = None
-) -> tuple[str, dict[str, int | None], dict]:
+) -> tuple[str, bool, dict[str, int | None], dict]:
     """``dpar.plan`` with the mesh dimension's role fixed (and ``links`` as (α, β) of a
-    100 GFLOP/s device, if given), applied by ``parallelize(plan=...)``."""
+    100 GFLOP/s device, if given), applied by ``parallelize(plan=...)``: (its strategy, whether it is sequence
+    parallel, its tp dims, the trained state)."""
     import dpar
     from dpar.compiler.costs import DeviceSpec
     from training import global_batch, seeded_model
@@ -65,22 +66,24 @@ def train_planned(
     x0, _ = global_batch(case.model, 0, 0, 8)
     device = DeviceSpec("test", 1e11, 1e11, 1e10, alpha=links[0], link_bandwidth=1 / links[1], mesh_links=(links,)) if links else "h100"
     plan = dpar.plan(seeded_model(case), (x0,), mesh_shape=(world_size,), mesh_dim_names=roles, device=device)
-    return plan.strategy, plan.tp_dims(), train_parallel(rank, world_size, case, "fsdp", plan=plan)
+    return plan.strategy, plan.sequence_parallel, plan.tp_dims(), train_parallel(rank, world_size, case, "fsdp", plan=plan)
 
 
 def test_a_tensor_parallel_plan_from_the_planner_applies_and_matches() -> None:
     """On the default (H100) constants the tiny GPT is too small to split; on a slow device
-    with a fast link the planner splits its layers, and that plan trains like one process."""
+    with a fast link the planner splits its layers, the norms and residuals by sequence (sequence parallel), and
+    that plan trains like one process."""
     case = Case("gpt", "sgd")
-    strategy, _, parallel = run_ranks(train_planned, 2, case, ("tp",))[0]
+    strategy, _, _, parallel = run_ranks(train_planned, 2, case, ("tp",))[0]
     diff = max_abs_diff(parallel, single_process(case))
     print(f"planned {strategy} (H100): max |difference| {diff:.2e}")
     assert strategy in ("tp", "replicate") and diff <= TOLERANCE["sgd"]
-    strategy, dims, parallel = run_ranks(train_planned, 2, case, ("tp",), (1e-7, 1e-12))[0]
+    strategy, sequence_parallel, dims, parallel = run_ranks(train_planned, 2, case, ("tp",), (1e-7, 1e-12))[0]
     split = sorted(name for name, dim in dims.items() if dim is not None)
     diff = max_abs_diff(parallel, single_process(case))
     print(f"planned {strategy} (slow device, fast link) splits {len(split)} parameters: max |difference| {diff:.2e}")
-    assert strategy == "tp" and {"blocks.0.attn.q.weight", "blocks.0.mlp.up.weight", "tok_emb.weight"} <= set(split)
+    assert strategy == "tp" and sequence_parallel
+    assert {"blocks.0.attn.q.weight", "blocks.0.mlp.up.weight", "tok_emb.weight"} <= set(split)
     assert diff <= TOLERANCE["sgd"]
 
 

@@ -10,7 +10,8 @@ so it may compose data and tensor parallel. DDP and FSDP alone are priced by the
 on the same mesh (every dimension data parallel: hierarchical collectives, innermost first),
 TP alone on the 1-D mesh (world,) (a 2-D mesh takes at most one tp dimension). A ratio is that strategy's step time over the planner's
 (above 1: the planner is faster); "n/a" where a strategy does not apply (a batch dp cannot
-split, heads tp cannot split), a trailing "!" where it would not fit the budget.
+split, heads tp cannot split), a trailing "!" where it would not fit the budget; "SP": the plan's tp axis runs
+sequence parallel.
 Writes benchmarks/results/plan_sweep.{json,md,png}.
 """
 
@@ -59,7 +60,8 @@ def sweep_point(batch: int, hidden: int, world: int) -> dict:
     except OptionsError as error:
         return {**row, "plan": None, "error": str(error)}
     row.update(
-        plan_s=time.perf_counter() - start, strategy=best.strategy, data_parallel=best.data_parallel,
+        plan_s=time.perf_counter() - start, strategy=best.strategy + (" SP" if best.sequence_parallel else ""),
+        data_parallel=best.data_parallel,
         roles=list(best.mesh_dim_names), step_s=best.cost.step_s, memory_gb=best.cost.memory_bytes_per_rank / 1e9,
     )
     graph = build_op_graph(model, inputs)

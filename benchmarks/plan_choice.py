@@ -1,0 +1,116 @@
+"""Is the planner's choice the fastest when the candidates actually run? Two small models at 4 and 8 gloo ranks.
+
+    python benchmarks/plan_choice.py                        # about 15 minutes on 2 cores
+    python benchmarks/plan_choice.py --configs llama-4m@4 --steps 8 --rounds 2
+
+For each config (``model@ranks``) the planner plans the global batch (``rows`` x ``seq`` per rank, every rank
+its own rows, 64 tokens a row for the GPT) on a 1-D mesh of the ranks with the ``cpu`` device preset (the cost model of gloo CPU ranks that
+``dpar inspect`` uses); then every rank trains the plan as ``parallelize(plan=...)`` applies it (``planned``)
+and each named strategy that applies (ddp, zero2, fsdp, tp, and cp for a model with attention), from the same
+weights on the same batches, AdamW, aot_eager. After a warm-up the modes take turns (``benchmarks/harness.py``
+``turns``), each turn giving every mode a median step; a mode's figure is the median of its turns, its spread
+the lowest and highest turn. The planner's choice holds when ``planned`` is the fastest, or within the spread
+of the fastest (its slowest turn at least as fast as the planned mode's fastest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import dpar
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+from distributed import run_ranks  # noqa: E402
+from harness import RESULTS, revision, timed_steps, turns  # noqa: E402
+from models import MODELS, batches  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+# The modules trained: the example GPT itself (the sweep's subclass adds a ``blocks`` list for FSDP2, which the
+# planner's export would take for a submodule) and Hugging Face Llama.
+BUILD = {"gpt-0.8m": lambda: GPT(GPTConfig()), "llama-4m": MODELS["llama-4m"].build}
+
+ROWS, SEQ = 4, 128  # rows a rank, tokens a row (at most the model's context)
+NAMED = ("ddp", "zero2", "fsdp", "tp", "cp")
+
+
+def _plan(model_name: str, world: int) -> dpar.Plan:
+    spec = MODELS[model_name]
+    torch.manual_seed(0)
+    ids, labels = batches(spec, ROWS * world, _seq(model_name), 1, seed=0)[0]
+    return dpar.plan(BUILD[model_name](), (ids, labels), mesh_shape=(world,), device="cpu")
+
+
+def _seq(model_name: str) -> int:
+    return min(SEQ, MODELS[model_name].max_seq)
+
+
+def _applies(strategy: str, model_name: str) -> bool:
+    return strategy != "cp" or model_name.startswith("llama")  # cp splits attention's sequences
+
+
+def measure(rank: int, world: int, model_name: str, plan: dpar.Plan, steps: int, rounds: int, warmup: int
+            ) -> dict[str, list[float]] | None:
+    """Per mode, its median step (ms) in each turn, on rank 0."""
+    spec = MODELS[model_name]
+    modes = ["planned", *(s for s in NAMED if _applies(s, model_name))]
+    data = batches(spec, ROWS, _seq(model_name), warmup + steps, seed=rank)
+    runners = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        model = BUILD[model_name]()
+        kwargs = {"plan": plan} if mode == "planned" else {"strategy": mode, "example_inputs": data[0]}
+        dpar.parallelize(model, **kwargs)
+        compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+        runners[mode] = (compiled, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for mode, (compiled, optimizer) in runners.items():
+        timed_steps(compiled, optimizer, data[:warmup])
+    per_turn: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _, mode, window in turns(modes, rounds, steps, warmup):
+        compiled, optimizer = runners[mode]
+        step_ms, _ = timed_steps(compiled, optimizer, data[window])
+        per_turn[mode].append(statistics.median(step_ms))
+    return per_turn if rank == 0 else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="gpt-0.8m@4,gpt-0.8m@8,llama-4m@4,llama-4m@8")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "plan_choice.json")
+    args = parser.parse_args()
+    record = {"revision": revision(), "rows_per_rank": ROWS, "seq": SEQ, "configs": []}
+    for config in args.configs.split(","):
+        model_name, ranks = config.split("@")
+        world = int(ranks)
+        plan = _plan(model_name, world)
+        per_turn = run_ranks(measure, world, model_name, plan, args.steps, args.rounds, args.warmup, timeout_s=1800)[0]
+        medians = {mode: statistics.median(t) for mode, t in per_turn.items()}
+        fastest = min(medians, key=medians.get)
+        holds = fastest == "planned" or max(per_turn[fastest]) >= min(per_turn["planned"])
+        entry = {
+            "config": config, "planned": plan.strategy + (" (sequence parallel)" if plan.sequence_parallel else ""),
+            "modelled_step_ms": plan.cost.step_s * 1e3, "median_ms": medians,
+            "turns_ms": per_turn, "fastest": fastest, "planned_vs_fastest": medians["planned"] / medians[fastest],
+            "holds": holds,
+        }
+        record["configs"].append(entry)
+        print(f"{config}: planned {entry['planned']}; " + ", ".join(
+            f"{m} {medians[m]:.1f} ms [{min(t):.1f}, {max(t):.1f}]" for m, t in per_turn.items())
+            + f"; planned / fastest ({fastest}) {entry['planned_vs_fastest']:.2f}: {'holds' if holds else 'does not hold'}",
+            flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

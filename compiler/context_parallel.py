@@ -11,6 +11,8 @@ import torch.fx as fx
 
 from dpar.compiler.capture import GraphInput, InputKind
 from dpar.compiler.passes.context_parallel import context_parallel_pass, mark_sequences, marked_length, sequence_length
+from dpar.compiler.options import DDP_BUCKET_CAP_MB
+from dpar.compiler.passes.gradient_reductions import bucket_returned_all_reduces
 from dpar.compiler.passes.group_batch import GroupBatch, mark_own_rows, unroll_group_batch
 from dpar.compiler.propagation.propagate import MeshDim
 from dpar.core.plan import AxisRole, ParallelPlan
@@ -42,6 +44,9 @@ class ContextParallel:
     def unroll_group_batch(self, joint: fx.GraphModule) -> fx.GraphModule:
         assert self.group_batch is not None
         return unroll_group_batch(joint, self.group_batch)
+
+    def bucket_gradients(self, backward: fx.GraphModule) -> fx.GraphModule:
+        return bucket_returned_all_reduces(backward, self.group_name, DDP_BUCKET_CAP_MB * 2**20)
 
     def context_parallel(self, joint: fx.GraphModule) -> fx.GraphModule:
         mesh = MeshDim(size=self.size, rank=self.rank, group_name=self.group_name, period=marked_length(joint))

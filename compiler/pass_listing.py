@@ -226,11 +226,15 @@ class PassListing:
 
     def backward_passes(self, variant: Variant = Variant.SYNC) -> list[Pass]:
         passes: list[Pass] = []
+        # cp's gradient sums, every step (no_sync too): after zero2's / fsdp's reduce-scatters, which sharding
+        # runs first (the sums are of shards), before ddp's all-reduce, which the graph adds after them.
         if self.sharded is not None:
             passes += [("bucket_all_gathers", self.sharded.all_gathers), ("bucket_reduce_scatters", self.sharded.reduce_scatters)]
-        elif self.gradients is not None:
-            if variant is Variant.NO_SYNC:  # gradients accumulate locally: nothing to insert
-                return []
+        if self.context is not None:
+            passes.append(("bucket_cp_gradients", self.context.bucket_gradients))
+        if self.sharded is None and self.gradients is not None:
+            if variant is Variant.NO_SYNC:  # gradients accumulate locally: nothing more to insert
+                return self._then_waits(passes) if passes else []
             passes.append(("all_reduce_gradients", lambda g: self.gradients.all_reduce(g, variant)))
         return self._then_waits(passes)
 

@@ -53,8 +53,8 @@ backward, on tp's critical path.
 
 Context parallelism (a ``cp`` axis, planner/layout.py): the tokens of every sequence split over it, so everything
 the batch divides (activations, compute, the saved bytes) divides by D x cp, the token degree; the parameters stay
-whole over it (state sharded over ``dp`` only) and each trained parameter's gradient, a partial sum over the
-sequence, is all-reduced over ``cp`` on its own (no bucket: an α each), hidden behind the backward as the
+whole over it (state sharded over ``dp`` only) and the trained parameters' gradients, partial sums over the
+sequence, are all-reduced over ``cp`` in buckets of DDP's cap (an α each), hidden behind the backward as the
 data-parallel collectives are. Each attention op gathers its keys and values whole over ``cp`` (the tensors that
 reach it before any repeat of grouped heads, as the runtime gathers them: ``repeats_a_split_value`` in
 ``compiler/propagation/context_rules.py``), twice (the forward, and the backward again, which does not keep them) and reduce-scatters
@@ -212,11 +212,10 @@ class CostModel:
 
     def dp_latency(self) -> dict[str, float]:
         """The α part of the data-parallel collectives: one per bucket and kind, whatever the candidates (under ep
-        the experts' buckets apart, over the ``dp`` axes), and under cp one all-reduce per trained parameter."""
+        the experts' buckets apart, over the ``dp`` axes), and under cp one all-reduce per bucket of gradients."""
         seconds = {"forward": 0.0, "backward": 0.0}
         if self.layout.cp_axis is not None:
-            trained = sum(p.requires_grad and p.op is not None for p in self.graph.params)
-            seconds["backward"] += trained * self.collective("all_reduce", 0.0, (self.layout.cp_axis,))
+            seconds["backward"] += self.context_gradient_buckets() * self.collective("all_reduce", 0.0, (self.layout.cp_axis,))
         for kind, phase, trained_only, not_root, buckets in self.dp_collectives():
             seconds[phase] += buckets * self.collective(kind, 0.0, self.layout.dp_axes)
             if self.experts and self.reduced_over(True):
@@ -298,6 +297,12 @@ class CostModel:
         """The attention exchange over cp in time, on the critical path."""
         return sum(count * self.collective(kind, nbytes, (self.layout.cp_axis,))
                    for kind, _, nbytes, count, _ in self.context_exchange())
+
+    def context_gradient_buckets(self) -> int:
+        """The all-reduces of the gradients over cp: the trained parameters' bytes per rank in buckets of DDP's cap, as
+        the runtime fills them (compiler/passes/gradient_reductions.py); at least one."""
+        nbytes = sum(self.param_numel(p, "R") * p.itemsize for p in self.graph.params if p.requires_grad and p.op is not None)
+        return max(1, math.ceil(nbytes / BUCKET_CAP_BYTES))
 
     def context_gradient_seconds(self, nbytes: float) -> float:
         """The bandwidth term of one gradient's all-reduce over cp (its α: ``dp_latency``); 0 without a cp axis."""

@@ -147,11 +147,11 @@ def _dp_collectives(graph: OpGraph, model: CostModel, picked: list[Candidate]) -
                 buckets, where = model.expert_buckets[trained_only, not_root], f"the experts': {where}"
             found.append(CollectivePlan(kind, "dp" if expert or not model.experts else "dp x ep", phase, round(nbytes),
                                         buckets, where))
-    if model.layout.cp_axis is not None:  # each trained parameter's gradient on its own (see the cost model's Note)
+    if model.layout.cp_axis is not None:  # the gradients' partial sums over the sequence (see the cost model's Note)
         trained = [p for p in graph.params if p.op is not None and p.requires_grad]
         nbytes = sum(model.param_numel(p, picked[p.op].params[p.slot]) * p.itemsize for p in trained)
-        found.append(CollectivePlan("all_reduce", "cp", "backward", round(nbytes), len(trained),
-                                    "each trained parameter's gradient (a partial sum over the sequence)"))
+        found.append(CollectivePlan("all_reduce", "cp", "backward", round(nbytes), model.context_gradient_buckets(),
+                                    "the gradients (partial sums over the sequence), in buckets"))
     return found
 
 

@@ -171,8 +171,9 @@ def _nano(seq: int = SEQ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 def test_each_rank_attends_with_its_two_chunks_against_gathered_keys() -> None:
     """One copy (the group fed one batch): every attention kernel runs on a chunk of seq / (2 cp) queries;
     per layer the forward all-gathers keys and values, the backward gathers them again and reduce-scatters
-    their gradients (one reduce-scatter: nanoGPT's fused qkv); the loss is a sum and a count all-reduced;
-    nothing else gathers activations (not the logits, not the positions' gradient)."""
+    their gradients (one reduce-scatter: nanoGPT's fused qkv); the loss is a sum and a count all-reduced, the
+    parameters' gradients in one bucket; nothing else gathers activations (not the logits, not the positions'
+    gradient)."""
     model, ids, targets = _nano()
     graphs = _graphs(model, ids, targets, same_batch_in_cp_group=True)
     forward, backward = graphs["forward graph"], graphs["backward graph"]
@@ -185,6 +186,8 @@ def test_each_rank_attends_with_its_two_chunks_against_gathered_keys() -> None:
     assert kinds(forward).count(("all_reduce", "torch.float32")) == 2  # the loss's sum and count
     assert kinds(backward).count(("all_gather", "torch.float32")) == 2 * layers  # keys and values again
     assert kinds(backward).count(("reduce_scatter", "torch.float32")) == layers
+    # The parameters' gradients, partial sums over the sequence, in one bucket (its 29,568 values), not 28 all-reduces.
+    assert [(c.kind, c.shape) for c in collectives(backward) if c.kind == "all_reduce"] == [("all_reduce", ("29568",))]
     vocab_sized = [c for c in collectives(forward) if c.shape and c.shape[-1] == "64" and c.kind == "all_gather"]
     assert not vocab_sized, vocab_sized
 

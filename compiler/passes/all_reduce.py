@@ -59,7 +59,8 @@ def all_reduce_gradients_pass(
                     node = graph.call_function(aten.add.Tensor, (node, accumulated[grad.output_index]))
                 flats.append(view_contiguous(graph, node, [grad.numel]))
             flat = flats[0] if len(flats) == 1 else graph.call_function(aten.cat.default, (flats,))
-            flat = graph.call_function(aten.div.Tensor, (flat, world_size))
+            if world_size > 1:  # 1: a plain sum (context parallel's partial sums)
+                flat = graph.call_function(aten.div.Tensor, (flat, world_size))
             reduced = graph.call_function(c10d.all_reduce.default, (flat, "sum", group_name))
             reduced.meta[BUCKET_REASON] = bucket.reason
             waited = graph.call_function(c10d.wait_tensor.default, (reduced,))

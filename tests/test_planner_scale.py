@@ -6,11 +6,10 @@ import math
 import time
 
 import pytest
-import torch
 from planner_models import gpt
 
 from dpar.planner.capture import build_op_graph
-from dpar.planner.plan import policy_label
+from dpar.planner.plan import Plan, policy_label
 from dpar.planning import plan
 
 GPT_24 = dict(n_layer=24, n_embd=1024, n_head=16, block=1024, vocab=50304, batch=64)
@@ -49,6 +48,13 @@ def _llama3(size: str, **overrides: int):
     return model, rank_slice, global_batch
 
 
+def _planned_on_h100s(model, global_batch, mesh_shape) -> tuple[Plan, float]:
+    """The plan on H100s of 80 GB, and the seconds planning took."""
+    start = time.perf_counter()
+    p = plan(model, global_batch, mesh_shape=mesh_shape, memory_budget_gb=80, device="h100")
+    return p, time.perf_counter() - start
+
+
 @pytest.mark.parametrize(("size", "mesh_shape", "seq", "recomputes"),
                          [("8b", (8, 8), 2048, False), ("70b", (32, 8), 4096, True)])
 def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, seq, recomputes):
@@ -59,10 +65,7 @@ def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, seq, recomput
     own prices than FSDP x TP, which the plan shows beside it, and than fsdp over all 256 ranks (whose gathers of
     70B parameters across nodes outlast the compute)."""
     model, rank_slice, global_batch = _llama3(size, seq=seq)
-    start = time.perf_counter()
-    p = plan(model, global_batch(rank_slice, math.prod(mesh_shape)), mesh_shape=mesh_shape, memory_budget_gb=80,
-             device="h100")
-    seconds = time.perf_counter() - start
+    p, seconds = _planned_on_h100s(model, global_batch(rank_slice, math.prod(mesh_shape)), mesh_shape)
     print(f"Llama-3-{size} on {mesh_shape}: {p.strategy}, {policy_label(p.activations)}, "
           f"{p.cost.step_s * 1e3:.1f} ms/step, {p.cost.memory_bytes_keep / 1e9:.2f} -> "
           f"{p.cost.memory_bytes_per_rank / 1e9:.2f} GB per rank, planned in {seconds:.1f} s")
@@ -86,11 +89,8 @@ def test_llama3_8b_at_131k_tokens_on_64_ranks_splits_its_sequences():
     sequences for 64 ranks), tensor parallel only with sequence parallel and every block recomputed, slower than
     splitting every sequence over 8 ranks: the plan feeds each cp group one sequence and gathers keys and values at
     every attention, forward and backward."""
-    model, _, _ = _llama3("8b", rows=8, seq=131072)  # the global batch: 8 rows for 64 ranks
-    start = time.perf_counter()
-    p = plan(model, (torch.zeros(8, 131072, dtype=torch.long, device="meta"),), mesh_shape=(8, 8), memory_budget_gb=80,
-             device="h100")
-    seconds = time.perf_counter() - start
+    model, batch, _ = _llama3("8b", rows=8, seq=131072)  # the global batch: 8 rows for 64 ranks
+    p, seconds = _planned_on_h100s(model, batch, (8, 8))
     print(f"Llama-3-8B at 131k tokens on 8 x 8: {p.strategy} {p.mesh_dim_names}, {policy_label(p.activations)}, "
           f"{p.cost.step_s:.2f} s/step (cp exchange {p.cost.cp_comm_s * 1e3:.0f} ms), "
           f"{p.cost.memory_bytes_per_rank / 1e9:.2f} GB per rank, planned in {seconds:.1f} s")

@@ -31,12 +31,16 @@ FLOAT32 = 1e-4
 # (model, strategy, mesh shape, rows per rank, tokens per row, ranks fed the same rows, float64[, inner compiler])
 TWO_RANKS = [
     ("llama", "cp", None, 2, 8, 1, True),
-    ("llama", "cp", None, 2, 8, 1, False),
     ("llama", "cp", None, 2, 8, 1, False, "inductor"),  # Inductor's decompositions: the loss and embedding forms
-    ("nanogpt", "cp", None, 2, 8, 1, True),
     ("titan_llama3", "cp", None, 2, 8, 1, True),
-    ("llama", "cp", None, 2, 8, 2, True),  # same_batch_in_cp_group: one copy, each rank its chunks
     ("nanogpt_4k", "cp", None, 1, 4096, 1, True),
+]
+# Paths the cases above and the 4-rank launch cover: fp32 under aot_eager (Inductor's fp32 case), nanoGPT at 8 tokens
+# (at 4,096), a cp group fed one batch (the planned zero2+cp case and the logits check).
+TWO_RANKS_MORE = [
+    ("llama", "cp", None, 2, 8, 1, False),
+    ("nanogpt", "cp", None, 2, 8, 1, True),
+    ("llama", "cp", None, 2, 8, 2, True),  # same_batch_in_cp_group: one copy, each rank its chunks
 ]
 FOUR_RANKS = [
     ("llama", "fsdp+cp", (2, 2), 2, 8, 1, True),
@@ -138,6 +142,11 @@ def _four_rank_launch(rank: int, world_size: int) -> tuple[dict[str, float | str
     found = _train_cases(rank, world_size, FOUR_RANKS)
     torch._dynamo.reset()
     return found, _planned(rank, world_size)
+
+
+@pytest.mark.extended
+def test_more_context_parallel_cases_match_torch_ddp_on_two_ranks() -> None:
+    _check(run_ranks(_train_cases, 2, TWO_RANKS_MORE, timeout_s=600)[0], TWO_RANKS_MORE)
 
 
 def test_context_parallel_with_a_data_axis_matches_torch_ddp_on_four_ranks() -> None:

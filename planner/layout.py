@@ -37,6 +37,15 @@ class Layout:
     data_parallel: str
     sequence_parallel: bool = False  # Megatron-SP on the tp axis: the token stream between tp layers split over it
 
+    def axis(self, role: str) -> int | None:
+        """The mesh dimension of the one axis of ``role`` (tp, ep or cp); None where there is none."""
+        return self.roles.index(role) if role in self.roles else None
+
+    def degree(self, role: str) -> int:
+        """That axis's size; 1 where there is none."""
+        axis = self.axis(role)
+        return 1 if axis is None else self.mesh_shape[axis]
+
     @property
     def dp_axes(self) -> tuple[int, ...]:
         """The axes that split the batch and reduce the gradients of every parameter outside the experts."""
@@ -49,11 +58,11 @@ class Layout:
 
     @property
     def ep_axis(self) -> int | None:
-        return self.roles.index("ep") if "ep" in self.roles else None
+        return self.axis("ep")
 
     @property
     def ep_degree(self) -> int:
-        return 1 if self.ep_axis is None else self.mesh_shape[self.ep_axis]
+        return self.degree("ep")
 
     @property
     def expert_dp_degree(self) -> int:
@@ -61,11 +70,11 @@ class Layout:
 
     @property
     def cp_axis(self) -> int | None:
-        return self.roles.index("cp") if "cp" in self.roles else None
+        return self.axis("cp")
 
     @property
     def cp_degree(self) -> int:
-        return 1 if self.cp_axis is None else self.mesh_shape[self.cp_axis]
+        return self.degree("cp")
 
     @property
     def token_degree(self) -> int:
@@ -74,7 +83,7 @@ class Layout:
 
     @property
     def tp_axis(self) -> int | None:
-        return self.roles.index("tp") if "tp" in self.roles else None
+        return self.axis("tp")
 
     @property
     def dp_degree(self) -> int:
@@ -82,7 +91,7 @@ class Layout:
 
     @property
     def tp_degree(self) -> int:
-        return 1 if self.tp_axis is None else self.mesh_shape[self.tp_axis]
+        return self.degree("tp")
 
     @property
     def dp_placement(self) -> str:

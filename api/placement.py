@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from dpar.planner.plan import Plan
 
 STRATEGIES = (*(s.value for s in Strategy), "auto")
-TENSOR_PARALLEL = tuple(s.value for s in Strategy if s.tensor_parallel)
+TENSOR_PARALLEL = tuple(s.value for s in Strategy if s.tensor_parallel and not s.context_parallel)
 
 
 def _taking(accepts: Callable[[Strategy], bool], auto: bool = False) -> frozenset[str]:
@@ -69,9 +69,10 @@ ACCEPTS: dict[str, tuple[frozenset[str], str]] = {
     "same_batch_in_cp_group": (_taking(lambda s: s.context_parallel), (
         "same_batch_in_cp_group says every rank of a context-parallel group is fed the same rows; strategy "
         "{strategy!r} has no such group: feed every rank its own slice, as with DDP")),
-    "sequence_parallel": (_taking(lambda s: s.tensor_parallel), (
-        "sequence_parallel splits the activations between tensor-parallel layers; it needs a "
-        f"tensor-parallel strategy ({', '.join(TENSOR_PARALLEL)}), not {{strategy!r}}")),
+    "sequence_parallel": (_taking(lambda s: s.tensor_parallel and not s.context_parallel), (
+        "sequence_parallel splits the activations between tensor-parallel layers along the sequence; it needs a "
+        f"tensor-parallel strategy without a cp axis, which splits the sequence itself "
+        f"({', '.join(TENSOR_PARALLEL)}), not {{strategy!r}}")),
     # Every strategy takes it (tags on the joint graph, compiler/passes/recompute.py); refused nowhere.
     "activation_checkpointing": (_taking(lambda s: True, auto=True), ""),
 }
@@ -250,14 +251,16 @@ def _place(
         buckets = _shard(model, dp_mesh, bucket_cap_mb, options["param_dtype"], meshes)
     else:
         buckets = ()
-    if splits is not None:
-        tensor_parallel.install_markers(model, splits, tensor_parallel.state_dict_mesh(tp_mesh, dp_mesh, mesh), tp_experts)
+    if splits is not None:  # over ("dp", "tp"): parameters are whole over "cp"
+        two_d = mesh["dp", "tp"] if mesh.ndim == 3 else mesh
+        tensor_parallel.install_markers(model, splits, tensor_parallel.state_dict_mesh(tp_mesh, dp_mesh, two_d), tp_experts)
     if experts is not None:  # the experts' blocks enter state dicts as Shard(0) DTensors over the ep mesh
         experts.install(model, tensor_parallel.state_dict_mesh(ep_mesh, experts_dp_mesh, mesh, "ep"))
     attach(ParallelPlan(  # kept in model's ModelState (see [Note: facts keyed by name, not by tensor])
         chosen, _axes(mesh, _roles(chosen, mesh)), buckets, max_inflight_gathers, options["param_dtype"],
         options["reduce_dtype"], options["sequence_parallel"], options["same_batch_in_tp_group"],
         options["same_batch_in_cp_group"], options["sync_every"], options["activation_checkpointing"],
+        _rows_group(chosen, mesh),
     ), model)
     if chosen.data_parallel in _APPLY_MODE:
         _APPLY_MODE[chosen.data_parallel](model, mesh, options["sync_every"], options["outer_optimizer"])
@@ -265,6 +268,14 @@ def _place(
         optimizer_hooks.watch_optimizers()
         parameter_writes.replay_writes_at_full_size()  # see [Note: a write the part cannot take as it stands]
         initialization.replay_own_initializers(model)  # see [Note: the model's own initializer, called on a ...]
+
+
+def _rows_group(strategy: Strategy, mesh: DeviceMesh) -> MeshAxis | None:
+    """Under cp and tp together, the two axes flattened into one group (``ParallelPlan.rows_group``)."""
+    if not (strategy.context_parallel and strategy.tensor_parallel):
+        return None
+    flat = mesh["cp", "tp"]._flatten()
+    return MeshAxis("cp_tp", AxisRole.TENSOR, flat.size(), flat.get_group().group_name)
 
 
 def _world(strategy: str) -> int:
@@ -315,11 +326,12 @@ def _checked(
 
 def _mesh_refusal(strategy: Strategy, world: int, shape: tuple[int, ...] | None, device_type: str) -> str:
     """The one message refusing a mesh that is not the strategy's: one axis per role, over the whole world."""
-    if len(strategy.roles) == 2:
-        names = strategy.mesh_dim_names
+    if len(strategy.roles) > 1:
+        names, ndim = strategy.mesh_dim_names, len(strategy.roles)
+        example = (2,) * (ndim - 1) + (max(world // 2 ** (ndim - 1), 1),)
         return (
-            f"strategy {strategy.value!r} needs a 2-D mesh ({', '.join(names)}) over the whole world ({world} ranks), "
-            f"got {shape}; e.g. init_device_mesh({device_type!r}, (2, {max(world // 2, 1)}), mesh_dim_names={names})"
+            f"strategy {strategy.value!r} needs a {ndim}-D mesh ({', '.join(names)}) over the whole world ({world} "
+            f"ranks), got {shape}; e.g. init_device_mesh({device_type!r}, {example}, mesh_dim_names={names})"
         )
     fix = {
         Strategy.TP: "for a 2-D mesh use 'ddp+tp' or 'fsdp+tp'",
@@ -340,7 +352,7 @@ def _checked_mesh(strategy: Strategy, mesh: DeviceMesh | None, world: int, devic
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=names if strategy.expert_parallel else None)
     if mesh is None or mesh.ndim != ndim or mesh.size() != world:
         raise OptionsError(_mesh_refusal(strategy, world, None if mesh is None else tuple(mesh.shape), device_type))
-    named_by_role = strategy.expert_parallel or (strategy.context_parallel and ndim == 1)
+    named_by_role = strategy.expert_parallel or (strategy.context_parallel and (ndim == 1 or strategy.tensor_parallel))
     if named_by_role and mesh.mesh_dim_names not in ((None, names) if ndim == 1 else (names,)):
         raise OptionsError(
             f"strategy {strategy.value!r} needs the mesh's dimensions named {names}, got {mesh.mesh_dim_names}; "
@@ -356,7 +368,7 @@ def _checked_mesh(strategy: Strategy, mesh: DeviceMesh | None, world: int, devic
 
 def _roles(strategy: Strategy, mesh: DeviceMesh) -> tuple[AxisRole, ...]:
     """Each mesh dimension's role: by position, or by name for a data and a tensor or context axis (either order)."""
-    if (strategy.tensor_parallel or strategy.context_parallel) and mesh.ndim == 2:
+    if (strategy.tensor_parallel != strategy.context_parallel) and mesh.ndim == 2:
         second = strategy.mesh_dim_names[1]
         return tuple(strategy.roles[1] if name == second else strategy.roles[0] for name in mesh.mesh_dim_names)
     return strategy.roles
@@ -368,7 +380,8 @@ def _sub_meshes(strategy: Strategy, mesh: DeviceMesh) -> tuple[DeviceMesh | None
     if strategy.expert_parallel:
         return (mesh if mesh.ndim == 1 else DeviceMesh(mesh.device_type, torch.arange(mesh.size()))), None
     if strategy.context_parallel:  # parameters whole over "cp": the data axis only, if any
-        return (mesh["dp"] if mesh.ndim == 2 else None), None
+        dp_mesh = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else None
+        return dp_mesh, (mesh["tp"] if strategy.tensor_parallel else None)
     if not strategy.tensor_parallel:
         return mesh, None
     return (mesh["dp"], mesh["tp"]) if mesh.ndim == 2 else (None, mesh)

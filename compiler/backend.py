@@ -93,11 +93,11 @@ def dpar_backend(
     # See [Note: uneven shards, one pad] in runtime/sharding.py.
     with uneven_shards_padded_once() if plan.strategy.shards_parameters else contextlib.nullcontext():
         compiled = compile_graphs(gm, example_inputs, compiler=parsed.compiler, hook=hook, joint_pass=passes.joint())
+    data = [i.index for i in inputs if i.kind is InputKind.DATA]
     if plan.same_batch_in_tp_group and world.backend != "fake":
-        return checking_same_rows(compiled, [i.index for i in inputs if i.kind is InputKind.DATA], passes.tensor.mesh.group_name)
+        compiled = checking_same_rows(compiled, data, passes.tensor.mesh.group_name)
     if plan.same_batch_in_cp_group and world.backend != "fake":
-        return checking_same_rows(compiled, [i.index for i in inputs if i.kind is InputKind.DATA], passes.context.group_name,
-                                  "same_batch_in_cp_group", "context-parallel")
+        compiled = checking_same_rows(compiled, data, passes.context.group_name, "same_batch_in_cp_group", "context-parallel")
     return compiled
 
 

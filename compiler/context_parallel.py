@@ -25,14 +25,16 @@ class ContextParallel:
     Under DDP's data contract the group's rows are moved and the graph unrolled once per rank of the
     group, as tensor parallel does ([Note: the data contract under tensor parallel]): every rank then
     computes its chunks of every sequence of the group, so its activations are DDP's. ``group_batch`` is
-    None where the user feeds the group identical rows, and each rank holds 1/cp of one copy's.
+    None where the user feeds the group identical rows, and each rank holds 1/cp of one copy's. With a
+    tensor axis too, the rows are moved once over both (``ParallelPlan.rows_group``), or over the one
+    whose ranks are fed different rows.
     """
 
     def __init__(self, inputs: Sequence[GraphInput], plan: ParallelPlan) -> None:
         axis = plan.axis(AxisRole.CONTEXT)
         assert axis is not None, "a context-parallel plan has a context axis"
         self.size, self.rank, self.group_name = axis.size, world_of_group(axis.group_name).rank, axis.group_name
-        self.group_batch = None if plan.same_batch_in_cp_group else GroupBatch(axis.size, self.rank, axis.group_name)
+        self.group_batch = _group_batch(plan)
         self.data = [i.index for i in inputs if i.kind is InputKind.DATA]
 
     def mark_inputs(self, gm: fx.GraphModule) -> fx.GraphModule:
@@ -51,3 +53,15 @@ class ContextParallel:
     def context_parallel(self, joint: fx.GraphModule) -> fx.GraphModule:
         mesh = MeshDim(size=self.size, rank=self.rank, group_name=self.group_name, period=marked_length(joint))
         return context_parallel_pass(joint, mesh)
+
+
+def _group_batch(plan: ParallelPlan) -> GroupBatch | None:
+    """The group whose ranks' rows each rank computes: cp's, tp's, both flattened, or none (all fed alike)."""
+    moved = [] if plan.same_batch_in_cp_group else [plan.axis(AxisRole.CONTEXT)]
+    if plan.strategy.tensor_parallel and not plan.same_batch_in_tp_group:
+        moved.append(plan.axis(AxisRole.TENSOR))
+    if not moved:
+        return None
+    axis = moved[0] if len(moved) == 1 else plan.rows_group
+    assert axis is not None, "parallelize sets the flattened group of a plan with a cp and a tp axis"
+    return GroupBatch(axis.size, world_of_group(axis.group_name).rank, axis.group_name)

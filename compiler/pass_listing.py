@@ -184,10 +184,10 @@ class PassListing:
     # The stages, in the order a graph meets them.
 
     def dynamo_passes(self) -> list[Pass]:
-        if self.tensor is not None and self.tensor.group_batch is not None:
-            return [("mark_own_rows", self.tensor.mark_own_rows)]
         if self.context is not None:
             return [("mark_sequences", self.context.mark_inputs)]
+        if self.tensor is not None and self.tensor.group_batch is not None:
+            return [("mark_own_rows", self.tensor.mark_own_rows)]
         return []
 
     def joint_passes(self) -> list[Pass]:
@@ -206,9 +206,10 @@ class PassListing:
 
     def _tensor_parallel_passes(self) -> list[Pass]:
         """The joint graph's passes of an axis activations cross (tensor or context), which no-grad graphs run too."""
-        if self.context is not None:
+        if self.context is not None:  # with a tensor axis: its split first, then the sequence's over its blocks
             unroll = [("unroll_group_batch", self.context.unroll_group_batch)] if self.context.group_batch is not None else []
-            return [*unroll, ("context_parallel", self.context.context_parallel)]
+            tensor = [("tensor_parallel", self.tensor.tensor_parallel)] if self.tensor is not None else []
+            return [*unroll, *tensor, ("context_parallel", self.context.context_parallel)]
         if self.tensor is None:
             return []
         unroll = [("unroll_group_batch", self.tensor.unroll_group_batch)] if self.tensor.group_batch is not None else []

@@ -30,7 +30,9 @@ class TensorParallel:
         assert axis is not None, "a tensor-parallel plan has a tensor axis"
         rank = world_of_group(axis.group_name).rank
         self.mesh = MeshDim(size=axis.size, rank=rank, group_name=axis.group_name, sequence_parallel=plan.sequence_parallel)
-        self.group_batch = None if plan.same_batch_in_tp_group else GroupBatch(axis.size, rank, axis.group_name)
+        # Under cp too, the context axis moves the rows of both (compiler/context_parallel.py).
+        moves_rows = not plan.same_batch_in_tp_group and not plan.strategy.context_parallel
+        self.group_batch = GroupBatch(axis.size, rank, axis.group_name) if moves_rows else None
         self.data = [i.index for i in inputs if i.kind is InputKind.DATA]
 
     def mark_own_rows(self, gm: fx.GraphModule) -> fx.GraphModule:

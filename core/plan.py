@@ -86,6 +86,10 @@ class Strategy(enum.Enum):
     DDP_CP = "ddp+cp"
     ZERO2_CP = "zero2+cp"
     FSDP_CP = "fsdp+cp"
+    CP_TP = "cp+tp"
+    DDP_CP_TP = "ddp+cp+tp"
+    ZERO2_CP_TP = "zero2+cp+tp"
+    FSDP_CP_TP = "fsdp+cp+tp"
 
     @classmethod
     def parse(cls, name: str, auto: bool = True) -> Strategy:
@@ -112,11 +116,11 @@ class Strategy(enum.Enum):
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
         """The mesh's dimension names: ``("dp", "tp")`` with a data and a tensor axis, ``("dp", "ep")`` with an
-        expert axis and ``("dp", "cp")`` with a context axis (required by name), else each axis named by its role
-        (the names of an unnamed mesh's axes)."""
+        expert axis, ``("dp", "cp")`` with a context axis and ``("dp", "cp", "tp")`` (or ``("cp", "tp")``) with
+        both (required by name), else each axis named by its role (the names of an unnamed mesh's axes)."""
         short = {AxisRole.TENSOR: "tp", AxisRole.EXPERT: "ep", AxisRole.CONTEXT: "cp"}
-        if len(self.roles) == 2 and self.roles[1] in short:
-            return ("dp", short[self.roles[1]])
+        if len(self.roles) > 1 and self.roles[-1] in short:
+            return tuple(short.get(r, "dp") for r in self.roles)
         return tuple(short[r] if r in (AxisRole.EXPERT, AxisRole.CONTEXT) else r.value for r in self.roles)
 
     @property
@@ -184,11 +188,17 @@ _SHAPES: dict[Strategy, tuple[DataParallel | None, tuple[AxisRole, ...]]] = {
     Strategy.DDP_CP: (DataParallel.DDP, (AxisRole.REPLICATE, AxisRole.CONTEXT)),
     Strategy.ZERO2_CP: (DataParallel.ZERO2, (AxisRole.SHARD, AxisRole.CONTEXT)),
     Strategy.FSDP_CP: (DataParallel.FSDP, (AxisRole.SHARD, AxisRole.CONTEXT)),
+    # Both activation axes: the sequence split over "cp", each rank's share of it split Megatron-style over "tp".
+    Strategy.CP_TP: (None, (AxisRole.CONTEXT, AxisRole.TENSOR)),
+    Strategy.DDP_CP_TP: (DataParallel.DDP, (AxisRole.REPLICATE, AxisRole.CONTEXT, AxisRole.TENSOR)),
+    Strategy.ZERO2_CP_TP: (DataParallel.ZERO2, (AxisRole.SHARD, AxisRole.CONTEXT, AxisRole.TENSOR)),
+    Strategy.FSDP_CP_TP: (DataParallel.FSDP, (AxisRole.SHARD, AxisRole.CONTEXT, AxisRole.TENSOR)),
 }
 
 _NO_BUCKETS = {
     Strategy.TP: "its collectives carry activations, each where the graph needs it",
     Strategy.CP: "its gradients are reduced over the cp axis in the graph, each where it is computed",
+    Strategy.CP_TP: "its gradients are reduced over the cp axis in the graph, each where it is computed",
     Strategy.LOCAL_SGD: "it averages the parameters every sync_every steps, one flattened all-reduce per dtype",
 }
 
@@ -299,6 +309,9 @@ class ParallelPlan:
     same_batch_in_cp_group: bool = False  # the user feeds every rank of a context-parallel group the same rows
     sync_every: int | None = None  # local_sgd: optimizer steps between averages of the replicas
     activations: ActivationPolicy = KEEP_ACTIVATIONS  # what each block saves for the backward, what it recomputes
+    rows_group: MeshAxis | None = None
+    """With a context and a tensor axis: the two flattened into one group, whose ranks compute one another's
+    rows ([Note: the data contract under tensor parallel]); set by ``parallelize``."""
 
     def axis(self, role: AxisRole) -> MeshAxis | None:
         return next((a for a in self.axes if a.role is role), None)

@@ -59,7 +59,7 @@ class InspectedStrategy:
         parallelize: Parallelize | None,
     ) -> torch.nn.Module:
         """``parallelize`` as a user would call it, on a copy inside the simulated world: 2-D strategies on a
-        ``(world / 2, 2)`` mesh named as the strategy names its axes; tensor-parallel ones (and auto) planned
+        ``(world / 2, 2)`` mesh named as the strategy names its axes, 3-D ones on ``(world / 4, 2, 2)``; tensor-parallel ones (and auto) planned
         from the example inputs. ddp needs no placement."""
         if self.strategy is Strategy.DDP:  # unless a policy to attach rides with parallelize (api/explaining.py)
             return parallelize(model, strategy="ddp") if getattr(parallelize, "places_ddp", False) else model
@@ -72,10 +72,14 @@ class InspectedStrategy:
         from torch.distributed.device_mesh import init_device_mesh
 
         extra = dict(self.extra)
-        if self.strategy is not None and len(self.strategy.roles) == 2:
-            if world_size % 2:
-                raise OptionsError(f"dpar.explain: {name!r} simulates a ({world_size} / 2, 2) mesh; choose an even world size")
-            extra["mesh"] = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=self.strategy.mesh_dim_names)
+        if self.strategy is not None and len(self.strategy.roles) > 1:
+            inner = 2 ** (len(self.strategy.roles) - 1)  # 2 ranks on each axis after the first
+            if world_size % inner:
+                raise OptionsError(f"dpar.explain: {name!r} simulates a ({world_size} / {inner}, "
+                                   f"{', '.join(['2'] * (len(self.strategy.roles) - 1))}) mesh; choose a world size "
+                                   f"divisible by {inner}")
+            shape = (world_size // inner,) + (2,) * (len(self.strategy.roles) - 1)
+            extra["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=self.strategy.mesh_dim_names)
         if self.strategy is None or self.strategy.tensor_parallel:
             extra["example_inputs"] = example_inputs
         if bucket_cap_mb is not None:
@@ -89,6 +93,8 @@ STRATEGIES: dict[str, InspectedStrategy] = {
     **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.DDP_TP, Strategy.ZERO2_TP, Strategy.FSDP_TP)},
     **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.EP, Strategy.DDP_EP, Strategy.ZERO2_EP, Strategy.FSDP_EP)},
     **{s.value: InspectedStrategy(s.value, s) for s in (Strategy.CP, Strategy.DDP_CP, Strategy.ZERO2_CP, Strategy.FSDP_CP)},
+    **{s.value: InspectedStrategy(s.value, s)
+       for s in (Strategy.CP_TP, Strategy.DDP_CP_TP, Strategy.ZERO2_CP_TP, Strategy.FSDP_CP_TP)},
     "auto": InspectedStrategy("auto", None),
 }
 

@@ -28,11 +28,12 @@ from dpar.core.plan import AxisRole, Strategy
 from dpar.planner.layout import MODES
 
 # The named strategies the planner prices: at most one data axis beside a tensor, an expert or a context axis, doing
-# a mode it knows.
+# a mode it knows (a context and a tensor axis together, which the runtime runs, are not searched yet).
 STRATEGIES = tuple(
     s.value for s in Strategy
     if s.data_parallel in (None, *MODES.values())
     and sum(r not in (AxisRole.TENSOR, AxisRole.EXPERT, AxisRole.CONTEXT) for r in s.roles) <= 1
+    and not (s.context_parallel and s.tensor_parallel)
 )
 LAYOUT_MODE = {mode: name for name, mode in MODES.items()}
 PREFERRED = {"embedding": ("vocab",)}  # a Linear is column or row by what arrives

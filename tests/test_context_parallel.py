@@ -1,10 +1,12 @@
-"""Context parallel (cp, ddp+cp, zero2+cp, fsdp+cp): each sequence split over a "cp" axis, against torch DDP.
+"""Context parallel (cp, ddp+cp, zero2+cp, fsdp+cp, and beside a tensor axis: cp+tp, fsdp+cp+tp, ...): each
+sequence split over a "cp" axis, against torch DDP.
 
 Models this project did not write (Hugging Face's Llama with a padding mask, nanoGPT and torchtitan's
 Llama 3 with causal attention) train 5 AdamW steps; in float64 the parameters must equal torch DDP's on
 the same slices to 1e-9 (rounding is ~1e-15 there; a wrong split, a label shifted across a chunk
 boundary or a loss averaged per rank stays ~1e-3 or more). One case at 4,096 tokens per sequence.
-The structure of the pass is read off its graphs in a fake world of 4 ranks.
+The structure of the pass is read off its graphs in a fake world of 4 ranks; beside a tensor axis, each
+axis's collectives are the ones it runs alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dpar
 import third_party
 from distributed import run_ranks
 from dpar.compiler.collectives import collectives
+from dpar.core.plan import Strategy, plan_of_model
 from fake_world import fake_world
 from gpt import GPT, GPTConfig
 from third_party import Run, assert_figures, max_abs_diff, needs_torchtitan
@@ -46,6 +49,18 @@ FOUR_RANKS = [
     ("llama", "fsdp+cp", (2, 2), 2, 8, 1, True),
     ("llama", "ddp+cp", (2, 2), 2, 8, 1, True),
     ("nanogpt", "cp", None, 1, 16, 1, True),  # cp 4: a chunk of 2 tokens
+    ("llama", "cp+tp", (2, 2), 2, 8, 1, True),  # heads split over "tp", each sequence over "cp"
+]
+# Both activation axes beside a sharded data axis: the layout torchtitan trains long sequences with.
+EIGHT_RANKS = [("llama", "fsdp+cp+tp", (2, 2, 2), 2, 8, 1, True)]
+# The other models and data modes under cp and tp, whose paths the cases above cover.
+FOUR_RANKS_MORE = [
+    ("titan_llama3", "cp+tp", (2, 2), 2, 8, 1, True),
+    ("nanogpt", "cp+tp", (2, 2), 2, 8, 1, True),
+]
+EIGHT_RANKS_MORE = [
+    ("llama", "zero2+cp+tp", (2, 2, 2), 2, 8, 1, True),
+    ("llama", "ddp+cp+tp", (2, 2, 2), 2, 8, 1, True),
 ]
 
 
@@ -158,6 +173,17 @@ def test_context_parallel_with_a_data_axis_matches_torch_ddp_on_four_ranks() -> 
     assert planned <= FLOAT64
 
 
+def test_context_tensor_and_data_axes_together_match_torch_ddp_on_eight_ranks() -> None:
+    found = run_ranks(_train_cases, 8, EIGHT_RANKS, timeout_s=600)[0]
+    _check(found, EIGHT_RANKS)
+
+
+@pytest.mark.extended
+def test_more_context_and_tensor_cases_match_torch_ddp() -> None:
+    _check(run_ranks(_train_cases, 4, FOUR_RANKS_MORE, timeout_s=600)[0], FOUR_RANKS_MORE)
+    _check(run_ranks(_train_cases, 8, EIGHT_RANKS_MORE, timeout_s=900)[0], EIGHT_RANKS_MORE)
+
+
 # --- structure, in a fake world --------------------------------------------------------------------
 
 SEQ, CP = 64, 4
@@ -210,6 +236,13 @@ def test_refusals_name_the_problem_before_the_first_step() -> None:
             dpar.parallelize(_nano()[0], strategy="fsdp+cp", mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
         with pytest.raises(dpar.OptionsError, match="same_batch_in_cp_group"):
             dpar.parallelize(_nano()[0], strategy="fsdp", same_batch_in_cp_group=True)
+        with pytest.raises(dpar.OptionsError, match=r"sequence_parallel .* without a cp axis.*not 'cp\+tp'"):
+            dpar.parallelize(_nano()[0], strategy="cp+tp", sequence_parallel=True)
+        with pytest.raises(dpar.OptionsError, match=r"named \('cp', 'tp'\)"):
+            dpar.parallelize(_nano()[0], strategy="cp+tp", mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "cp")))
+    with fake_world(8):
+        with pytest.raises(dpar.OptionsError, match=r"needs a 3-D mesh \(dp, cp, tp\)"):
+            dpar.parallelize(_nano()[0], strategy="fsdp+cp+tp", mesh=init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "cp")))
 
 
 def test_grouped_query_keys_and_values_are_gathered_before_their_repeat() -> None:
@@ -262,3 +295,55 @@ def test_inspect_prints_the_gathers_and_about_a_quarter_of_the_activations_at_cp
         line = next(l for l in out.splitlines() if "activations (at the peak" in l)
         peaks[bool(flags)] = int(line.split("│")[2].strip().replace(",", ""))
     assert peaks[True] <= 0.35 * peaks[False], peaks
+
+
+def _llama() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    model = third_party.HuggingFaceLM("llama")
+    model.inner = tf.LlamaForCausalLM(config)
+    ids = torch.randint(1, 64, (1, SEQ))
+    return model, (ids, ids, torch.ones_like(ids))
+
+
+def _kinds_by_axis(strategy: str, shape: tuple[int, ...], **kwargs) -> dict[str, object]:
+    """The forward's and backward's collectives of HF Llama (one batch per group) under ``strategy`` in a fake
+    world, counted by kind and the role of the axis whose group runs it; its attention kernels' (heads, queries)."""
+    model, inputs = _llama()
+    with fake_world(math.prod(shape)) as graphs:
+        names = Strategy.parse(strategy).mesh_dim_names
+        dpar.parallelize(model, strategy=strategy, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
+                         example_inputs=inputs, **kwargs)
+        role_of = {a.group_name: a.role.value for a in plan_of_model(model).axes}
+        torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(*inputs).backward()
+        found: dict[str, object] = {}
+        for g in graphs:
+            counts: dict[tuple[str, str], int] = {}
+            for c in collectives(g.graph):
+                if c.kind == "broadcast":  # the buffers, once over the world
+                    continue
+                key = (c.kind, role_of[c.group])
+                counts[key] = counts.get(key, 0) + 1
+            found[g.label] = counts
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        found["attention"] = {tuple(n.args[0].meta["val"].shape[1:3]) for g in graphs if g.label == "forward graph"
+                              for n in g.graph.graph.nodes if n.target is flash}
+        return found
+
+
+def test_context_and_tensor_axes_compose_each_its_own_collectives() -> None:
+    """HF Llama on cp 2 x tp 2: each attention kernel runs on tp's heads (2 of 4) and cp's share of the queries
+    (seq / 2: HF's mask makes it a masked attention, not split by chunks); over "cp" the forward and the backward run exactly the collectives cp alone runs (keys and values
+    gathered, their gradients reduce-scattered, the loss's sum and count, the gradient bucket), over "tp" exactly
+    tp alone's, and nothing else (but the buffers' broadcast)."""
+    both = _kinds_by_axis("cp+tp", (2, 2), same_batch_in_cp_group=True, same_batch_in_tp_group=True)
+    cp = _kinds_by_axis("cp", (2,), same_batch_in_cp_group=True)
+    tp = _kinds_by_axis("tp", (2,), same_batch_in_tp_group=True)
+    heads = {h for h, _ in tp["attention"]}
+    queries = {q for _, q in cp["attention"]}
+    assert heads == {2} and queries == {SEQ // 2} and both["attention"] == {(2, SEQ // 2)}, both["attention"]
+    for graph in ("forward graph", "backward graph"):
+        assert both[graph] == {**cp[graph], **tp[graph]}, (graph, both[graph], cp[graph], tp[graph])

@@ -26,16 +26,18 @@ def named(predicate) -> set[str]:
 
 
 def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
-    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "ep", "ddp+ep", "zero2+ep", "fsdp+ep", "cp", "ddp+cp", "zero2+cp", "fsdp+cp", "auto")
+    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "local_sgd", "ep", "ddp+ep", "zero2+ep", "fsdp+ep", "cp", "ddp+cp", "zero2+cp", "fsdp+cp", "cp+tp", "ddp+cp+tp", "zero2+cp+tp", "fsdp+cp+tp", "auto")
     assert TENSOR_PARALLEL == ("tp", "ddp+tp", "zero2+tp", "fsdp+tp")
-    assert named(lambda s: s.all_reduces_gradients) == {"ddp", "ddp+tp", "zero1", "ep", "ddp+ep", "ddp+cp"}
+    assert named(lambda s: s.all_reduces_gradients) == {"ddp", "ddp+tp", "zero1", "ep", "ddp+ep", "ddp+cp", "ddp+cp+tp"}
     assert named(lambda s: s.expert_parallel) == {"ep", "ddp+ep", "zero2+ep", "fsdp+ep"}
-    assert named(lambda s: s.context_parallel) == {"cp", "ddp+cp", "zero2+cp", "fsdp+cp"}
+    assert named(lambda s: s.context_parallel) == {"cp", "ddp+cp", "zero2+cp", "fsdp+cp", "cp+tp", "ddp+cp+tp",
+                                                   "zero2+cp+tp", "fsdp+cp+tp"}
+    assert named(lambda s: s.tensor_parallel) == {*TENSOR_PARALLEL, "cp+tp", "ddp+cp+tp", "zero2+cp+tp", "fsdp+cp+tp"}
     assert named(lambda s: s.identical_gradients) == {"ddp", "zero1", "ddp+cp"}
     assert named(lambda s: s.shards_parameters) == {"zero2", "fsdp", "hsdp", "zero2+tp", "fsdp+tp", "zero2+ep", "fsdp+ep",
-                                                    "zero2+cp", "fsdp+cp"}
-    assert named(lambda s: s.reshard_after_forward) == {"fsdp", "hsdp", "fsdp+tp", "fsdp+ep", "fsdp+cp"}
-    assert named(lambda s: s.buckets_laid_out_by is None) == {"tp", "local_sgd", "cp"}
+                                                    "zero2+cp", "fsdp+cp", "zero2+cp+tp", "fsdp+cp+tp"}
+    assert named(lambda s: s.reshard_after_forward) == {"fsdp", "hsdp", "fsdp+tp", "fsdp+ep", "fsdp+cp", "fsdp+cp+tp"}
+    assert named(lambda s: s.buckets_laid_out_by is None) == {"tp", "local_sgd", "cp", "cp+tp"}
     assert PRICED == ("ddp", "zero2", "fsdp", "tp", "ddp+tp", "zero2+tp", "fsdp+tp", "ep", "ddp+ep", "zero2+ep", "fsdp+ep",
                       "cp", "ddp+cp", "zero2+cp", "fsdp+cp")
     assert S.HSDP.roles == (AxisRole.REPLICATE, AxisRole.SHARD) and S.HSDP.mesh_dim_names == ("replicate", "shard")
@@ -44,6 +46,8 @@ def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
     assert S.FSDP_EP.roles == (AxisRole.SHARD, AxisRole.EXPERT) and S.FSDP_EP.mesh_dim_names == ("dp", "ep")
     assert S.CP.mesh_dim_names == ("cp",) and S.FSDP_CP.roles == (AxisRole.SHARD, AxisRole.CONTEXT)
     assert S.FSDP_CP.mesh_dim_names == ("dp", "cp")
+    assert S.CP_TP.mesh_dim_names == ("cp", "tp") and S.FSDP_CP_TP.mesh_dim_names == ("dp", "cp", "tp")
+    assert S.FSDP_CP_TP.roles == (AxisRole.SHARD, AxisRole.CONTEXT, AxisRole.TENSOR)
     table = {name: (s.strategy, s.local_state, s.shards_parameters, s.takes_bucket_cap, s.reduces_gradients)
              for name, s in INSPECTED.items()}
     assert table == {
@@ -56,6 +60,8 @@ def test_derived_sets_are_the_ones_spelled_by_hand_before() -> None:
         "zero2+ep": (S.ZERO2_EP, True, False, True, True), "fsdp+ep": (S.FSDP_EP, True, False, True, True),
         "cp": (S.CP, False, False, False, True), "ddp+cp": (S.DDP_CP, True, False, False, True),
         "zero2+cp": (S.ZERO2_CP, True, False, True, True), "fsdp+cp": (S.FSDP_CP, True, False, True, True),
+        "cp+tp": (S.CP_TP, True, False, False, True), "ddp+cp+tp": (S.DDP_CP_TP, True, False, False, True),
+        "zero2+cp+tp": (S.ZERO2_CP_TP, True, False, True, True), "fsdp+cp+tp": (S.FSDP_CP_TP, True, False, True, True),
     }
 
 
@@ -100,7 +106,8 @@ def test_the_bucket_knob_is_taken_where_the_strategy_lays_out_its_buckets() -> N
 
 
 def test_validation_table_names_the_strategies_taking_each_option() -> None:
-    assert ACCEPTS["sequence_parallel"][0] == set(TENSOR_PARALLEL) == ACCEPTS["same_batch_in_tp_group"][0]
+    assert ACCEPTS["sequence_parallel"][0] == set(TENSOR_PARALLEL)  # not beside a cp axis, which splits the sequence
+    assert ACCEPTS["same_batch_in_tp_group"][0] == set(TENSOR_PARALLEL) | {"cp+tp", "ddp+cp+tp", "zero2+cp+tp", "fsdp+cp+tp"}
     assert ACCEPTS["sync_every"][0] == {"local_sgd"} == ACCEPTS["outer_optimizer"][0]
     assert ACCEPTS["param_dtype"][0] == {"zero2", "fsdp", "hsdp", "auto"} == ACCEPTS["reduce_dtype"][0]
     with pytest.raises(OptionsError, match=r"param_dtype applies to the sharded strategies without a tensor, expert or context axis \(fsdp, hsdp, zero2\).*for 'zero1' use torch.autocast"):

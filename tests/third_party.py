@@ -281,6 +281,7 @@ def _optimizer(name: str, params, lr: float | None = None) -> torch.optim.Optimi
 def train(rank: int, world_size: int, run: Run, prepare: Callable[[nn.Module], None] | None = None) -> dict:
     """Train ``run.model`` for STEPS on this rank's slices; the full state dict (rank 0's view)."""
     import dpar
+    from dpar.core.plan import Strategy
     from torch.distributed.device_mesh import init_device_mesh
 
     model = build(run.model)
@@ -291,8 +292,7 @@ def train(rank: int, world_size: int, run: Run, prepare: Callable[[nn.Module], N
     else:
         kwargs = dict(run.parallelize_kwargs)
         if run.mesh_shape is not None:
-            second = run.strategy.split("+")[-1] if "+" in run.strategy else "tp"
-            names = ("replicate", "shard") if run.strategy == "hsdp" else ("dp", second)
+            names = Strategy.parse(run.strategy).mesh_dim_names  # hsdp's: ("replicate", "shard")
             kwargs["mesh"] = init_device_mesh("cpu", run.mesh_shape, mesh_dim_names=names)
         example = rank_slice(global_batch(0, run.rows * world_size, run.seq), rank, world_size)
         dpar.parallelize(model, strategy=run.strategy, example_inputs=example, **kwargs)

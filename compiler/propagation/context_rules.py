@@ -180,17 +180,6 @@ def nll_loss_backward(node: fx.Node, period: int) -> list[Candidate]:
     return replicated(node, 0)
 
 
-def cast(node: fx.Node, period: int) -> list[Candidate] | None:
-    """A partial sum is reduced before a cast to a narrower dtype, as one device rounds the whole sum once
-    (torchtitan's RoPE computes in float32 inside a float64 model; a bfloat16 model's casts alike)."""
-    source = tensor_inputs(node)[0]
-    dtype = node.kwargs.get("dtype")
-    if source.meta.get("placement") is P and dtype is not None and dtype.is_floating_point and (
-            torch.finfo(dtype).bits < torch.finfo(source.meta["val"].dtype).bits):
-        return [Candidate((R,), (R,))]
-    return None  # the generic rule
-
-
 def sequence_split(node: fx.Node, period: int) -> list[Candidate]:
     dim = node.args[1]
     return [Candidate((Shard(dim),), (Shard(dim),))]
@@ -207,7 +196,6 @@ CONTEXT_RULES = {
     aten.embedding_dense_backward.default: embedding_backward,
     aten.nll_loss_forward.default: nll_loss,
     aten.nll_loss_backward.default: nll_loss_backward,
-    aten._to_copy.default: cast,
     aten._unsafe_masked_index_put_accumulate.default: masked_index_put,
     aten.gather.default: gather,
     aten.slice_scatter.default: slice_scatter,

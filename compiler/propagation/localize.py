@@ -87,8 +87,10 @@ def localize(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
             _split_embedding(graph, node, mesh)
         elif node.target is aten.embedding_dense_backward.default and node.meta.get("placement") == Shard(0):
             _split_embedding_backward(graph, node, mesh)
+    # This axis's markers only: under cp and tp the context axis's stay for its own propagation, after tp's.
+    markers = (SEQUENCE_SPLIT,) if mesh.period else (WEIGHT_MARKER, GRAD_MARKER, EXPERTS_PARTIAL, EXPERTS_INPUT)
     for node in list(graph.nodes):
-        if node.target in (WEIGHT_MARKER, GRAD_MARKER, EXPERTS_PARTIAL, EXPERTS_INPUT, SEQUENCE_SPLIT):
+        if node.target in markers:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     graph.lint()

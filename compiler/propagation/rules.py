@@ -192,6 +192,18 @@ def pointwise(node: fx.Node, tp: int) -> list[Candidate]:
 # --- matmul ------------------------------------------------------------------------------------
 
 
+def cast(node: fx.Node, tp: int) -> list[Candidate]:
+    """A partial sum is reduced before a cast to a narrower dtype, as one device rounds the whole sum once
+    (HF Llama's norms and torchtitan's RoPE compute in float32 inside a float64 model, and their backward casts
+    the gradient, a partial sum over the column-parallel Linears, down). Otherwise a pointwise op."""
+    source = tensor_inputs(node)[0]
+    dtype = node.kwargs.get("dtype")
+    if source.meta.get("placement") is P and dtype is not None and dtype.is_floating_point and (
+            torch.finfo(dtype).bits < torch.finfo(source.meta["val"].dtype).bits):
+        return [Candidate((R,), (R,))]
+    return pointwise(node, tp)
+
+
 def matmul(node: fx.Node, tp: int) -> list[Candidate]:
     """mm / bmm: shard a free dimension, or contract a sharded one into a partial sum."""
     a, b = (shape_of(n) for n in tensor_inputs(node))
@@ -252,7 +264,13 @@ def view_groups(before: Sequence[int], after: Sequence[int]) -> list[tuple[list[
         pj = after[j] if j < len(after) else 1
         i, j = i + bool(gi), j + bool(gj)
         while pi != pj or (i < len(before) and before[i] == 1) or (j < len(after) and after[j] == 1):
-            if (pi <= pj and i < len(before)) or j >= len(after):
+            if i < len(before) and before[i] == 1:  # (heads, d) -> (heads, 1, d): the 1 joins heads' run, not d's
+                gi.append(i)
+                i += 1
+            elif j < len(after) and after[j] == 1:
+                gj.append(j)
+                j += 1
+            elif (pi <= pj and i < len(before)) or j >= len(after):
                 pi *= before[i]
                 gi.append(i)
                 i += 1
@@ -576,6 +594,7 @@ Rule = Callable[[fx.Node, int], list[Candidate]]
 
 RULES: dict[object, Rule] = {
     **{op: pointwise for op in POINTWISE},
+    aten._to_copy.default: cast,
     **dict.fromkeys(MATMUL, matmul),
     aten.t.default: transpose,
     aten.transpose.int: transpose,

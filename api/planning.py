@@ -288,7 +288,8 @@ def _usable_layouts(graph: OpGraph, shape: tuple[int, ...], names: tuple[str, ..
             f"mesh_dim_names {names} asks for context parallel over {cp} ranks, but "
             + (f"the sequence of {length} tokens is not divisible by 2 x {cp} (two chunks a rank)" if length
                else "the model has no attention over a sequence dim of its inputs")
-            + "; a 'cp' axis is the last, after at most one 'dp' ('cp' or ('dp', 'cp'))")
+            + "; a 'cp' axis comes after at most one 'dp' and before at most one 'tp' ('cp', ('dp', 'cp'), "
+            "('cp', 'tp') or ('dp', 'cp', 'tp'))")
     found = [
         layout for layout in layouts(shape, names, counts, length)
         if graph.batch_size % layout.dp_degree == 0 and _splits_a_parameter(graph, layout.tp_degree)

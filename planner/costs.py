@@ -286,7 +286,8 @@ class CostModel:
                 src = op.inputs[position]
                 numel, itemsize = ((self.graph.ops[src].output_numel, self.graph.ops[src].output_itemsize) if src >= 0
                                    else (math.prod(op.input_shapes[position]), op.input_itemsizes[position]))
-                nbytes = numel * itemsize / self.dp  # this dp group's rows, every token
+                # This dp group's rows, every token; beside tp, the heads of this rank (Megatron splits them all).
+                nbytes = numel * itemsize / self.dp / self.tp
                 where = f"{op.module or op.name}: its {what}"
                 found += [("all_gather", "forward", nbytes, op.count, where), ("all_gather", "backward", nbytes, op.count, where)]
                 if op.input_grad:

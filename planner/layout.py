@@ -12,8 +12,10 @@ A ``tp`` dimension comes with and without sequence parallel (Megatron-SP: the no
 other token-wise ops between tp layers computed on 1/tp of the tokens, their activations held so).
 A ``cp`` dimension (context parallel) splits every sequence: the tokens of each row, not the rows,
 so the ranks along it share rows; the parameters stay whole over it (sharded over ``dp`` only) and
-their gradients are reduced over it too. It is the last, after at most one ``dp`` ("cp",
-"ddp+cp", "zero2+cp", "fsdp+cp"), for a model with attention whose sequence two chunks per rank divide.
+their gradients are reduced over it too. It comes after at most one ``dp`` ("cp",
+"ddp+cp", "zero2+cp", "fsdp+cp"), for a model with attention whose sequence two chunks per rank divide,
+and is the last but for a ``tp`` dimension after it ("cp+tp", "<dp strategy>+cp+tp", without sequence parallel,
+which would split the sequence too).
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class Layout:
         ``<dp strategy>+cp``."""
         for axis in ("ep", "cp"):
             if axis in self.roles:
-                return axis if len(self.mesh_shape) == 1 else f"{MODES[self.data_parallel].value}+{axis}"
+                activations = "+".join(r for r in self.roles if r != "dp")
+                return activations if "dp" not in self.roles else f"{MODES[self.data_parallel].value}+{activations}"
         tensor = self.tp_degree > 1
         return Strategy.compose(None if tensor and self.dp_degree == 1 else MODES[self.data_parallel], tensor).value
 
@@ -132,19 +135,21 @@ def layouts(
             continue
         dp_degree = math.prod(n for r, n in zip(roles, mesh_shape) if r == "dp")
         modes = DATA_PARALLEL if dp_degree > 1 else DATA_PARALLEL[:1]
-        alone = len(roles) == 1 and roles[0] in ("ep", "cp")  # no dp axis: ddp's handling of the rest
+        alone = "dp" not in roles and ("ep" in roles or "cp" in roles)  # no dp axis: ddp's handling of the rest
         tensor = "tp" in roles and mesh_shape[roles.index("tp")] > 1
+        sequence = (False, True) if tensor and "cp" not in roles else (False,)
         for mode in DATA_PARALLEL[:1] if alone else modes:
-            found += [Layout(tuple(mesh_shape), roles, mode, sp) for sp in ((False, True) if tensor else (False,))]
+            found += [Layout(tuple(mesh_shape), roles, mode, sp) for sp in sequence]
     return found
 
 
 def _context_roles(roles: tuple[str, ...], mesh_shape: tuple[int, ...], sequence_length: int) -> bool:
-    """Whether ``roles`` places a cp axis as the runtime takes one: none, or the last of ("cp",) / ("dp", "cp")
-    over a degree whose two chunks per rank divide the sequence."""
+    """Whether ``roles`` places a cp axis as the runtime takes one: none, or ("cp",) / ("dp", "cp"), with a "tp"
+    after it or not, over a degree whose two chunks per rank divide the sequence."""
     if "cp" not in roles:
         return True
-    return roles in (("cp",), ("dp", "cp")) and sequence_length > 0 and sequence_length % (2 * mesh_shape[-1]) == 0
+    placed = roles in (("cp",), ("dp", "cp"), ("cp", "tp"), ("dp", "cp", "tp"))
+    return placed and sequence_length > 0 and sequence_length % (2 * mesh_shape[roles.index("cp")]) == 0
 
 
 def _expert_roles(roles: tuple[str, ...], mesh_shape: tuple[int, ...], num_experts: tuple[int, ...]) -> bool:

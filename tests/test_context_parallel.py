@@ -137,23 +137,31 @@ def test_context_parallel_matches_torch_ddp_on_two_ranks() -> None:
     assert logits <= FLOAT64 and grads <= FLOAT64, (logits, grads)
 
 
-def _planned(rank: int, world_size: int) -> tuple[str, bool, float]:
-    """HF Llama in float64 planned by ``dpar.plan`` on a ("dp", "cp") mesh for a global batch of 2 rows (fewer than
-    the 4 ranks: each cp group is fed one row), applied by ``parallelize(plan=...)``: (its strategy, whether it
-    feeds a cp group one batch, max |parameters - torch DDP's|)."""
+# (mesh dimension names, the global batch's rows, ranks fed the same rows) of the plans made and trained
+PLANNED = [(("dp", "cp"), 2, 2),  # 2 rows for 4 ranks: each cp group fed one
+           (("cp", "tp"), 4, 1)]  # every rank its own row, moved over both axes
+
+
+def _planned(rank: int, world_size: int) -> list[tuple[str, bool, float]]:
+    """HF Llama in float64 planned by ``dpar.plan`` on each mesh of PLANNED, applied by ``parallelize(plan=...)``:
+    (its strategy, whether it feeds a cp group one batch, max |parameters - torch DDP's|) of each."""
     torch.set_default_dtype(torch.float64)
+    found = []
     try:
-        batch = third_party.global_batch(0, 2, 16)
-        plan = dpar.plan(third_party.build("llama"), batch, mesh_shape=(2, 2), mesh_dim_names=("dp", "cp"))
-        reference = third_party.train(rank, world_size, Run("llama", "torch_ddp", rows=1, seq=16, same_rows_in=2))
-        state = third_party.train(rank, world_size, Run(
-            "llama", plan.strategy, rows=1, seq=16, same_rows_in=2, parallelize_kwargs=(("plan", plan),)))
-        return plan.strategy, plan.same_batch_in_cp_group, max_abs_diff(reference, state) if rank == 0 else 0.0
+        for names, rows, same in PLANNED:
+            torch._dynamo.reset()
+            batch = third_party.global_batch(0, rows, 16)
+            plan = dpar.plan(third_party.build("llama"), batch, mesh_shape=(2, 2), mesh_dim_names=names)
+            run = dict(rows=rows // (world_size // same), seq=16, same_rows_in=same)
+            reference = third_party.train(rank, world_size, Run("llama", "torch_ddp", **run))
+            state = third_party.train(rank, world_size, Run("llama", plan.strategy, **run, parallelize_kwargs=(("plan", plan),)))
+            found.append((plan.strategy, plan.same_batch_in_cp_group, max_abs_diff(reference, state) if rank == 0 else 0.0))
+        return found
     finally:
         torch.set_default_dtype(torch.float32)
 
 
-def _four_rank_launch(rank: int, world_size: int) -> tuple[dict[str, float | str], tuple[str, bool, float]]:
+def _four_rank_launch(rank: int, world_size: int) -> tuple[dict[str, float | str], list[tuple[str, bool, float]]]:
     found = _train_cases(rank, world_size, FOUR_RANKS)
     torch._dynamo.reset()
     return found, _planned(rank, world_size)
@@ -165,12 +173,15 @@ def test_more_context_parallel_cases_match_torch_ddp_on_two_ranks() -> None:
 
 
 def test_context_parallel_with_a_data_axis_matches_torch_ddp_on_four_ranks() -> None:
-    """The cases above, and a plan from ``dpar.plan`` with a cp axis, applied by ``parallelize(plan=...)``."""
-    found, (strategy, same_batch, planned) = run_ranks(_four_rank_launch, 4, timeout_s=600)[0]
+    """The cases above, and plans from ``dpar.plan`` with a cp axis (beside dp, beside tp), applied by
+    ``parallelize(plan=...)``."""
+    found, planned = run_ranks(_four_rank_launch, 4, timeout_s=600)[0]
     _check(found, FOUR_RANKS)
-    print(f"planned {strategy} (same_batch_in_cp_group={same_batch}): max |dpar - torch DDP| = {planned:.2e} (float64)")
-    assert strategy.endswith("+cp") and same_batch
-    assert planned <= FLOAT64
+    for strategy, same_batch, gap in planned:
+        print(f"planned {strategy} (same_batch_in_cp_group={same_batch}): max |dpar - torch DDP| = {gap:.2e} (float64)")
+    (first, first_same, _), (second, second_same, _) = planned
+    assert first.endswith("+cp") and first_same and second == "cp+tp" and not second_same, planned
+    assert max(gap for _, _, gap in planned) <= FLOAT64
 
 
 def test_context_tensor_and_data_axes_together_match_torch_ddp_on_eight_ranks() -> None:

@@ -139,6 +139,7 @@ def _plan(args: argparse.Namespace) -> int:
         result = plan(
             model, example_inputs, mesh_shape=args.mesh_shape, memory_budget_gb=args.memory_budget_gb,
             mesh_dim_names=args.mesh_dim_names, device=args.device, on_graphs=not args.op_graph,
+            pipelines=args.with_pipelines,
         )
     except OptionsError as error:
         console.print(f"dpar plan: {error}")
@@ -234,6 +235,8 @@ def parser() -> argparse.ArgumentParser:
                    "plan's compute and activations counted on its compiled graphs, as dpar inspect counts them")
     g = p.add_argument_group("--pipeline: choose pp x tp x dp (and ddp or fsdp over dp) instead of placements")
     g.add_argument("--pipeline", action="store_true", help="price every pp x tp x dp layout of the mesh's ranks")
+    g.add_argument("--with-pipelines", action="store_true",
+                   help="the placement plan, and the pipeline search's choice on the same ranks beside it (one answer)")
     g.add_argument("--schedule", default="1f1b", choices=PLANNED_SCHEDULES)
     g.add_argument("--tp-max", type=int, default=8, help="largest tensor-parallel degree searched (a power of two); "
                    "1: pipeline and data parallelism only, what dpar.pipeline runs today")

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +28,7 @@ from dpar.planner.activations import POLICIES
 from dpar.planner.plan import ON_GRAPHS, CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
 from dpar.planner.rules import candidates
 from dpar.planner.strategies import compare_strategies
-from dpar.core.errors import OptionsError
+from dpar.core.errors import DparError, OptionsError, PipelineMemoryError
 from dpar.core.plan import KEEP_ACTIVATIONS, Recompute
 from dpar.core.torch_internals import pytree
 
@@ -42,6 +44,7 @@ def plan(
     mesh_dim_names: Sequence[str] | None = None,
     device: str | DeviceSpec = "h100",
     on_graphs: bool = False,
+    pipelines: bool = False,
 ) -> Plan:
     """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank (by default
     the device's memory: 80 GB on ``"h100"``, 141 on ``"h200"``; none on ``"cpu"``).
@@ -67,6 +70,10 @@ def plan(
     the memory at the step's peak), at the price of compiling its step for the mesh's ranks on a meta copy
     (``dpar plan`` does it unless ``--op-graph``); see [Note: the planner searches on its op graph and reports
     as inspect]. By default the search's own (op-graph) figures.
+    ``pipelines``: the pipeline search (``dpar.planner.plan_pipeline``: pp x tp x dp, schedule 1F1B, each
+    block's policy) runs too, on the same ranks, batch, budget and device; its choice joins ``plan.strategies``
+    and, where it is faster than the plan, ``plan.faster_pipeline`` says so and how to run it (``dpar.pipeline``:
+    ``parallelize`` places no pipeline).
     """
     from dpar.planner.solver import solve_activations  # scipy.optimize: loaded when planning, not on import dpar
 
@@ -86,6 +93,10 @@ def plan(
     compared = time.perf_counter()
     seconds = (("capture", captured - start), ("search", searched - captured),
                ("the named strategies priced", compared - searched))
+    if pipelines:
+        chosen = _beside_pipelines(chosen, model, inputs, math.prod(shape), memory_budget_gb, device)
+        seconds += (("the pipeline search", time.perf_counter() - compared),)
+        compared = time.perf_counter()
     if on_graphs:
         chosen = priced_on_graphs(chosen, model, inputs, device)
         if chosen.priced_on == ON_GRAPHS:
@@ -307,3 +318,30 @@ def _usable_layouts(graph: OpGraph, shape: tuple[int, ...], names: tuple[str, ..
 def _splits_a_parameter(graph: OpGraph, tp: int) -> bool:
     """A tp degree is usable when some op can split a parameter over it (see [Note: a tp axis must split a parameter])."""
     return tp == 1 or any(cand.splits_a_parameter for op in graph.ops for cand in candidates(op, tp))
+
+
+def _beside_pipelines(chosen: Plan, model: nn.Module, inputs: tuple[object, ...], world: int,
+                      memory_budget_gb: float | None, device: DeviceSpec) -> Plan:
+    """``chosen`` with the pipeline search's choice on the same ranks as one more row of ``strategies`` and, where
+    it is faster, ``faster_pipeline``; a model the pipeline search cannot split says why in ``faster_pipeline``."""
+    from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
+    from dpar.inspect.pipeline import block_collectives
+    from dpar.pipelining import pipeline
+    from dpar.planner.pipeline import plan_pipeline
+
+    try:
+        with warnings.catch_warnings():  # the pipelines built to read tp's collectives are not the user's to tune
+            warnings.simplefilter("ignore", PipelineBubbleWarning)
+            found = plan_pipeline(model, inputs, world_size=world, memory_budget_gb=memory_budget_gb, device=device,
+                                  read_tp_collectives=functools.partial(block_collectives, model, pipeline=pipeline))
+    except PipelineMemoryError as error:
+        return dataclasses.replace(chosen, faster_pipeline=f"no pipeline layout fits either: {error}")
+    except DparError as error:  # a model it cannot split into stages (TooFewBlocksError, ...), named
+        return dataclasses.replace(chosen, faster_pipeline=f"pipelines not searched: {error}")
+    c = found.choice
+    row = PolicyOption(c.activations, f"pipeline {c.layout}", c.step_s, c.recompute_s, c.memory_bytes, c.fits)
+    faster = ""
+    if c.step_s < chosen.cost.step_s:
+        faster = (f"a pipeline is faster by the same prices: {c.layout}, {c.step_s:.3g} s a step against this plan's "
+                  f"{chosen.cost.step_s:.3g} s; {str(found).splitlines()[-1].removeprefix('note: ')}")
+    return dataclasses.replace(chosen, strategies=(*chosen.strategies, row), faster_pipeline=faster)

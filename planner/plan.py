@@ -121,6 +121,7 @@ class Plan:
     strategies: tuple[PolicyOption, ...] = ()  # the named strategies on the same mesh, priced alike (side by side)
     memory_budget_bytes: float | None = None  # the budget it was planned under
     priced_on: str = "op graph"  # or ON_GRAPHS: priced by dpar inspect (api/planning.py, ``on_graphs``)
+    faster_pipeline: str = ""  # searched with pipelines: the pipeline layout faster than this plan and how to run it
     # Wall time planning took, by phase (capture, search, pricing): not part of what the plan is.
     seconds: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
 
@@ -189,6 +190,7 @@ class Plan:
             strategies=tuple(PolicyOption(**o) for o in raw.get("strategies", ())),
             memory_budget_bytes=raw.get("memory_budget_bytes"),
             priced_on=raw.get("priced_on", "op graph"),
+            faster_pipeline=raw.get("faster_pipeline", ""),
             seconds=tuple((phase, s) for phase, s in raw.get("seconds", ())),
         )
 
@@ -309,6 +311,8 @@ def render(plan: Plan, console: Any) -> None:
     console.print(cost)
     if plan.strategies:
         _render_strategies(plan, console)
+    if plan.faster_pipeline:
+        console.print(plan.faster_pipeline, markup=False, highlight=False)
     if plan.seconds:
         phases = ", ".join(f"{phase} {s:.1f} s" for phase, s in plan.seconds)
         console.print(f"planned in {sum(s for _, s in plan.seconds):.1f} s: {phases}")
@@ -320,7 +324,8 @@ def render(plan: Plan, console: Any) -> None:
 def _render_strategies(plan: Plan, console: Any) -> None:
     from rich.table import Table
 
-    table = Table(title="the named strategies on this mesh, each under its fastest policy that fits (priced alike)")
+    table = Table(title="the named strategies on this mesh (and a pipeline's, where searched), each under its fastest "
+                        "policy that fits (priced alike)")
     for column in ("strategy", "policy", "step", "recompute", "memory/rank", "fits"):
         table.add_column(column, justify="left" if column in ("strategy", "policy") else "right")
     for o in sorted(plan.strategies, key=lambda o: (not o.fits, o.step_s if o.fits else o.memory_bytes_per_rank)):

@@ -109,3 +109,23 @@ def test_cli_plan_pipeline_prints_every_candidate_and_the_choice(capsys):
     assert main(["plan", f"{MODELS}:stack", "--mesh-shape", "4", "--pipeline", "--memory-budget-gb", "1e-9",
                  "--loss", f"{MODELS}:mse"]) == 2
     assert "Raise memory_budget_gb" in capsys.readouterr().out
+
+
+def test_one_plan_call_searches_placements_and_pipelines_and_says_which_is_faster(capsys):
+    """``dpar.plan(..., pipelines=True)``: the pipeline search runs on the same ranks, batch and device (a model that
+    returns its loss priced as that loss); its choice is one more row of the side-by-side table, priced as
+    ``plan_pipeline`` prices it alone, and the plan says a pipeline is faster exactly when it is. The CLI's
+    ``--with-pipelines`` prints the row."""
+    from planner_models import gpt
+
+    model, inputs = gpt(n_layer=4, n_embd=64, n_head=4, block=64, vocab=256, batch=8)
+    both = dpar.plan(model, inputs, mesh_shape=(4,), pipelines=True)
+    alone = plan_pipeline(model, inputs, world_size=4, memory_budget_gb=None)
+    row = next(o for o in both.strategies if o.strategy.startswith("pipeline "))
+    assert row.strategy == f"pipeline {alone.choice.layout}" and row.step_s == pytest.approx(alone.choice.step_s)
+    assert bool(both.faster_pipeline) == (row.step_s < both.cost.step_s)
+    assert [phase for phase, _ in both.seconds][-1] == "the pipeline search"
+    assert dpar.plan(model, inputs, mesh_shape=(4,)).strategies == both.strategies[:-1]  # the rest as without
+    assert main(["plan", f"{MODELS.parent}/planner_models.py:gpt", "--mesh-shape", "4", "--op-graph",
+                 "--with-pipelines"]) == 0
+    assert "pipeline pp=" in capsys.readouterr().out

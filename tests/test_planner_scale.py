@@ -48,10 +48,10 @@ def _llama3(size: str, **overrides: int):
     return model, rank_slice, global_batch
 
 
-def _planned_on_h100s(model, global_batch, mesh_shape) -> tuple[Plan, float]:
+def _planned_on_h100s(model, global_batch, mesh_shape, **kwargs) -> tuple[Plan, float]:
     """The plan on H100s of 80 GB, and the seconds planning took."""
     start = time.perf_counter()
-    p = plan(model, global_batch, mesh_shape=mesh_shape, memory_budget_gb=80, device="h100")
+    p = plan(model, global_batch, mesh_shape=mesh_shape, memory_budget_gb=80, device="h100", **kwargs)
     return p, time.perf_counter() - start
 
 
@@ -62,10 +62,11 @@ def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, seq, recomput
     rank on its layout (fp32 activations of 4,096 tokens), so the plan recomputes instead of failing, the fastest policy
     that fits and, of policies as fast, the one that recomputes least. 70B runs tensor parallel inside the node
     (the last dimension, NVLink) with sequence parallel and sharded data parallel across, faster by the model's
-    own prices than FSDP x TP, which the plan shows beside it, and than fsdp over all 256 ranks (whose gathers of
-    70B parameters across nodes outlast the compute)."""
+    own prices than FSDP x TP, which the plan shows beside it, than fsdp over all 256 ranks (whose gathers of
+    70B parameters across nodes outlast the compute), and than the pipeline search's best, searched in the same call."""
     model, rank_slice, global_batch = _llama3(size, seq=seq)
-    p, seconds = _planned_on_h100s(model, global_batch(rank_slice, math.prod(mesh_shape)), mesh_shape)
+    p, seconds = _planned_on_h100s(model, global_batch(rank_slice, math.prod(mesh_shape)), mesh_shape,
+                                   pipelines=recomputes)  # 70B: the pipeline search too, one answer
     print(f"Llama-3-{size} on {mesh_shape}: {p.strategy}, {policy_label(p.activations)}, "
           f"{p.cost.step_s * 1e3:.1f} ms/step, {p.cost.memory_bytes_keep / 1e9:.2f} -> "
           f"{p.cost.memory_bytes_per_rank / 1e9:.2f} GB per rank, planned in {seconds:.1f} s")
@@ -82,6 +83,9 @@ def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, seq, recomput
         assert p.mesh_dim_names == ("dp", "tp") and p.data_parallel in ("zero2", "fsdp") and p.sequence_parallel
         assert named["fsdp+tp (sequence parallel)"].fits and p.cost.step_s <= named["fsdp+tp (sequence parallel)"].step_s
         assert p.cost.step_s < named["fsdp"].step_s / 2
+        # The pipeline search's best on the same 256 ranks (pp 8 x tp 8 x dp 4, 10.5 s) is slower: no pipeline advice.
+        pipelined = [o for o in p.strategies if o.strategy.startswith("pipeline ")]
+        assert len(pipelined) == 1 and pipelined[0].fits and pipelined[0].step_s > p.cost.step_s and not p.faster_pipeline
 
 
 def test_llama3_8b_at_131k_tokens_on_64_ranks_splits_its_sequences():

@@ -57,7 +57,10 @@ BACKWARD_FACTORS = {Op.FORWARD: 1.0, Op.BACKWARD: 2.0, Op.BACKWARD_INPUT: 1.0, O
 
 
 def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The default loss: cross-entropy of logits over their last dimension against integer targets."""
+    """The default loss: cross-entropy of logits over their last dimension against integer targets; a model that
+    returns a scalar computed its loss itself (a training step fed its targets, as ``dpar.plan`` takes it)."""
+    if logits.dim() == 0:
+        return logits
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 

@@ -150,6 +150,7 @@ def test_trainer_clips_by_the_global_norm_as_lightning_ddp() -> None:
     assert_figures(found, "max |diff| from Lightning's DDPStrategy with clipping", 1e-5, 2)
 
 
+@pytest.mark.extended  # accumulation without a gradient sync: Fabric's no_backward_sync case covers it by default
 def test_trainer_accumulates_as_lightning_ddp() -> None:
     """``accumulate_grad_batches=2`` runs the first micro-batch under dpar.no_sync; the step calls ``self.net``."""
     found = _trainer_ddp_anchor(("ddp", "fsdp"), BareLM, accumulate_grad_batches=2)

@@ -84,8 +84,14 @@ def test_explain_prices_the_report_with_the_kernels_timed_here() -> None:
     # The same graphs and collectives; only compute is priced differently.
     assert profiled.collectives == rooflined.collectives
     assert profiled.memory == rooflined.memory
-    # These convolutions run far from the cpu preset's 100 GFLOP/s: what a call costs before any arithmetic.
-    assert profiled.timeline.compute_time > 2 * rooflined.timeline.compute_time
+    # These convolutions run far from the cpu preset's 100 GFLOP/s: what a call costs before any arithmetic. Compared
+    # without the host work around the graphs, a fixed term of both (0.5 ms) that would make the ratio the machine's.
+    def kernels(report) -> float:
+        host = sum(e.end - e.start for e in report.timeline.events
+                   if e.rank == 0 and e.stream == "compute" and e.name == "host work around the graphs")
+        return report.timeline.compute_time - host
+
+    assert kernels(profiled) > 2 * kernels(rooflined) > 0, (kernels(profiled), kernels(rooflined))
 
 
 def test_a_model_on_meta_is_timed_on_made_up_inputs() -> None:

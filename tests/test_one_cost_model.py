@@ -98,7 +98,8 @@ def small_llama():
 # Each strategy and each policy at least once by default; the rest of the grid by `-m extended`.
 @pytest.mark.parametrize(("strategy", "recompute"), [("ddp", Recompute.KEEP),
                                                      pytest.param("zero2", Recompute.KEEP, marks=pytest.mark.extended),
-                                                     ("fsdp", Recompute.KEEP), ("fsdp", Recompute.SELECTIVE),
+                                                     pytest.param("fsdp", Recompute.KEEP, marks=pytest.mark.extended),
+                                                     ("fsdp", Recompute.SELECTIVE),
                                                      ("zero2", Recompute.FULL),
                                                      pytest.param("ddp", Recompute.FULL, marks=pytest.mark.extended)])
 def test_plan_and_inspect_agree_on_state_activations_and_compute(small_llama, strategy, recompute):

@@ -257,10 +257,8 @@ def test_refusals_name_the_problem_before_the_first_step() -> None:
             dpar.parallelize(_nano()[0], strategy="fsdp+cp+tp", mesh=init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "cp")))
 
 
-def test_grouped_query_keys_and_values_are_gathered_before_their_repeat() -> None:
-    """HF Llama with 2 key-value heads for 4 query heads: attention's keys and values are gathered as the 2 heads
-    the projection made, not as the 4 that ``repeat_kv`` expands them to; the causal mask HF builds is built as
-    this rank's rows only (no (seq, seq) value in the forward)."""
+def _llama() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """HF Llama, 2 layers, 4 query heads over 2 key-value heads; one sequence of SEQ tokens (ids, labels, mask)."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -269,7 +267,15 @@ def test_grouped_query_keys_and_values_are_gathered_before_their_repeat() -> Non
     model = third_party.HuggingFaceLM("llama")
     model.inner = tf.LlamaForCausalLM(config)
     ids = torch.randint(1, 64, (1, SEQ))
-    graphs = _graphs(model, ids, ids, torch.ones_like(ids), same_batch_in_cp_group=True)
+    return model, (ids, ids, torch.ones_like(ids))
+
+
+def test_grouped_query_keys_and_values_are_gathered_before_their_repeat() -> None:
+    """HF Llama with 2 key-value heads for 4 query heads: attention's keys and values are gathered as the 2 heads
+    the projection made, not as the 4 that ``repeat_kv`` expands them to; the causal mask HF builds is built as
+    this rank's rows only (no (seq, seq) value in the forward)."""
+    model, inputs = _llama()
+    graphs = _graphs(model, *inputs, same_batch_in_cp_group=True)
     forward = graphs["forward graph"]
     gathered = [math.prod(int(d) for d in c.shape) for c in collectives(forward)
                 if c.kind == "all_gather" and c.dtype == torch.float32]
@@ -307,18 +313,6 @@ def test_inspect_prints_the_gathers_and_about_a_quarter_of_the_activations_at_cp
         line = next(l for l in out.splitlines() if "activations (at the peak" in l)
         peaks[bool(flags)] = int(line.split("│")[2].strip().replace(",", ""))
     assert peaks[True] <= 0.35 * peaks[False], peaks
-
-
-def _llama() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
-    model = third_party.HuggingFaceLM("llama")
-    model.inner = tf.LlamaForCausalLM(config)
-    ids = torch.randint(1, 64, (1, SEQ))
-    return model, (ids, ids, torch.ones_like(ids))
 
 
 def _kinds_by_axis(strategy: str, shape: tuple[int, ...], **kwargs) -> dict[str, object]:

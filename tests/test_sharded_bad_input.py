@@ -12,7 +12,7 @@ from models import MLP
 
 
 def test_unknown_strategy_suggests_the_closest(world_of_four) -> None:
-    with pytest.raises(ValueError, match=r"unknown strategy 'fdsp' \(did you mean 'fsdp'\?\); choose one of \['ddp', 'zero1', 'zero2', 'fsdp', 'hsdp', 'tp', 'ddp\+tp', 'zero2\+tp', 'fsdp\+tp', 'local_sgd', 'ep', 'ddp\+ep', 'zero2\+ep', 'fsdp\+ep', 'cp', 'ddp\+cp', 'zero2\+cp', 'fsdp\+cp', 'auto'\]"):
+    with pytest.raises(ValueError, match=r"unknown strategy 'fdsp' \(did you mean 'fsdp'\?\); choose one of \['ddp', 'zero1', 'zero2', 'fsdp', 'hsdp', 'tp', 'ddp\+tp', 'zero2\+tp', 'fsdp\+tp', 'local_sgd', 'ep', 'ddp\+ep', 'zero2\+ep', 'fsdp\+ep', 'cp', 'ddp\+cp', 'zero2\+cp', 'fsdp\+cp', 'cp\+tp', 'ddp\+cp\+tp', 'zero2\+cp\+tp', 'fsdp\+cp\+tp', 'auto'\]"):
         dpar.parallelize(MLP(), strategy="fdsp")
 
 

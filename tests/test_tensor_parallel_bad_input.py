@@ -38,5 +38,5 @@ def test_a_plan_naming_no_parameter_and_tied_weights_split_two_ways(world_of_fou
 
 
 def test_sequence_parallel_needs_a_tensor_parallel_strategy(world_of_four) -> None:
-    with pytest.raises(ValueError, match=r"sequence_parallel .* needs a tensor-parallel strategy \(tp, ddp\+tp, zero2\+tp, fsdp\+tp\), not 'fsdp'"):
+    with pytest.raises(ValueError, match=r"sequence_parallel .* needs a tensor-parallel strategy without a cp axis.*\(tp, ddp\+tp, zero2\+tp, fsdp\+tp\), not 'fsdp'"):
         dpar.parallelize(MLP(), strategy="fsdp", sequence_parallel=True)

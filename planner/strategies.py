@@ -28,7 +28,8 @@ from dpar.core.plan import AxisRole, Strategy
 from dpar.planner.layout import MODES
 
 # The named strategies the planner prices: at most one data axis beside a tensor, an expert or a context axis, doing
-# a mode it knows (a context and a tensor axis together, which the runtime runs, are not searched yet).
+# a mode it knows (a context and a tensor axis together are searched on a mesh given in three dimensions, not priced
+# here as a named strategy: a 2-D mesh names one role per dimension).
 STRATEGIES = tuple(
     s.value for s in Strategy
     if s.data_parallel in (None, *MODES.values())

@@ -343,5 +343,5 @@ def _beside_pipelines(chosen: Plan, model: nn.Module, inputs: tuple[object, ...]
     faster = ""
     if c.step_s < chosen.cost.step_s:
         faster = (f"a pipeline is faster by the same prices: {c.layout}, {c.step_s:.3g} s a step against this plan's "
-                  f"{chosen.cost.step_s:.3g} s; {str(found).splitlines()[-1].removeprefix('note: ')}")
+                  f"{chosen.cost.step_s:.3g} s" + (f"; {found.how_to_run}" if found.how_to_run else ""))
     return dataclasses.replace(chosen, strategies=(*chosen.strategies, row), faster_pipeline=faster)

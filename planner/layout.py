@@ -143,13 +143,16 @@ def layouts(
     return found
 
 
+# The meshes the runtime takes a cp axis on: each context-parallel strategy's.
+_CONTEXT_MESHES = frozenset(s.mesh_dim_names for s in Strategy if s.context_parallel)
+
+
 def _context_roles(roles: tuple[str, ...], mesh_shape: tuple[int, ...], sequence_length: int) -> bool:
     """Whether ``roles`` places a cp axis as the runtime takes one: none, or ("cp",) / ("dp", "cp"), with a "tp"
     after it or not, over a degree whose two chunks per rank divide the sequence."""
     if "cp" not in roles:
         return True
-    placed = roles in (("cp",), ("dp", "cp"), ("cp", "tp"), ("dp", "cp", "tp"))
-    return placed and sequence_length > 0 and sequence_length % (2 * mesh_shape[roles.index("cp")]) == 0
+    return roles in _CONTEXT_MESHES and sequence_length > 0 and sequence_length % (2 * mesh_shape[roles.index("cp")]) == 0
 
 
 def _expert_roles(roles: tuple[str, ...], mesh_shape: tuple[int, ...], num_experts: tuple[int, ...]) -> bool:

@@ -177,22 +177,23 @@ class PipelinePlan:
                 f"{_ms(c.step_s)} {c.state_bytes / 1e9:>9.4f} {c.activation_bytes / 1e9:>9.4f} "
                 f"{c.activations:>11} {_ms(c.recompute_s)} {'yes' if c.fits else 'no'}{mark}"
             )
-        if self.tp > 1 and self.tp_read_off_graphs:
-            lines.append(
-                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}), "
-                f"dp_strategy={self.dp_strategy!r}{self._checkpointing}; its tp collectives are those of the stage graphs dpar.pipeline builds (per block, read at tp 2)"
-            )
-        elif self.tp > 1:
-            lines.append(
-                f"note: run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}), "
-                f"dp_strategy={self.dp_strategy!r}{self._checkpointing}; tp is priced as Megatron with sequence parallel, a model not yet checked against measured runs"
-            )
-        elif self.pp > 1 or self.choice.activations != "keep":
-            lines.append(
-                f"note: run it with dpar.pipeline over a ('dp', 'pp') mesh of shape ({self.dp}, {self.pp}), "
-                f"dp_strategy={self.dp_strategy!r}{self._checkpointing}"
-            )
+        if self.how_to_run:
+            lines.append(f"note: {self.how_to_run}")
         return "\n".join(lines)
+
+    @property
+    def how_to_run(self) -> str:
+        """The ``dpar.pipeline`` call the choice needs (mesh, dp_strategy, policy); "" for data parallel alone."""
+        if self.tp > 1:
+            how = (f"run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}), "
+                   f"dp_strategy={self.dp_strategy!r}{self._checkpointing}; ")
+            if self.tp_read_off_graphs:
+                return how + "its tp collectives are those of the stage graphs dpar.pipeline builds (per block, read at tp 2)"
+            return how + "tp is priced as Megatron with sequence parallel, a model not yet checked against measured runs"
+        if self.pp > 1 or self.choice.activations != "keep":
+            return (f"run it with dpar.pipeline over a ('dp', 'pp') mesh of shape ({self.dp}, {self.pp}), "
+                    f"dp_strategy={self.dp_strategy!r}{self._checkpointing}")
+        return ""
 
     @property
     def _checkpointing(self) -> str:

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from dpar.compiler.megatron import megatron_dims
 from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
 from dpar.core.plan import (
-    KEEP_ACTIVATIONS, ActivationPolicy, AxisRole, DataParallel, MeshAxis, ParallelPlan, Recompute, Strategy, attach,
+    ATTENTION_EXCHANGES, KEEP_ACTIVATIONS, ActivationPolicy, AxisRole, DataParallel, MeshAxis, ParallelPlan, Recompute, Strategy, attach,
     check_bucket_cap, plan_of_model, replicated,
 )
 from dpar.core import model_state
@@ -69,6 +69,9 @@ ACCEPTS: dict[str, tuple[frozenset[str], str]] = {
     "same_batch_in_cp_group": (_taking(lambda s: s.context_parallel), (
         "same_batch_in_cp_group says every rank of a context-parallel group is fed the same rows; strategy "
         "{strategy!r} has no such group: feed every rank its own slice, as with DDP")),
+    "attention_exchange": (_taking(lambda s: s.context_parallel), (
+        "attention_exchange says how attention reads the other ranks' tokens over a context-parallel axis; "
+        "strategy {strategy!r} splits no sequence: drop attention_exchange, or choose a cp strategy")),
     "sequence_parallel": (_taking(lambda s: s.tensor_parallel and not s.context_parallel), (
         "sequence_parallel splits the activations between tensor-parallel layers along the sequence; it needs a "
         f"tensor-parallel strategy without a cp axis, which splits the sequence itself "
@@ -157,6 +160,7 @@ def parallelize(
     sync_every: int | None = None,
     outer_optimizer: local_sgd.OuterSGD | None = None,
     activation_checkpointing: str | dict[str, str] | ActivationPolicy | None = None,
+    attention_exchange: str | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place for ``strategy``; build the optimizer afterwards.
 
@@ -172,7 +176,9 @@ def parallelize(
     ``cp`` splits each sequence over a 1-D ``mesh`` (context parallel); ``ddp+cp``, ``zero2+cp`` and ``fsdp+cp``
     take a 2-D mesh named ``("dp", "cp")``. Dim 1 of every input as long as the first input's dim 1 is the
     sequence, split in two chunks per rank (head and tail, so causal attention costs every rank alike);
-    attention reads the keys and values all-gathered, and the loss is the mean over the whole sequence's tokens.
+    attention reads the keys and values all-gathered, or runs on 1/cp of the heads over whole sequences after an
+    all-to-all (Ulysses): ``attention_exchange="all_gather"`` or ``"all_to_all"``, or None for the cheaper by
+    bytes per attention. The loss is the mean over the whole sequence's tokens.
     Under DDP's contract each rank computes its share of every sequence of its group (DDP's numbers, DDP's
     activation memory); ``same_batch_in_cp_group=True`` says every rank of a cp group is fed the same rows
     (torchtitan's loader over "dp" only), and each then holds 1/cp of their activations. Which dimension of
@@ -206,7 +212,7 @@ def parallelize(
         sequence_parallel = sequence_parallel or plan.sequence_parallel
     options = dict(sync_every=sync_every, outer_optimizer=outer_optimizer, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    same_batch_in_tp_group=same_batch_in_tp_group, same_batch_in_cp_group=same_batch_in_cp_group,
-                   sequence_parallel=sequence_parallel,
+                   sequence_parallel=sequence_parallel, attention_exchange=attention_exchange,
                    activation_checkpointing=activation_checkpointing)
     chosen = _checked(model, strategy, bucket_cap_mb, max_inflight_gathers, options)
     eager_guard.refuse_eager_training(model, strategy)  # see [Note: a model that never reaches the backend]
@@ -260,7 +266,7 @@ def _place(
         chosen, _axes(mesh, _roles(chosen, mesh)), buckets, max_inflight_gathers, options["param_dtype"],
         options["reduce_dtype"], options["sequence_parallel"], options["same_batch_in_tp_group"],
         options["same_batch_in_cp_group"], options["sync_every"], options["activation_checkpointing"],
-        _rows_group(chosen, mesh),
+        _rows_group(chosen, mesh), options["attention_exchange"],
     ), model)
     if chosen.data_parallel in _APPLY_MODE:
         _APPLY_MODE[chosen.data_parallel](model, mesh, options["sync_every"], options["outer_optimizer"])
@@ -313,6 +319,11 @@ def _checked(
     outer = options["outer_optimizer"]
     if outer is not None and not isinstance(outer, local_sgd.OuterSGD):
         raise OptionsError(ACCEPTS["outer_optimizer"][1].format(strategy=strategy, value=outer))
+    if options["attention_exchange"] not in (None, *ATTENTION_EXCHANGES):
+        raise OptionsError(
+            f"attention_exchange must be one of {list(ATTENTION_EXCHANGES)}, or None to choose per attention by cost, got "
+            f"{options['attention_exchange']!r}"
+        )
     for knob in ("param_dtype", "reduce_dtype"):
         dtype = options[knob]
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

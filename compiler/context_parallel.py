@@ -35,6 +35,7 @@ class ContextParallel:
         assert axis is not None, "a context-parallel plan has a context axis"
         self.size, self.rank, self.group_name = axis.size, world_of_group(axis.group_name).rank, axis.group_name
         self.group_batch = _group_batch(plan)
+        self.attention_exchange = plan.attention_exchange
         self.data = [i.index for i in inputs if i.kind is InputKind.DATA]
 
     def mark_inputs(self, gm: fx.GraphModule) -> fx.GraphModule:
@@ -51,7 +52,8 @@ class ContextParallel:
         return bucket_returned_all_reduces(backward, self.group_name, DDP_BUCKET_CAP_MB * 2**20)
 
     def context_parallel(self, joint: fx.GraphModule) -> fx.GraphModule:
-        mesh = MeshDim(size=self.size, rank=self.rank, group_name=self.group_name, period=marked_length(joint))
+        mesh = MeshDim(size=self.size, rank=self.rank, group_name=self.group_name, period=marked_length(joint),
+                       attention_exchange=self.attention_exchange)
         return context_parallel_pass(joint, mesh)
 
 

@@ -285,6 +285,10 @@ class ActivationPolicy:
 
 KEEP_ACTIVATIONS = ActivationPolicy()
 
+ATTENTION_EXCHANGES = ("all_gather", "all_to_all")
+"""How attention reads other ranks' tokens over a context-parallel axis: keys and values gathered, or Ulysses'
+all-to-all to heads (see [Note: two ways to exchange a sequence for attention])."""
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshAxis:
@@ -312,6 +316,9 @@ class ParallelPlan:
     rows_group: MeshAxis | None = None
     """With a context and a tensor axis: the two flattened into one group, whose ranks compute one another's
     rows ([Note: the data contract under tensor parallel]); set by ``parallelize``."""
+    attention_exchange: str | None = None
+    """With a context axis: how attention sees the other ranks' tokens, ``"all_gather"`` (keys and values) or
+    ``"all_to_all"`` (heads, Ulysses); None: per attention, the cheaper by bytes."""
 
     def axis(self, role: AxisRole) -> MeshAxis | None:
         return next((a for a in self.axes if a.role is role), None)

@@ -23,7 +23,7 @@ import dpar
 import third_party
 from distributed import run_ranks
 from dpar.compiler.collectives import collectives
-from dpar.core.plan import Strategy, plan_of_model
+from dpar.core.plan import ATTENTION_EXCHANGES, Strategy, plan_of_model
 from fake_world import fake_world
 from gpt import GPT, GPTConfig
 from third_party import Run, assert_figures, max_abs_diff, needs_torchtitan
@@ -31,7 +31,8 @@ from third_party import Run, assert_figures, max_abs_diff, needs_torchtitan
 FLOAT64 = 1e-9
 FLOAT32 = 1e-4
 
-# (model, strategy, mesh shape, rows per rank, tokens per row, ranks fed the same rows, float64[, inner compiler])
+# (model, strategy, mesh shape, rows per rank, tokens per row, ranks fed the same rows, float64[, inner compiler or
+# attention exchange])
 TWO_RANKS = [
     ("llama", "cp", None, 2, 8, 1, True),
     ("llama", "cp", None, 2, 8, 1, False, "inductor"),  # Inductor's decompositions: the loss and embedding forms
@@ -67,13 +68,14 @@ EIGHT_RANKS_MORE = [
 
 def _train_cases(rank: int, world_size: int, cases: list[tuple]) -> dict[str, float | str]:
     found: dict[str, float | str] = {}
-    for model, strategy, mesh_shape, rows, seq, same, wide, *compiler in cases:
-        label = f"{model} {strategy} {seq} tokens" + (" same_batch_in_cp_group" if same > 1 else "") + (
-            f" {compiler[0]}" if compiler else "") + (" float64" if wide else "")
-        options = (("compiler", compiler[0]),) if compiler else ()
+    for model, strategy, mesh_shape, rows, seq, same, wide, *extra in cases:
+        label = " ".join([f"{model} {strategy} {seq} tokens", *(["same_batch_in_cp_group"] if same > 1 else []), *extra,
+                          *(["float64"] if wide else [])])
+        options = tuple(("compiler", e) for e in extra if e not in ATTENTION_EXCHANGES)
         torch.set_default_dtype(torch.float64 if wide else torch.float32)
         torch._dynamo.reset()  # another sequence length of the same model code would be traced as a symbol
         kwargs = (("same_batch_in_cp_group", True),) if same > 1 else ()
+        kwargs += tuple(("attention_exchange", e) for e in extra if e in ATTENTION_EXCHANGES)
         try:
             reference = third_party.train(rank, world_size, Run(model, "torch_ddp", rows=rows, seq=seq, same_rows_in=same))
             state = third_party.train(rank, world_size, Run(

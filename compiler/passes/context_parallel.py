@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from dpar.compiler.graph_utils import refresh_fake_values
 from dpar.compiler.passes.group_batch import OWN_ROWS
+from dpar.compiler.passes.heads_exchange import exchange_heads
 from dpar.compiler.passes.tensor_parallel import split_addmm
 from dpar.compiler.propagation.localize import localize
 from dpar.compiler.passes.recompute import RECOMPUTE_KEY
@@ -268,14 +269,16 @@ def save_split_indices(gm: fx.GraphModule) -> fx.GraphModule:
 
 def context_parallel_pass(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
     """The loss made a sum and a count, placements propagated from the markers, the graph rewritten to local
-    shapes, causal attention computed by chunks; the keys' and values' all-gathers are done again in the
-    backward instead of saved (what is saved is this rank's chunks)."""
+    shapes, attention exchanged to heads where propagation chose it, else causal attention computed by chunks;
+    the keys' and values' all-gathers are done again in the backward instead of saved (what is saved is this
+    rank's chunks)."""
     placeholders = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     gm = loss_as_sum_and_count(check_attention(split_addmm(gm)))
     gm.recompile()
     refresh_fake_values(gm, placeholders)
     gm = localize(propagate_placements(gm, mesh), mesh)
-    gm = causal_attention_by_chunks(gm, BalancedLayout(mesh.size, mesh.rank, mesh.period))
+    layout = BalancedLayout(mesh.size, mesh.rank, mesh.period)
+    gm = causal_attention_by_chunks(exchange_heads(gm, layout, mesh.group_name), layout)
     gm.graph.lint()
     gm.recompile()
     refresh_fake_values(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])

@@ -10,13 +10,17 @@ independently computes its share of a balanced shard as of a block. What differs
   tensor parallel's blocks need the outermost; the token index is then ``b * seq + s``.
 - Attention runs on this rank's queries against every key and value (all-gathered;
   their gradients come back as partial sums, reduce-scattered): the mask's rows are
-  the queries', so a causal mask from global positions stays right.
+  the queries', so a causal mask from global positions stays right. Or on 1/cp of the
+  heads over whole sequences, exchanged by all-to-alls (see [Note: two ways to exchange
+  a sequence for attention]).
 - An embedding looked up with split indices is split alike; its weight gradient is a
   partial sum over the group's tokens. So is a loss summed over tokens, with the count
   of valid tokens beside it (``passes/context_parallel.py`` rewrites a mean into both).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -39,9 +43,14 @@ from dpar.compiler.propagation.rules import (
     tensor_inputs,
     view_groups,
 )
+from dpar.compiler.propagation.redistribute import cost, nbytes_of
+from dpar.core.errors import ContextParallelError
+from dpar.core.plan import ATTENTION_EXCHANGES
 from dpar.runtime.context_parallel import SEQUENCE_SPLIT
 
 aten = torch.ops.aten
+SEQUENCE = Shard(2)
+"""Attention's tensors, ``(batch, heads, seq, ...)``, split by the sequence."""
 
 _REDUCTION_SUM = 2
 
@@ -66,31 +75,116 @@ def view(node: fx.Node, period: int) -> list[Candidate]:
     return [Candidate((R,), (R,))]
 
 
-def attention(node: fx.Node, period: int) -> list[Candidate]:
-    """This rank's queries (dim 2 of ``(batch, heads, seq, head_dim)``) against all keys and values.
+ATTENTION_EXCHANGE = "dpar_attention_exchange"
+"""``node.meta`` key on a split attention op: which exchange propagation chose for it (``ALL_GATHER`` or ``ALL_TO_ALL``)."""
+ALL_GATHER, ALL_TO_ALL = ATTENTION_EXCHANGES
 
-    Forward: queries, output and log-sum-exp split, keys and values whole, the mask split
-    by rows (whole where it broadcasts over them). Backward: the same inputs, the gradient
-    of the queries split, those of the keys and values partial sums over the group.
-    """
-    inputs = tensor_inputs(node)
+# [Note: two ways to exchange a sequence for attention]
+# Attention needs every key of a sequence for each query; under cp each rank holds two chunks of all of them.
+# - all_gather: this rank's queries attend to keys and values all-gathered whole (torchtitan's default); their
+#   gradients, partial sums over the group, are reduce-scattered back. The gathers run again in the backward.
+#   A grouped-query model gathers its key-value heads before they are repeated, so it moves kv_heads / heads
+#   of the bytes: (cp - 1) / cp of keys and values, three times.
+# - all_to_all (Ulysses): queries, keys and values move from "my chunks, every head" to "every token, my
+#   heads" by one all-to-all each; the kernel runs on heads / cp heads of the whole sequence in its global
+#   order (so a causal flag is right as it stands), and the output and log-sum-exp move back; the backward
+#   moves the output's gradient in and the three gradients out, reusing the forward's exchanged tensors.
+#   Each all-to-all moves (cp - 1) / cp of the local block: a 1 / cp of what a gather of it moves, for eight
+#   tensors (repeated keys and values included). It needs the heads (after any repeat) divisible by cp.
+# Propagation prices both at each forward attention (``Candidate.inner``: the collectives the op's rewrite runs
+# itself, beside what its inputs cost to reach) and takes the cheaper; its backward takes the forward's choice.
+# By bytes, all_to_all wins for multi-head attention from cp 2, a grouped-query model with few key-value heads
+# keeps all_gather until cp grows; ``parallelize(attention_exchange=...)`` fixes one for every attention.
+
+
+def attention(node: fx.Node, size: int, period: int, exchange: str | None) -> list[Candidate]:
+    """This rank's queries (dim 2 of ``(batch, heads, seq, head_dim)``) against every key and value: gathered
+    whole, or exchanged to whole sequences of 1/cp of the heads (see the Note). ``exchange`` fixes one."""
     backward = node.target in ATTENTION_BACKWARD
-    query, key, value = node.args[1:4] if backward else node.args[0:3]
-    mask = argument(node, MASK_ARGUMENTS)
-    split = Shard(2)
-    if query.meta.get("placement") != split and not (backward and node.args[0].meta.get("placement") == split):
+    query = node.args[1] if backward else node.args[0]
+    if query.meta.get("placement") != SEQUENCE and not (backward and node.args[0].meta.get("placement") == SEQUENCE):
         return replicated(node, 0)
-    ins = tuple(
-        R if n is key or n is value else broadcast_placement(4, shape_of(n), split) if n is mask else split
-        for n in inputs
-    )
+    chosen = _forward_choice(node) if backward else exchange
+    gathered, exchanged = _gathered(node, size), _exchanged_heads(node, size, period)
+    if chosen == ALL_TO_ALL and exchanged is None:
+        raise ContextParallelError(
+            f"{node}: attention_exchange='all_to_all' runs each attention on heads / cp of the heads, but its "
+            f"{_why_not_by_heads(node, size, period)}; use attention_exchange='all_gather' (or leave it to the cost model)"
+        )
+    if chosen == ALL_TO_ALL:  # asked for: not the whole attention on every rank, which its latency may undercut
+        return [exchanged]
+    found = [gathered] if chosen == ALL_GATHER or exchanged is None else [gathered, exchanged]
+    return found + replicated(node, 0)
+
+
+def _tensors(node: fx.Node) -> tuple[torch.Tensor | None, ...]:
     vals = node.meta["val"]
-    vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+    return tuple(v if isinstance(v, torch.Tensor) else None for v in (vals if isinstance(vals, (tuple, list)) else (vals,)))
+
+
+def _forward_choice(backward: fx.Node) -> str | None:
+    """The exchange the forward of an attention backward took (its output is the backward's fifth input)."""
+    out = undetached(backward.args[4])
+    forward = out.args[0] if out.target is operator.getitem else None
+    return forward.meta.get(ATTENTION_EXCHANGE) if isinstance(forward, fx.Node) else None
+
+
+def undetached(value: fx.Node) -> fx.Node:
+    """``value`` before the ``detach``es AOTAutograd puts between a forward's output and the backward reading it."""
+    while value.target is aten.detach.default:
+        value = value.args[0]
+    return value
+
+
+def _gathered(node: fx.Node, size: int) -> Candidate:
+    """Queries split, keys and values whole (the mask split by rows, whole where it broadcasts over them);
+    backward: the gradient of the queries split, those of the keys and values partial sums, reduce-scattered
+    (priced here: their consumers only see a partial sum)."""
+    backward = node.target in ATTENTION_BACKWARD
+    key, value = node.args[2:4] if backward else node.args[1:3]
+    mask = argument(node, MASK_ARGUMENTS)
+    ins = tuple(R if n is key or n is value else broadcast_placement(4, shape_of(n), SEQUENCE) if n is mask else SEQUENCE
+                for n in tensor_inputs(node))
     if backward:  # grad_query, grad_key, grad_value (and a mask's gradient, which cp refuses before here)
-        outs = tuple((split if i == 0 else P) if isinstance(v, torch.Tensor) else None for i, v in enumerate(vals))
+        outs = tuple((SEQUENCE if i == 0 else P) if v is not None else None for i, v in enumerate(_tensors(node)))
+        inner = sum(cost(P, SEQUENCE, gathered_bytes(n), size) for n in (key, value))
     else:  # out, logsumexp (batch, heads, seq), then seeds and sizes
-        outs = tuple((split if v.dim() >= 3 else R) if isinstance(v, torch.Tensor) else None for v in vals)
-    return [Candidate(ins, outs)] + replicated(node, 0)
+        outs = tuple((SEQUENCE if v.dim() >= 3 else R) if v is not None else None for v in _tensors(node))
+        inner = 0.0
+    return Candidate(ins, outs, name=ALL_GATHER, inner=inner)
+
+
+def _exchanged_heads(node: fx.Node, size: int, period: int) -> Candidate | None:
+    """Every tensor split by the sequence as it is, the mask whole; the op's rewrite
+    (``passes/heads_exchange.py``) exchanges them to heads and back. None where the op cannot run so."""
+    if _why_not_by_heads(node, size, period):
+        return None
+    backward = node.target in ATTENTION_BACKWARD
+    mask = argument(node, MASK_ARGUMENTS)
+    inputs = tensor_inputs(node)
+    ins = tuple(R if n is mask else SEQUENCE for n in inputs)
+    outs = tuple((SEQUENCE if v.dim() >= 3 else R) if v is not None else None for v in _tensors(node))
+    moved_in = inputs[:1] if backward else inputs[:3]  # the backward reuses the forward's exchanged tensors
+    inner = sum(cost(SEQUENCE, Shard(1), nbytes_of(n), size) for n in moved_in) + sum(
+        cost(SEQUENCE, Shard(1), v.numel() * v.element_size(), size) for v in _tensors(node) if v is not None and v.dim() >= 3)
+    return Candidate(ins, outs, name=ALL_TO_ALL, inner=inner)
+
+
+def _why_not_by_heads(node: fx.Node, size: int, period: int) -> str:
+    """Why the op cannot run on heads / cp heads of whole sequences ('' where it can)."""
+    backward = node.target in ATTENTION_BACKWARD
+    mask = argument(node, MASK_ARGUMENTS)
+    per_head = [n for n in tensor_inputs(node) if n is not mask and len(shape_of(n)) >= 3]
+    heads = {shape_of(n)[1] for n in per_head}
+    if any(h % size for h in heads):
+        return f"heads ({', '.join(map(str, sorted(heads)))}) are not divisible by cp = {size}"
+    if any(shape_of(n)[2] != period for n in per_head):
+        return f"tensors do not hold one sequence of {period} tokens along dim 2"
+    if isinstance(mask, fx.Node) and len(shape_of(mask)) == 4 and shape_of(mask)[1] not in (1, *heads):
+        return f"mask has {shape_of(mask)[1]} heads"
+    if backward and _forward_choice(node) is None:
+        return "forward was not exchanged by heads"
+    return ""
 
 
 def embedding(node: fx.Node, period: int) -> list[Candidate]:
@@ -191,7 +285,6 @@ CONTEXT_RULES = {
     aten.reshape.default: view,
     aten.unsqueeze.default: view,
     aten.squeeze.dim: view,
-    **dict.fromkeys(ATTENTION | ATTENTION_BACKWARD, attention),
     aten.embedding.default: embedding,
     aten.embedding_dense_backward.default: embedding_backward,
     aten.nll_loss_forward.default: nll_loss,
@@ -275,8 +368,20 @@ def _whole_runs(node: fx.Node, candidate: Candidate, period: int) -> bool:
     return all(not isinstance(p, Shard) or (v.dim() > p.dim and v.shape[p.dim] % period == 0) for v, p in pairs)
 
 
-def context_candidates(node: fx.Node, size: int, period: int) -> list[Candidate]:
-    """The candidates of ``node`` over a context-parallel axis of ``size`` ranks and sequences of ``period``."""
+def gathered_bytes(node: fx.Node) -> int:
+    """The bytes an all-gather of ``node`` moves: those of the split value it repeats, where it does
+    (``repeats_a_split_value``: gathered before the repeat), else its own."""
+    while repeats_a_split_value(node):
+        node = tensor_inputs(node)[0]
+    return nbytes_of(node)
+
+
+def context_candidates(node: fx.Node, size: int, period: int, exchange: str | None = None) -> list[Candidate]:
+    """The candidates of ``node`` over a context-parallel axis of ``size`` ranks and sequences of ``period``;
+    ``exchange`` fixes attention's (``ATTENTION_EXCHANGES``; None: the cheaper, see [Note: two ways to exchange a sequence
+    for attention])."""
+    if node.target in ATTENTION | ATTENTION_BACKWARD:
+        return attention(node, size, period, exchange)
     rule = CONTEXT_RULES.get(node.target)
     found = rule(node, period) if rule is not None else None
     found = candidates_for(node, size) if found is None else found

@@ -19,7 +19,14 @@ from torch.distributed.tensor.placement_types import Placement
 
 import dpar.runtime.tensor_parallel  # noqa: F401  (registers the marker ops)
 from dpar.core.errors import TensorParallelPlanError
-from dpar.compiler.propagation.context_rules import context_candidates, repeats_a_split_value, sliced_inputs
+from dpar.core.plan import ATTENTION_EXCHANGES
+from dpar.compiler.propagation.context_rules import (
+    ATTENTION_EXCHANGE,
+    context_candidates,
+    gathered_bytes,
+    repeats_a_split_value,
+    sliced_inputs,
+)
 from dpar.compiler.propagation.redistribute import SLICE_COST, cost, nbytes_of, redistribute
 from dpar.compiler.propagation.rules import (
     TRANSPOSES,
@@ -45,6 +52,8 @@ class MeshDim:
     period: int = 0
     """A context-parallel axis: the sequence length, whose runs a shard splits in two chunks per rank
     ([Note: a sequence's two chunks per rank]); 0 for a tensor-parallel axis (contiguous blocks)."""
+    attention_exchange: str | None = None
+    """A context-parallel axis: the exchange every attention takes (``ATTENTION_EXCHANGES``); None: the cheaper."""
 
 
 WASTED_WORK = SLICE_COST
@@ -68,14 +77,19 @@ def _wanted_by_gradients(graph: fx.Graph) -> dict[fx.Node, Placement]:
     return wanted
 
 
-def _choose(node: fx.Node, candidates: list[Candidate], size: int, wanted: Placement | None) -> Candidate:
-    """The candidate whose inputs are cheapest to reach, counting the hand-over to a parameter
-    gradient's block where the node computes one (that placement is fixed, so known now)."""
+def _choose(node: fx.Node, candidates: list[Candidate], mesh: MeshDim, wanted: Placement | None) -> Candidate:
+    """The candidate whose inputs are cheapest to reach (with the collectives it runs itself), counting the
+    hand-over to a parameter gradient's block where the node computes one (that placement is fixed, so known now).
+    Over cp a value wanted whole is gathered before any repeat of it (``_Redistributor.to``), and priced so."""
     inputs = tensor_inputs(node)
+    size = mesh.size
+
+    def nbytes(value: fx.Node, want: Placement) -> int:
+        return gathered_bytes(value) if mesh.period and want == Replicate() else nbytes_of(value)
 
     def price(candidate: Candidate) -> float:
-        reach = sum(
-            cost(n.meta.get("placement", Replicate()), want, nbytes_of(n), size)
+        reach = candidate.inner + sum(
+            cost(n.meta.get("placement", Replicate()), want, nbytes(n, want), size)
             for n, want in zip(inputs, candidate.inputs)
         )
         if wanted is None or candidate.outputs[0] == wanted:
@@ -175,11 +189,13 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
                 # Its traced value is this rank's block, as a placeholder's is: nothing to rewrite after it.
                 chosen = Candidate((Shard(node.args[1]),), (Replicate(),))
             else:
-                candidates = (context_candidates(node, mesh.size, mesh.period) if mesh.period
+                candidates = (context_candidates(node, mesh.size, mesh.period, mesh.attention_exchange) if mesh.period
                               else candidates_for(node, mesh.size))
                 if mesh.sequence_parallel:
                     candidates += sequence_shard(node, mesh.size)
-                chosen = _choose(node, candidates, mesh.size, wanted.get(node))
+                chosen = _choose(node, candidates, mesh, wanted.get(node))
+                if chosen.name in ATTENTION_EXCHANGES:
+                    node.meta[ATTENTION_EXCHANGE] = chosen.name
             for value, want in zip(tensor_inputs(node), chosen.inputs):
                 if value.target is WEIGHT_MARKER and want == Replicate():
                     read_whole.setdefault(value, node)

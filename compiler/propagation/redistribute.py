@@ -178,7 +178,7 @@ def _before_rounding(value: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return chain[first].args[0], chain[: first + 1][::-1]
 
 
-def _collective(graph: fx.Graph, target: object, args: tuple[object, ...]) -> fx.Node:
+def activation_collective(graph: fx.Graph, target: object, args: tuple[object, ...]) -> fx.Node:
     node = graph.call_function(target, args)
     node.meta[ACTIVATION_COLLECTIVE] = True
     return node
@@ -195,7 +195,7 @@ def _all_to_all(graph: fx.Graph, value: fx.Node, src: int, dst: int, tp: int, gr
     local[src] //= tp
     dense, order = _dim_first(graph, value, dst, len(local))
     rows = local[dst] // tp
-    exchanged = _collective(graph, c10d.all_to_all_single.default, (dense, [rows] * tp, [rows] * tp, group_name))
+    exchanged = activation_collective(graph, c10d.all_to_all_single.default, (dense, [rows] * tp, [rows] * tp, group_name))
     waited = graph.call_function(c10d.wait_tensor.default, (exchanged,))
     dims = [local[d] for d in order]
     by_rank = graph.call_function(aten.view.default, (waited, [tp, rows, *dims[1:]]))
@@ -238,14 +238,14 @@ def _redistribute(
         # The reduced value comes back contiguous: reduced in its memory order, it keeps its strides.
         if layout is not None:
             value = graph.call_function(aten.permute.default, (value, layout))
-        reduced = _collective(graph, c10d.all_reduce.default, (value, "sum", group_name))
+        reduced = activation_collective(graph, c10d.all_reduce.default, (value, "sum", group_name))
         waited = _call(graph, c10d.wait_tensor.default, (reduced,), dst)
         return waited if layout is None else _call(graph, aten.permute.default, (waited, _inverse(layout)), dst)
     if isinstance(src, Partial) and isinstance(dst, Shard):
         longest, length = local_block(shape[dst.dim], tp, 0)[1], local_block(shape[dst.dim], tp, rank)[1]
         dense, order = _dim_first(graph, value, dst.dim, ndim)
         dense = _padded(graph, dense, ndim, longest * tp - shape[dst.dim])
-        scattered = _collective(graph, c10d.reduce_scatter_tensor.default, (dense, "sum", tp, group_name))
+        scattered = activation_collective(graph, c10d.reduce_scatter_tensor.default, (dense, "sum", tp, group_name))
         waited = graph.call_function(c10d.wait_tensor.default, (scattered,))
         result = _dim_back(graph, _rows(graph, waited, 0, length, longest), order, layout)
         result.meta["placement"] = dst
@@ -253,7 +253,7 @@ def _redistribute(
     if isinstance(src, Shard):
         longest, length = local_block(shape[src.dim], tp, 0)[1], local_block(shape[src.dim], tp, rank)[1]
         dense, order = _dim_first(graph, value, src.dim, ndim)
-        gathered = _collective(
+        gathered = activation_collective(
             graph, c10d.all_gather_into_tensor.default, (_padded(graph, dense, ndim, longest - length), tp, group_name)
         )
         waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
@@ -300,7 +300,7 @@ def _at(graph: fx.Graph, target: object, *args: object) -> fx.Node:
     return graph.call_function(target, args)
 
 
-def _reversed(graph: fx.Graph, value: fx.Node, dim: int, length: int) -> fx.Node:
+def reversed_along(graph: fx.Graph, value: fx.Node, dim: int, length: int) -> fx.Node:
     """``value`` with its ``length`` entries along ``dim`` in reverse order (slices joined, not ``flip``, which
     Inductor both decomposes and falls back on)."""
     pieces = [_at(graph, aten.slice.Tensor, value, dim, i, i + 1) for i in reversed(range(length))]
@@ -326,11 +326,11 @@ def _balanced_gather(graph: fx.Graph, value: fx.Node, dim: int, layout: Balanced
     runs = layout.runs(shape[dim])
     dense, order = _dim_first(graph, value, dim, len(shape))
     rest = [shape[d] for d in order[1:]]
-    gathered = _collective(graph, c10d.all_gather_into_tensor.default, (dense, cp, group_name))
+    gathered = activation_collective(graph, c10d.all_gather_into_tensor.default, (dense, cp, group_name))
     waited = _at(graph, c10d.wait_tensor.default, gathered)
     by_rank = _at(graph, aten.reshape.default, waited, [cp, runs, 2, chunk, *rest])
     heads = _at(graph, aten.select.int, by_rank, 2, 0)  # (cp, runs, chunk, ...): chunks 0 .. cp-1 in rank order
-    tails = _reversed(graph, _at(graph, aten.select.int, by_rank, 2, 1), 0, cp)  # chunks cp .. 2cp-1
+    tails = reversed_along(graph, _at(graph, aten.select.int, by_rank, 2, 1), 0, cp)  # chunks cp .. 2cp-1
     chunks = _at(graph, aten.cat.default, [heads, tails], 0)  # (2cp, runs, chunk, ...)
     in_order = _at(graph, aten.permute.default, chunks, [1, 0, *range(2, 3 + len(rest))])
     whole = _at(graph, aten.reshape.default, in_order, [runs * layout.period, *rest])
@@ -346,11 +346,11 @@ def _balanced_scatter(graph: fx.Graph, value: fx.Node, dim: int, layout: Balance
     rest = [shape[d] for d in order[1:]]
     chunks = _at(graph, aten.reshape.default, dense, [runs, 2 * cp, chunk, *rest])
     heads = _at(graph, aten.slice.Tensor, chunks, 1, 0, cp)
-    tails = _reversed(graph, _at(graph, aten.slice.Tensor, chunks, 1, cp, 2 * cp), 1, cp)
+    tails = reversed_along(graph, _at(graph, aten.slice.Tensor, chunks, 1, cp, 2 * cp), 1, cp)
     paired = _at(graph, aten.cat.default, [_at(graph, aten.unsqueeze.default, half, 2) for half in (heads, tails)], 2)
     by_rank = _at(graph, aten.permute.default, paired, [1, 0, *range(2, 4 + len(rest))])  # (cp, runs, 2, chunk, ...)
     flat = _at(graph, aten.reshape.default, by_rank, [cp * runs * 2 * chunk, *rest])
-    scattered = _collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", cp, group_name))
+    scattered = activation_collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", cp, group_name))
     waited = _at(graph, c10d.wait_tensor.default, scattered)
     return _dim_back(graph, waited, order, memory_layout(val))
 

@@ -61,6 +61,7 @@ class Candidate:
     output_grads: tuple[str, ...] = ()  # the planner's: placement each output's gradient must arrive in
     split: bool = False  # the planner's: compute (and the sharded tensors) divided by the tp degree
     stats: int = 0  # the planner's: fp32 all-reduces of one value per row (vocab-parallel softmax / loss)
+    inner: float = 0.0  # propagation's: bytes-equivalent cost of the collectives the op itself then runs (cp's attention)
 
     @property
     def output(self) -> Placement | str | None:

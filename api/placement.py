@@ -210,6 +210,7 @@ def parallelize(
         strategy, tp_plan = plan.strategy, plan.tp_dims()
         same_batch_in_cp_group = same_batch_in_cp_group or plan.same_batch_in_cp_group
         sequence_parallel = sequence_parallel or plan.sequence_parallel
+        attention_exchange = attention_exchange or plan.attention_exchange
     options = dict(sync_every=sync_every, outer_optimizer=outer_optimizer, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    same_batch_in_tp_group=same_batch_in_tp_group, same_batch_in_cp_group=same_batch_in_cp_group,
                    sequence_parallel=sequence_parallel, attention_exchange=attention_exchange,

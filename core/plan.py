@@ -285,7 +285,8 @@ class ActivationPolicy:
 
 KEEP_ACTIVATIONS = ActivationPolicy()
 
-ATTENTION_EXCHANGES = ("all_gather", "all_to_all")
+ALL_GATHER, ALL_TO_ALL = "all_gather", "all_to_all"
+ATTENTION_EXCHANGES = (ALL_GATHER, ALL_TO_ALL)
 """How attention reads other ranks' tokens over a context-parallel axis: keys and values gathered, or Ulysses'
 all-to-all to heads (see [Note: two ways to exchange a sequence for attention])."""
 

@@ -78,6 +78,7 @@ sit on the critical path and are never hidden.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -87,6 +88,7 @@ import sympy
 from dpar.compiler.costs import ALPHA, BETA, B, N, DeviceSpec, comm_time_expr, moved_bytes_expr, roofline
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.compiler.options import DDP_BUCKET_CAP_MB
+from dpar.core.plan import ALL_GATHER, ALL_TO_ALL
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import Op, OpGraph, ParamInfo
 from dpar.planner.rules import BACKWARD_CONVERT, FORWARD_CONVERT, Candidate
@@ -274,24 +276,66 @@ class CostModel:
         return sum(count * self.collective(kind, nbytes, (axis,)) for kind, _, nbytes, count, _ in self.expert_exchange())
 
     def context_exchange(self) -> list[tuple[str, str, float, int, str]]:
-        """(kind, phase, bytes of one, count, where) of the attention ops' key / value gathers over cp and their
-        gradients' reduce-scatters, per step (see the Note)."""
+        """(kind, phase, bytes of one, count, where) of the attention ops' exchange over cp per step, in the
+        ``attention_exchange`` this layout takes (see the Note)."""
+        return self._exchanges().get(self.attention_exchange, [])
+
+    @functools.cached_property
+    def attention_exchange(self) -> str | None:
+        """The exchange of every attention op over cp: ``all_to_all`` where all can run by heads and that is faster
+        on this device, else ``all_gather``; None without a cp axis. ``parallelize(plan=...)`` applies it."""
+        found = self._exchanges()
+        if not found:
+            return None
+        seconds = {name: sum(count * self.collective(kind, nbytes, (self.layout.cp_axis,))
+                             for kind, _, nbytes, count, _ in listed) for name, listed in found.items()}
+        return min(seconds, key=lambda name: (seconds[name], name != ALL_GATHER))
+
+    def _exchanges(self) -> dict[str, list[tuple[str, str, float, int, str]]]:
+        """Each exchange the attention ops can take over cp, as ``context_exchange`` lists it (no cp axis: none)."""
         if self.layout.cp_axis is None:
-            return []
+            return {}
+        attention = [op for op in self.graph.ops if op.kind == "attention" and len(op.inputs) >= 3]
+        found = {ALL_GATHER: [entry for op in attention for entry in self._gathered_keys(op)]}
+        if attention and all(self._by_heads(op) for op in attention):
+            found[ALL_TO_ALL] = [entry for op in attention for entry in self._exchanged_heads(op)]
+        return found
+
+    def _gathered_keys(self, op: Op) -> list[tuple[str, str, float, int, str]]:
+        """Keys and values gathered whole, forward and again backward, their gradients reduce-scattered."""
         found = []
-        for op in self.graph.ops:
-            if op.kind != "attention" or len(op.inputs) < 3:
-                continue
-            for position, what in ((1, "keys"), (2, "values")):
-                src = op.inputs[position]
-                numel, itemsize = ((self.graph.ops[src].output_numel, self.graph.ops[src].output_itemsize) if src >= 0
-                                   else (math.prod(op.input_shapes[position]), op.input_itemsizes[position]))
-                # This dp group's rows, every token; beside tp, the heads of this rank (Megatron splits them all).
-                nbytes = numel * itemsize / self.dp / self.tp
-                where = f"{op.module or op.name}: its {what}"
-                found += [("all_gather", "forward", nbytes, op.count, where), ("all_gather", "backward", nbytes, op.count, where)]
-                if op.input_grad:
-                    found.append(("reduce_scatter", "backward", nbytes, op.count, f"{where}' gradient"))
+        for position, what in ((1, "keys"), (2, "values")):
+            src = op.inputs[position]
+            numel, itemsize = ((self.graph.ops[src].output_numel, self.graph.ops[src].output_itemsize) if src >= 0
+                               else (math.prod(op.input_shapes[position]), op.input_itemsizes[position]))
+            # This dp group's rows, every token; beside tp, the heads of this rank (Megatron splits them all).
+            nbytes = numel * itemsize / self.dp / self.tp
+            where = f"{op.module or op.name}: its {what}"
+            found += [("all_gather", "forward", nbytes, op.count, where), ("all_gather", "backward", nbytes, op.count, where)]
+            if op.input_grad:
+                found.append(("reduce_scatter", "backward", nbytes, op.count, f"{where}' gradient"))
+        return found
+
+    def _by_heads(self, op: Op) -> bool:
+        """Whether the op's queries, keys and values (as it reads them: grouped heads repeated) hold heads / tp
+        heads that cp divides, as ``passes/heads_exchange.py`` needs."""
+        shapes = op.input_shapes[:3]
+        return all(len(s) == 4 and s[1] % self.tp == 0 and (s[1] // self.tp) % self.layout.cp_degree == 0 for s in shapes)
+
+    def _exchanged_heads(self, op: Op) -> list[tuple[str, str, float, int, str]]:
+        """Queries, keys and values to heads and the output back (forward), the output's gradient in and the three
+        gradients out (backward): one all-to-all of this rank's block each (the log-sum-exp's is not priced)."""
+        where = f"{op.module or op.name}"
+        local = [math.prod(s) * op.input_itemsizes[i] / self.dp / self.tp / self.layout.cp_degree
+                 for i, s in enumerate(op.input_shapes[:3])]
+        out = op.output_bytes / self.dp / self.tp / self.layout.cp_degree
+        found = [("all_to_all", "forward", nbytes, op.count, f"{where}: its {what} to heads")
+                 for nbytes, what in zip(local, ("queries", "keys", "values"))]
+        found.append(("all_to_all", "forward", out, op.count, f"{where}: its output back"))
+        if op.input_grad:
+            found.append(("all_to_all", "backward", out, op.count, f"{where}: its output's gradient to heads"))
+            found += [("all_to_all", "backward", nbytes, op.count, f"{where}: the {what}' gradient back")
+                      for nbytes, what in zip(local, ("queries", "keys", "values"))]
         return found
 
     def context_exchange_seconds(self) -> float:

@@ -115,6 +115,7 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
         data_parallel=layout.data_parallel,
         strategy=layout.strategy,
         sequence_parallel=layout.sequence_parallel,
+        attention_exchange=model.attention_exchange,
         parameters=_parameters(graph, model, picked),
         cost=cost,
         batch_size=graph.batch_size,

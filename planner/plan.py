@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy, Recompute
+from dpar.core.plan import ALL_TO_ALL, KEEP_ACTIVATIONS, ActivationPolicy, Recompute
 from dpar.planner.layout import Layout
 
 
@@ -114,6 +114,7 @@ class Plan:
     batch_size: int  # rows of the global batch the plan is priced at; the dp axes split it
     same_batch_in_cp_group: bool = False  # the batch has fewer rows than dp x cp: each cp group is fed one slice
     sequence_parallel: bool = False  # on the tp axis (Megatron-SP): parallelize(plan=...) applies it
+    attention_exchange: str | None = None  # over a cp axis (core.plan.ATTENTION_EXCHANGES): parallelize(plan=...) applies it
     collectives: tuple[CollectivePlan, ...] = ()
     ops: tuple[OpPlan, ...] = ()
     activations: ActivationPolicy = KEEP_ACTIVATIONS  # what each block saves; parallelize applies it with the plan
@@ -176,6 +177,7 @@ class Plan:
             data_parallel=raw["data_parallel"],
             strategy=raw["strategy"],
             sequence_parallel=raw.get("sequence_parallel", False),
+            attention_exchange=raw.get("attention_exchange"),
             parameters=tuple(
                 ParameterPlan(**{**p, "shape": tuple(p["shape"]), "placements": tuple(p["placements"])})
                 for p in raw["parameters"]
@@ -258,8 +260,10 @@ def _role(plan: Plan, axis: int) -> str:
         return ("expert parallel: ranks see different rows; the experts' parameters split by expert, routed "
                 "tokens exchanged by all-to-all; the rest data parallel over it")
     if plan.mesh_dim_names[axis] == "cp":
-        return ("context parallel: each sequence split over it (two chunks a rank), keys and values gathered at "
-                "every attention; parameters whole over it, gradients reduced over it")
+        exchange = ("queries, keys and values exchanged to heads (all-to-all) at every attention"
+                    if plan.attention_exchange == ALL_TO_ALL else "keys and values gathered at every attention")
+        return (f"context parallel: each sequence split over it (two chunks a rank), {exchange}; parameters whole "
+                "over it, gradients reduced over it")
     split = sum(1 for d in plan.tp_dims().values() if d is not None)
     return f"tensor parallel: {split} of {len(plan.parameters)} parameters split, the group computes the same rows"
 

@@ -38,6 +38,10 @@ TWO_RANKS = [
     ("llama", "cp", None, 2, 8, 1, False, "inductor"),  # Inductor's decompositions: the loss and embedding forms
     ("titan_llama3", "cp", None, 2, 8, 1, True),
     ("nanogpt_4k", "cp", None, 1, 4096, 1, True),
+    # Ulysses: a padding mask whole beside grouped heads repeated (HF), torchtitan's causal flag, Inductor's lowering
+    ("llama", "cp", None, 2, 8, 1, True, "all_to_all"),
+    ("titan_llama3", "cp", None, 2, 8, 1, True, "all_to_all"),
+    ("llama", "cp", None, 2, 8, 1, False, "inductor", "all_to_all"),
 ]
 # Paths the cases above and the 4-rank launch cover: fp32 under aot_eager (Inductor's fp32 case), nanoGPT at 8 tokens
 # (at 4,096), a cp group fed one batch (the planned zero2+cp case and the logits check).
@@ -45,11 +49,14 @@ TWO_RANKS_MORE = [
     ("llama", "cp", None, 2, 8, 1, False),
     ("nanogpt", "cp", None, 2, 8, 1, True),
     ("llama", "cp", None, 2, 8, 2, True),  # same_batch_in_cp_group: one copy, each rank its chunks
+    ("nanogpt", "cp", None, 2, 8, 1, True, "all_to_all"),
 ]
 FOUR_RANKS = [
     ("llama", "fsdp+cp", (2, 2), 2, 8, 1, True),
     ("llama", "ddp+cp", (2, 2), 2, 8, 1, True),
     ("nanogpt", "cp", None, 1, 16, 1, True),  # cp 4: a chunk of 2 tokens
+    ("nanogpt", "cp", None, 1, 16, 1, True, "all_to_all"),  # one head a rank
+    ("llama", "cp+tp", (2, 2), 2, 8, 1, True, "all_to_all"),  # tp's 2 heads of 4, 1 a rank
 ]
 # Both activation axes beside a sharded data axis: the layout torchtitan trains long sequences with.
 EIGHT_RANKS = [("llama", "fsdp+cp+tp", (2, 2, 2), 2, 8, 1, True)]
@@ -63,6 +70,7 @@ FOUR_RANKS_MORE = [
 EIGHT_RANKS_MORE = [
     ("llama", "zero2+cp+tp", (2, 2, 2), 2, 8, 1, True),
     ("llama", "ddp+cp+tp", (2, 2, 2), 2, 8, 1, True),
+    ("llama", "fsdp+cp+tp", (2, 2, 2), 2, 8, 1, True, "all_to_all"),
 ]
 
 
@@ -241,6 +249,33 @@ def test_each_rank_attends_with_its_two_chunks_against_gathered_keys() -> None:
     assert not vocab_sized, vocab_sized
 
 
+def _exchange_kinds(seq: int, **kwargs) -> tuple[set[tuple[int, ...]], dict[str, list[str]]]:
+    """nanoGPT at cp 4, the group fed one batch: the attention kernels' query shapes and the float32 collectives'
+    kinds, forward and backward (the loss's and the gradients' all-reduces left out)."""
+    model, ids, targets = _nano(seq)
+    graphs = _graphs(model, ids, targets, same_batch_in_cp_group=True, **kwargs)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    queries = {tuple(n.args[0].meta["val"].shape) for n in graphs["forward graph"].graph.nodes if n.target is flash}
+    return queries, {label: [c.kind for c in collectives(graphs[f"{label} graph"])
+                             if c.kind != "all_reduce" and c.dtype == torch.float32] for label in ("forward", "backward")}
+
+
+def test_attention_takes_the_all_to_all_exchange_where_it_moves_less() -> None:
+    """[Note: two ways to exchange a sequence for attention], nanoGPT (4 heads, none grouped) at cp 4. Asked for
+    ``all_to_all``, each kernel runs on one head over the whole sequence; a layer's forward exchanges queries, keys,
+    values in and the output and log-sum-exp back (5 all-to-alls), its backward the output's gradient in and three
+    gradients back (4), reusing the forward's; nothing is gathered. Left to the cost model, 64 tokens keep the
+    gathers (2 collectives, where latency rules) and 2,048 tokens take the all-to-alls (1/4 of the bytes each)."""
+    layers = 2
+    queries, kinds = _exchange_kinds(SEQ, attention_exchange="all_to_all")
+    assert queries == {(2, 4 // CP, SEQ, 8)}
+    assert kinds == {"forward": ["all_to_all"] * 5 * layers, "backward": ["all_to_all"] * 4 * layers}, kinds
+    _, short = _exchange_kinds(SEQ)
+    assert set(short["forward"]) == {"all_gather"}, short
+    queries, long = _exchange_kinds(2048)
+    assert queries == {(2, 4 // CP, 2048, 8)} and long == kinds, long
+
+
 def test_refusals_name_the_problem_before_the_first_step() -> None:
     model, ids, targets = _nano(SEQ)
     with pytest.raises(dpar.ContextParallelError, match=r"sequence length 60 is not divisible by 2 x cp = 8"):
@@ -254,6 +289,13 @@ def test_refusals_name_the_problem_before_the_first_step() -> None:
             dpar.parallelize(_nano()[0], strategy="cp+tp", sequence_parallel=True)
         with pytest.raises(dpar.OptionsError, match=r"named \('cp', 'tp'\)"):
             dpar.parallelize(_nano()[0], strategy="cp+tp", mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "cp")))
+    with pytest.raises(dpar.ContextParallelError, match=r"heads \(4\) are not divisible by cp = 8"):
+        _graphs(_nano()[0], ids, targets, world=8, attention_exchange="all_to_all")
+    with fake_world(4):
+        with pytest.raises(dpar.OptionsError, match=r"attention_exchange must be one of \['all_gather', 'all_to_all'\]"):
+            dpar.parallelize(_nano()[0], strategy="cp", attention_exchange="ring")
+        with pytest.raises(dpar.OptionsError, match=r"attention_exchange .* strategy 'fsdp' splits no sequence"):
+            dpar.parallelize(_nano()[0], strategy="fsdp", attention_exchange="all_to_all")
     with fake_world(8):
         with pytest.raises(dpar.OptionsError, match=r"needs a 3-D mesh \(dp, cp, tp\)"):
             dpar.parallelize(_nano()[0], strategy="fsdp+cp+tp", mesh=init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "cp")))

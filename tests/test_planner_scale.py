@@ -91,8 +91,9 @@ def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, seq, recomput
 def test_llama3_8b_at_131k_tokens_on_64_ranks_splits_its_sequences():
     """Llama-3-8B, 8 sequences of 131,072 tokens on 64 H100s of 80 GB (8 x 8): no data-parallel layout fits (8
     sequences for 64 ranks), tensor parallel only with sequence parallel and every block recomputed, slower than
-    splitting every sequence over 8 ranks: the plan feeds each cp group one sequence and gathers keys and values at
-    every attention, forward and backward."""
+    splitting every sequence over 8 ranks: the plan feeds each cp group one sequence and exchanges every attention's
+    queries, keys and values to heads (Ulysses' all-to-all): at cp 8 that moves less than gathering the 8 key-value
+    heads whole, forward, backward and their gradients."""
     model, batch, _ = _llama3("8b", rows=8, seq=131072)  # the global batch: 8 rows for 64 ranks
     p, seconds = _planned_on_h100s(model, batch, (8, 8))
     print(f"Llama-3-8B at 131k tokens on 8 x 8: {p.strategy} {p.mesh_dim_names}, {policy_label(p.activations)}, "
@@ -101,8 +102,10 @@ def test_llama3_8b_at_131k_tokens_on_64_ranks_splits_its_sequences():
     assert seconds < 60.0
     assert p.mesh_dim_names == ("dp", "cp") and p.strategy.endswith("+cp") and p.same_batch_in_cp_group
     assert p.cost.memory_bytes_per_rank <= 80e9 and p.cost.cp_comm_s > 0
-    assert p.count("all_gather", "cp", "forward") == p.count("all_gather", "cp", "backward") == 2 * 32  # K, V a layer
-    assert p.count("reduce_scatter", "cp", "backward") == 2 * 32
+    assert p.attention_exchange == "all_to_all" and "exchanged to heads" in str(p)
+    # Q, K, V in and the output back a layer; backward the output's gradient in and three gradients back
+    assert p.count("all_to_all", "cp", "forward") == p.count("all_to_all", "cp", "backward") == 4 * 32
+    assert not p.count("all_gather", "cp") and not p.count("reduce_scatter", "cp")
     named = {o.strategy: o for o in p.strategies}  # priced alike, side by side
     assert not any(o.fits for name, o in named.items() if "+" not in name or name.endswith("+tp"))
     fastest_tp = min(o.step_s for name, o in named.items() if "tp" in name and o.fits)

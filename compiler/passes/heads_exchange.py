@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from dpar.compiler.propagation.context_rules import ALL_TO_ALL, ATTENTION_EXCHANGE, undetached
+from dpar.compiler.propagation.context_rules import ATTENTION_EXCHANGE, undetached
 from dpar.compiler.propagation.redistribute import (
     BalancedLayout,
     activation_collective,
@@ -24,6 +24,7 @@ from dpar.compiler.propagation.redistribute import (
     reversed_along,
 )
 from dpar.compiler.propagation.rules import ATTENTION_BACKWARD, MASK_ARGUMENTS, argument
+from dpar.core.plan import ALL_TO_ALL
 from dpar.core.torch_internals import C10D_FUNCTIONAL
 
 aten = torch.ops.aten

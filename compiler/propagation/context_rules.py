@@ -45,7 +45,7 @@ from dpar.compiler.propagation.rules import (
 )
 from dpar.compiler.propagation.redistribute import cost, nbytes_of
 from dpar.core.errors import ContextParallelError
-from dpar.core.plan import ATTENTION_EXCHANGES
+from dpar.core.plan import ALL_GATHER, ALL_TO_ALL
 from dpar.runtime.context_parallel import SEQUENCE_SPLIT
 
 aten = torch.ops.aten
@@ -77,7 +77,6 @@ def view(node: fx.Node, period: int) -> list[Candidate]:
 
 ATTENTION_EXCHANGE = "dpar_attention_exchange"
 """``node.meta`` key on a split attention op: which exchange propagation chose for it (``ALL_GATHER`` or ``ALL_TO_ALL``)."""
-ALL_GATHER, ALL_TO_ALL = ATTENTION_EXCHANGES
 
 # [Note: two ways to exchange a sequence for attention]
 # Attention needs every key of a sequence for each query; under cp each rank holds two chunks of all of them.
@@ -378,7 +377,7 @@ def gathered_bytes(node: fx.Node) -> int:
 
 def context_candidates(node: fx.Node, size: int, period: int, exchange: str | None = None) -> list[Candidate]:
     """The candidates of ``node`` over a context-parallel axis of ``size`` ranks and sequences of ``period``;
-    ``exchange`` fixes attention's (``ATTENTION_EXCHANGES``; None: the cheaper, see [Note: two ways to exchange a sequence
+    ``exchange`` fixes attention's (``core.plan.ATTENTION_EXCHANGES``; None: the cheaper, see [Note: two ways to exchange a sequence
     for attention])."""
     if node.target in ATTENTION | ATTENTION_BACKWARD:
         return attention(node, size, period, exchange)

@@ -57,6 +57,8 @@ def _inspect(args: argparse.Namespace) -> int:
     policy = args.activation_checkpointing
     console = Console(width=None if sys.stdout.isatty() else 160)  # pipes and CI logs: wide tables
     placement = {"same_batch_in_cp_group": True} if args.same_batch_in_cp_group else {}
+    if args.attention_exchange is not None:
+        placement["attention_exchange"] = args.attention_exchange
     try:
         report = explain(
             model, example_inputs, world_size=args.world_size, strategy=args.strategy,
@@ -186,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
     from dpar.planner.pipeline import DP_STRATEGIES, PLANNED_SCHEDULES
     from dpar.compiler.costs import PRESETS
     from dpar.compiler.memory import OPTIMIZER_STATES
+    from dpar.core.plan import ATTENTION_EXCHANGES
     from dpar.inspect.strategies import STRATEGIES
 
     top = argparse.ArgumentParser(prog="dpar", description="dpar: graph-level data parallelism for torch.compile")
@@ -202,6 +205,9 @@ def parser() -> argparse.ArgumentParser:
                    help="every block's policy, as dpar.parallelize(activation_checkpointing=...) takes it")
     p.add_argument("--same-batch-in-cp-group", action="store_true", help="cp strategies: every rank of a cp group "
                    "fed the same rows, as dpar.parallelize(same_batch_in_cp_group=True): each holds its chunks of one batch")
+    p.add_argument("--attention-exchange", default=None, choices=ATTENTION_EXCHANGES, help="cp strategies: how "
+                   "attention reads the other ranks' tokens, as dpar.parallelize(attention_exchange=...); default: "
+                   "per attention, the cheaper by bytes")
     p.add_argument("--profile-kernels", action="store_true", help="time every kernel of the graphs on this machine "
                    "(CUDA if present, else the CPU) and price them so, not by the roofline; --device must be this machine's")
     p.add_argument("--code", action="store_true", help="print every graph after every pass")

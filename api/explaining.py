@@ -28,14 +28,17 @@ def explain(
     model: torch.nn.Module, example_inputs: Any, *, activation_checkpointing: Any = None, plan: Plan | None = None,
     **kwargs: Any,
 ) -> Report | PipelineReport:
-    """``dpar.inspect``'s ``explain``; ``activation_checkpointing`` and ``same_batch_in_cp_group`` as
-    ``dpar.parallelize`` takes them (``activation_checkpointing`` under ddp too;
+    """``dpar.inspect``'s ``explain``; ``activation_checkpointing``, ``same_batch_in_cp_group`` and
+    ``attention_exchange`` as ``dpar.parallelize`` takes them (``activation_checkpointing`` under ddp too;
     under ``strategy="pipeline"`` as ``dpar.pipeline`` does);
     ``plan`` (from ``dpar.plan``) placed as ``parallelize(plan=plan)`` places it, on its mesh's ranks, instead of a
     strategy by name (``example_inputs``: one rank's slice)."""
     place = parallelize
     if kwargs.pop("same_batch_in_cp_group", False):  # one batch per cp group: the activations of its chunks only
         place = functools.partial(place, same_batch_in_cp_group=True)
+    if kwargs.get("attention_exchange") is not None:
+        place = functools.partial(place, attention_exchange=kwargs.pop("attention_exchange"))
+    kwargs.pop("attention_exchange", None)
     if plan is not None:
         world = math.prod(plan.mesh_shape)
         if kwargs.setdefault("world_size", world) != world or kwargs.setdefault("strategy", "auto") != "auto":

@@ -344,19 +344,23 @@ def nano():
 def test_inspect_prints_the_gathers_and_about_a_quarter_of_the_activations_at_cp_4(tmp_path, capsys) -> None:
     """``dpar inspect --strategy cp -n 4``: the all-gathers of keys and values in the collective table; with
     ``--same-batch-in-cp-group`` (one batch per group) the activation peak is 0.33 of the default's at 256 tokens
-    (each rank computing its chunks of every rank's batch: as much as one process on one batch)."""
+    (each rank computing its chunks of every rank's batch: as much as one process on one batch); with
+    ``--attention-exchange all_to_all`` all-to-alls instead, and a lower peak."""
     from dpar.cli import main
 
     target = tmp_path / "nano.py"
     target.write_text(NANO_TARGET.format(examples=str(Path(__file__).resolve().parent.parent / "examples")))
     peaks = {}
-    for flags in ([], ["--same-batch-in-cp-group"]):
+    for flags in ([], ["--same-batch-in-cp-group"], ["--same-batch-in-cp-group", "--attention-exchange", "all_to_all"]):
         assert main(["inspect", f"{target}:nano", "-n", "4", "--strategy", "cp", "--device", "cpu", *flags]) == 0
         out = capsys.readouterr().out
-        assert "cp on 4 ranks" in out and "all_gather" in out
+        kinds = {k for k in ("all_gather", "reduce_scatter", "all_to_all") if f"│ {k} " in out}
+        assert "cp on 4 ranks" in out and kinds == ({"all_to_all"} if len(flags) > 1
+                                                    else {"all_gather", "reduce_scatter"}), kinds
         line = next(l for l in out.splitlines() if "activations (at the peak" in l)
-        peaks[bool(flags)] = int(line.split("│")[2].strip().replace(",", ""))
-    assert peaks[True] <= 0.35 * peaks[False], peaks
+        peaks[len(flags)] = int(line.split("│")[2].strip().replace(",", ""))
+    assert peaks[1] <= 0.35 * peaks[0], peaks
+    assert peaks[3] < peaks[1], peaks  # no layer's keys and values whole
 
 
 def _kinds_by_axis(strategy: str, shape: tuple[int, ...], **kwargs) -> dict[str, object]:

@@ -318,8 +318,11 @@ class CostModel:
 
     def _by_heads(self, op: Op) -> bool:
         """Whether the op's queries, keys and values (as it reads them: grouped heads repeated) hold heads / tp
-        heads that cp divides, as ``passes/heads_exchange.py`` needs."""
+        heads that cp divides, as ``passes/heads_exchange.py`` needs, and it reads no mask the runtime's choice
+        keeps the gathers for."""
         shapes = op.input_shapes[:3]
+        if any(len(s) >= 2 and len(shapes[0]) == 4 and s[-2] == shapes[0][2] for s in op.input_shapes[3:]):
+            return False  # a mask of a row per query, whole on every rank by heads: the runtime keeps the gathers
         return all(len(s) == 4 and s[1] % self.tp == 0 and (s[1] // self.tp) % self.layout.cp_degree == 0 for s in shapes)
 
     def _exchanged_heads(self, op: Op) -> list[tuple[str, str, float, int, str]]:

@@ -91,9 +91,9 @@ def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, seq, recomput
 def test_llama3_8b_at_131k_tokens_on_64_ranks_splits_its_sequences():
     """Llama-3-8B, 8 sequences of 131,072 tokens on 64 H100s of 80 GB (8 x 8): no data-parallel layout fits (8
     sequences for 64 ranks), tensor parallel only with sequence parallel and every block recomputed, slower than
-    splitting every sequence over 8 ranks: the plan feeds each cp group one sequence and exchanges every attention's
-    queries, keys and values to heads (Ulysses' all-to-all): at cp 8 that moves less than gathering the 8 key-value
-    heads whole, forward, backward and their gradients."""
+    splitting every sequence over 8 ranks: the plan feeds each cp group one sequence and gathers keys and values at
+    every attention, forward and backward (the all-to-all to heads would move less at cp 8, but Hugging Face's
+    attention reads a causal mask with a row per query, which by heads every rank would hold whole)."""
     model, batch, _ = _llama3("8b", rows=8, seq=131072)  # the global batch: 8 rows for 64 ranks
     p, seconds = _planned_on_h100s(model, batch, (8, 8))
     print(f"Llama-3-8B at 131k tokens on 8 x 8: {p.strategy} {p.mesh_dim_names}, {policy_label(p.activations)}, "
@@ -102,14 +102,26 @@ def test_llama3_8b_at_131k_tokens_on_64_ranks_splits_its_sequences():
     assert seconds < 60.0
     assert p.mesh_dim_names == ("dp", "cp") and p.strategy.endswith("+cp") and p.same_batch_in_cp_group
     assert p.cost.memory_bytes_per_rank <= 80e9 and p.cost.cp_comm_s > 0
-    assert p.attention_exchange == "all_to_all" and "exchanged to heads" in str(p)
-    # Q, K, V in and the output back a layer; backward the output's gradient in and three gradients back
-    assert p.count("all_to_all", "cp", "forward") == p.count("all_to_all", "cp", "backward") == 4 * 32
-    assert not p.count("all_gather", "cp") and not p.count("reduce_scatter", "cp")
+    assert p.attention_exchange == "all_gather"
+    assert p.count("all_gather", "cp", "forward") == p.count("all_gather", "cp", "backward") == 2 * 32  # K, V a layer
+    assert p.count("reduce_scatter", "cp", "backward") == 2 * 32
     named = {o.strategy: o for o in p.strategies}  # priced alike, side by side
     assert not any(o.fits for name, o in named.items() if "+" not in name or name.endswith("+tp"))
     fastest_tp = min(o.step_s for name, o in named.items() if "tp" in name and o.fits)
     assert named["fsdp+tp (sequence parallel)"].fits and p.cost.step_s < fastest_tp
+
+
+def test_a_long_sequence_without_a_mask_is_exchanged_to_heads():
+    """The tests' GPT (causal by the kernel's flag, no mask) at Llama-3-8B's width, 32 heads, 8 sequences of 32,768
+    tokens on 8 x 8 H100s as ("dp", "cp"): the plan exchanges every attention's queries, keys and values to heads and
+    its output back (4 all-to-alls a layer each way), faster than gathering keys and values, and says so."""
+    model, batch = gpt(n_layer=2, n_embd=4096, n_head=32, block=32768, vocab=32000, batch=8)
+    p, seconds = _planned_on_h100s(model, batch, (8, 8), mesh_dim_names=("dp", "cp"))
+    print(f"GPT 4096 wide at 32k tokens on 8 x 8 (dp, cp): {p.strategy}, {p.attention_exchange}, cp exchange "
+          f"{p.cost.cp_comm_s * 1e3:.1f} ms, {p.cost.step_s:.3f} s/step, planned in {seconds:.1f} s")
+    assert p.attention_exchange == "all_to_all" and "exchanged to heads (all-to-all)" in str(p)
+    assert p.count("all_to_all", "cp", "forward") == p.count("all_to_all", "cp", "backward") == 4 * 2
+    assert not p.count("all_gather", "cp") and not p.count("reduce_scatter", "cp")
 
 
 def test_a_tensor_parallel_plan_splits_no_norm_weight():

@@ -93,7 +93,10 @@ ATTENTION_EXCHANGE = "dpar_attention_exchange"
 # Propagation prices both at each forward attention (``Candidate.inner``: the collectives the op's rewrite runs
 # itself, beside what its inputs cost to reach) and takes the cheaper; its backward takes the forward's choice.
 # By bytes, all_to_all wins for multi-head attention from cp 2, a grouped-query model with few key-value heads
-# keeps all_gather until cp grows; ``parallelize(attention_exchange=...)`` fixes one for every attention.
+# keeps all_gather until cp grows. An attention reading a mask of a row per query (Hugging Face's causal and
+# padding masks) keeps all_gather unless asked: by heads each rank needs every row of it, seq x seq, where the
+# gather builds this rank's rows (the term that grows fastest with the sequence). ``parallelize(attention_exchange=...)``
+# fixes one for every attention.
 
 
 def attention(node: fx.Node, size: int, period: int, exchange: str | None) -> list[Candidate]:
@@ -112,6 +115,8 @@ def attention(node: fx.Node, size: int, period: int, exchange: str | None) -> li
         )
     if chosen == ALL_TO_ALL:  # asked for: not the whole attention on every rank, which its latency may undercut
         return [exchanged]
+    if chosen is None and _reads_a_whole_mask(node, period):
+        exchanged = None
     found = [gathered] if chosen == ALL_GATHER or exchanged is None else [gathered, exchanged]
     return found + replicated(node, 0)
 
@@ -167,6 +172,13 @@ def _exchanged_heads(node: fx.Node, size: int, period: int) -> Candidate | None:
     inner = sum(cost(SEQUENCE, Shard(1), nbytes_of(n), size) for n in moved_in) + sum(
         cost(SEQUENCE, Shard(1), v.numel() * v.element_size(), size) for v in _tensors(node) if v is not None and v.dim() >= 3)
     return Candidate(ins, outs, name=ALL_TO_ALL, inner=inner)
+
+
+def _reads_a_whole_mask(node: fx.Node, period: int) -> bool:
+    """Whether the op reads a mask with a row per query of the sequence: by heads every rank would build all of it
+    (``seq x seq``), where the gather builds this rank's rows only ([Note: slicing before computing])."""
+    mask = argument(node, MASK_ARGUMENTS)
+    return isinstance(mask, fx.Node) and len(shape_of(mask)) >= 2 and shape_of(mask)[-2] == period
 
 
 def _why_not_by_heads(node: fx.Node, size: int, period: int) -> str:

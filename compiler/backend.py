@@ -15,6 +15,7 @@ from dpar.compiler.capture import GraphInput, InputKind, classify_inputs
 from dpar.compiler.lowering import GraphHook, GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.pass_listing import PassListing
+from dpar.compiler.per_model import PerModel, graph_copy
 from dpar.compiler.wrapped_twice import check_not_wrapped
 from dpar.core.plan import ParallelPlan, Strategy, check_bucket_cap, plan_of_parameters, replicated
 from dpar.compiler.sharded_data_parallel import flat_layout
@@ -23,6 +24,7 @@ from dpar.core.errors import OptionsError
 from dpar.core.facts import period_of, tensor_parallel_spec_of
 from dpar.runtime.finite_gradients import FiniteGradients
 from dpar.runtime.liveness import compiling
+from dpar.core import model_state
 from dpar.core.model_state import check_materialized
 from dpar.core.torch_internals import register_dynamo_backend, resolve_process_group
 from dpar.runtime.optimizer_hooks import hand_down
@@ -39,7 +41,6 @@ def _single_device_hook(
     return lower(gm, example_inputs)
 
 
-@compiling()  # a rank compiling is not stalled: see [Note: a rank that vanishes]
 def dpar_backend(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -48,7 +49,27 @@ def dpar_backend(
     mode: str | None = None,
 ) -> Callable[..., Any]:
     """Each graph through the passes of its parameters' plan (``dpar.parallelize``'s; none: ddp over
-    the default process group)."""
+    the default process group), compiled again for each other model that calls it
+    ([Note: one capture, several models] in ``per_model.py``)."""
+    parameters = [i for i in classify_inputs(gm, example_inputs) if i.kind is InputKind.PARAMETER]
+    if not parameters or current_world() is None:  # one device: nothing of a plan in the graphs
+        return _compiled(gm, example_inputs, options=options, mode=mode)
+    captured = graph_copy(gm)
+    compiled = _compiled(gm, example_inputs, options=options, mode=mode)
+    first = example_inputs[parameters[0].index]
+    owner = model_state.owners_of([first])[0]
+    return PerModel(captured, lambda g, ex: _compiled(g, ex, options=options, mode=mode), parameters[0].index, owner,
+                    compiled, id(first))
+
+
+@compiling()  # a rank compiling is not stalled: see [Note: a rank that vanishes]
+def _compiled(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
     parsed = Options.parse(options)
     if mode is not None:
         raise OptionsError(

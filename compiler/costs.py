@@ -90,6 +90,9 @@ class DeviceSpec:
     bookkeeping): see [Note: host work the graphs' kernels do not show]."""
     tensor_host_seconds: tuple[float, float] = (0.0, 0.0)
     """Seconds a step spends around the compiled graphs per parameter or buffer: (a plain tensor, a DTensor)."""
+    cores: int | None = None
+    """Cores the ranks of one machine share, where they are processes on a CPU (None: each rank has its own
+    device): past one rank a core, each ring step waits for the other ranks' turns (``step_latency_scale``)."""
     kernel_times: KernelTimes | None = None
     """Seconds measured for the kernels of given graphs (``dpar.compiler.kernel_profile.time_kernels``):
     ``node_cost`` prices a node found here at its measured time, every other by the roofline."""
@@ -130,6 +133,17 @@ class DeviceSpec:
             return self.inter_link
         return tuple(sympy.Piecewise((intra, N <= self.node_size), (inter, True))  # type: ignore[return-value]
                      for intra, inter in zip(self.intra_link, self.inter_link))
+
+    def step_latency_scale(self, ranks: int) -> float:
+        """How much longer one ring step takes with ``ranks`` processes on ``cores`` cores (1: a core each).
+
+        Measured on the 2-core machine (2026-11-29, functional collectives of 256 KiB-4 MiB, gloo): the
+        all-reduce's per-step time at 4 and 8 ranks was 1.3x and 2.5x that at 2; half a step more per extra
+        rank a core (1.5x, 2.5x) follows it.
+        """
+        if self.cores is None or ranks <= self.cores:
+            return 1.0
+        return 1.0 + 0.5 * (ranks / self.cores - 1.0)
 
     def links(self, mesh_shape: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
         """One (α, β) per mesh dimension (see [Note: the device's links])."""
@@ -173,7 +187,7 @@ PRESETS: dict[str, DeviceSpec] = {
     # each; around the graphs, a stack of 128 Linears (256 parameters) took 9 us a parameter under ddp and
     # 62-66 under zero2 and fsdp.
     "cpu": DeviceSpec("cpu", 100e9, 450e9, 40e9, alpha=150e-6, link_bandwidth=1.5e9, overlap=0.3, staged_collectives=True,
-                      collective_host_seconds=45e-6, tensor_host_seconds=(9e-6, 60e-6)),
+                      collective_host_seconds=45e-6, tensor_host_seconds=(9e-6, 60e-6), cores=2),
 }
 
 

@@ -174,7 +174,9 @@ class CostModel:
 
     def __init__(self, graph: OpGraph, layout: Layout, device: DeviceSpec) -> None:
         self.graph, self.layout, self.device = graph, layout, device
-        self.links = device.links(layout.mesh_shape) if math.prod(layout.mesh_shape) > 1 else ()  # one rank: no link
+        ranks = math.prod(layout.mesh_shape)
+        scale = device.step_latency_scale(ranks)  # processes sharing cores take turns at each ring step
+        self.links = tuple((alpha * scale, beta) for alpha, beta in device.links(layout.mesh_shape)) if ranks > 1 else ()
         self.dp, self.tp, self.ep = layout.dp_degree, layout.tp_degree, layout.ep_degree
         self.tokens = layout.token_degree  # what divides the batch's work: rows over dp, sequences over cp
         self.experts = graph.expert_parameters() if self.ep > 1 else frozenset()  # split over ep: 1/ep per rank
@@ -196,6 +198,10 @@ class CostModel:
             dst = graph.ops[e.dst]
             if e.position < len(dst.saves_inputs) and dst.saves_inputs[e.position]:
                 self.saved_output[e.src] = True
+        if layout.data_parallel == "replicate":  # ddp fills buckets of its cap in gradient order, not one a block
+            self.buckets[True, False] = self.capped_buckets(p for p in graph.params if p.name not in self.experts)
+            if self.experts:
+                self.expert_buckets[True, False] = self.capped_buckets(p for p in graph.params if p.name in self.experts)
 
     def collective(self, kind: str, nbytes: float, axes: tuple[int, ...], alpha: bool = True) -> float:
         """One ring over the ranks of ``axes`` on their slowest link (see the Note); ``alpha=False``: bandwidth term only."""
@@ -347,9 +353,13 @@ class CostModel:
                    for kind, _, nbytes, count, _ in self.context_exchange())
 
     def context_gradient_buckets(self) -> int:
-        """The all-reduces of the gradients over cp: the trained parameters' bytes per rank in buckets of DDP's cap, as
-        the runtime fills them (compiler/passes/gradient_reductions.py); at least one."""
-        nbytes = sum(self.param_numel(p, "R") * p.itemsize for p in self.graph.params if p.requires_grad and p.op is not None)
+        """The all-reduces of the gradients over cp: ``capped_buckets`` of every parameter."""
+        return self.capped_buckets(self.graph.params)
+
+    def capped_buckets(self, params: Iterable[ParamInfo]) -> int:
+        """The trained ``params``' bytes per rank in buckets of DDP's cap, as the runtime fills them in gradient order
+        (ddp's buckets, cp's all-reduces: compiler/passes/gradient_reductions.py); at least one."""
+        nbytes = sum(self.param_numel(p, "R") * p.itemsize for p in params if p.requires_grad and p.op is not None)
         return max(1, math.ceil(nbytes / BUCKET_CAP_BYTES))
 
     def context_gradient_seconds(self, nbytes: float) -> float:

@@ -143,7 +143,8 @@ def _dp_collectives(graph: OpGraph, model: CostModel, picked: list[Candidate]) -
                 if p.op is not None and (p.name in model.experts) is expert and (p.requires_grad or not trained_only)
                 and not (not_root and p.bucket == "root")
             )
-            where = "one per bucket (numbered block)" if not_root else "one per bucket (numbered block, root)"
+            where = ("in buckets of DDP's cap, gradient order" if model.layout.data_parallel == "replicate" else
+                     "one per bucket (numbered block)" if not_root else "one per bucket (numbered block, root)")
             if expert:
                 buckets, where = model.expert_buckets[trained_only, not_root], f"the experts': {where}"
             found.append(CollectivePlan(kind, "dp" if expert or not model.experts else "dp x ep", phase, round(nbytes),

@@ -14,6 +14,7 @@ beside. Nothing here holds a parameter (or a weak reference to one, which ``swap
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,10 +27,22 @@ from dpar.core.model_state import ModelState
 Compile = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """What a placeholder's ``grapharg`` tells the backend (``capture._source_name``): Dynamo's own holds a weak
+    reference to the live parameter, which ``torch.utils.swap_tensors`` refuses while it exists."""
+
+    source: object
+
+
 def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm``'s graph and meta that the passes run on ``gm`` leave as captured (node meta copied, not shared)."""
+    """A copy of ``gm``'s graph and meta that the passes run on ``gm`` leave as captured (node meta copied, not shared),
+    holding no reference to the tensors it was captured with."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if "grapharg" in node.meta:
+            node.meta["grapharg"] = _Source(getattr(node.meta["grapharg"], "source", None))
     copy = fx.GraphModule(gm, graph)
     copy.meta = dict(gm.meta)
     return copy

@@ -47,10 +47,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline_step_time_compiled_check": (
         "python benchmarks/pipeline_step_time.py --compilers aot_eager inductor --schedules zb_h1 zbv", ""),
     "pipeline_step_time_zbv": ("python benchmarks/pipeline_step_time.py --schedules 1f1b zb_h1 zbv", ""),
-    "plan_choice": ("python benchmarks/plan_choice.py --configs gpt-0.8m@4,llama-4m@4,llama-4m@8 --steps 8 --rounds 2",
-                    "2 CPU cores, 4 and 8 gloo ranks"),
-    "plan_choice_gpt8": ("python benchmarks/plan_choice.py --configs gpt-0.8m@8 --steps 8 --rounds 2 "
-                         "--out benchmarks/results/plan_choice_gpt8.json", "2 CPU cores, 8 gloo ranks"),
+    "plan_choice": ("python benchmarks/plan_choice.py --configs gpt-0.8m@4,gpt-0.8m@8,llama-4m@4,llama-4m@8 --steps 8 "
+                    "--rounds 2", "2 CPU cores, 4 and 8 gloo ranks"),
     "plan_sweep": ("python benchmarks/plan_sweep.py", "modelled (h100 preset), not measured"),
     "sharded_step_time": ("python benchmarks/sharded_step_time.py", "2 CPU cores, 2 gloo ranks"),
     "step_breakdown": ("python benchmarks/step_breakdown.py --config llama-25m@8x128", "2 CPU cores, 2 gloo ranks"),

@@ -29,10 +29,11 @@ from gpt import GPT, GPTConfig
 from third_party import Run, assert_figures, max_abs_diff, needs_torchtitan
 
 FLOAT64 = 1e-9
+RECOMPUTE = ("selective", "full")
 FLOAT32 = 1e-4
 
-# (model, strategy, mesh shape, rows per rank, tokens per row, ranks fed the same rows, float64[, inner compiler or
-# attention exchange])
+# (model, strategy, mesh shape, rows per rank, tokens per row, ranks fed the same rows, float64[, inner compiler,
+# attention exchange or activation policy])
 TWO_RANKS = [
     ("llama", "cp", None, 2, 8, 1, True),
     ("llama", "cp", None, 2, 8, 1, False, "inductor"),  # Inductor's decompositions: the loss and embedding forms
@@ -50,6 +51,7 @@ TWO_RANKS_MORE = [
     ("nanogpt", "cp", None, 2, 8, 1, True),
     ("llama", "cp", None, 2, 8, 2, True),  # same_batch_in_cp_group: one copy, each rank its chunks
     ("nanogpt", "cp", None, 2, 8, 1, True, "all_to_all"),
+    ("llama", "cp", None, 2, 8, 1, True, "all_to_all", "full"),  # exchanged tensors saved, collectives not recomputed
 ]
 FOUR_RANKS = [
     ("llama", "fsdp+cp", (2, 2), 2, 8, 1, True),
@@ -79,11 +81,12 @@ def _train_cases(rank: int, world_size: int, cases: list[tuple]) -> dict[str, fl
     for model, strategy, mesh_shape, rows, seq, same, wide, *extra in cases:
         label = " ".join([f"{model} {strategy} {seq} tokens", *(["same_batch_in_cp_group"] if same > 1 else []), *extra,
                           *(["float64"] if wide else [])])
-        options = tuple(("compiler", e) for e in extra if e not in ATTENTION_EXCHANGES)
+        options = tuple(("compiler", e) for e in extra if e not in (*ATTENTION_EXCHANGES, *RECOMPUTE))
         torch.set_default_dtype(torch.float64 if wide else torch.float32)
         torch._dynamo.reset()  # another sequence length of the same model code would be traced as a symbol
         kwargs = (("same_batch_in_cp_group", True),) if same > 1 else ()
         kwargs += tuple(("attention_exchange", e) for e in extra if e in ATTENTION_EXCHANGES)
+        kwargs += tuple(("activation_checkpointing", e) for e in extra if e in RECOMPUTE)
         try:
             reference = third_party.train(rank, world_size, Run(model, "torch_ddp", rows=rows, seq=seq, same_rows_in=same))
             state = third_party.train(rank, world_size, Run(

@@ -92,8 +92,11 @@ ATTENTION_EXCHANGE = "dpar_attention_exchange"
 #   tensors (repeated keys and values included). It needs the heads (after any repeat) divisible by cp.
 # Propagation prices both at each forward attention (``Candidate.inner``: the collectives the op's rewrite runs
 # itself, beside what its inputs cost to reach) and takes the cheaper; its backward takes the forward's choice.
-# By bytes, all_to_all wins for multi-head attention from cp 2, a grouped-query model with few key-value heads
-# keeps all_gather until cp grows. An attention reading a mask of a row per query (Hugging Face's causal and
+# Priced on the forward's exchange, all_to_all wins for multi-head attention from cp 4 (4 / cp of a tensor's bytes
+# against 2 for the gathers, times (cp - 1) / cp), for 4 query heads a key-value head above cp 8, and a latency per
+# collective (5 against 2) keeps the gathers for short sequences. Over forward and backward the all-to-alls move
+# less from cp 2 (8 / cp against 6), as the planner prices them; pricing the backward here too would make the
+# whole attention on every rank (``replicated``, priced by its forward gathers) look cheapest, which it is not. An attention reading a mask of a row per query (Hugging Face's causal and
 # padding masks) keeps all_gather unless asked: by heads each rank needs every row of it, seq x seq, where the
 # gather builds this rank's rows (the term that grows fastest with the sequence). ``parallelize(attention_exchange=...)``
 # fixes one for every attention.

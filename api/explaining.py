@@ -36,9 +36,9 @@ def explain(
     place = parallelize
     if kwargs.pop("same_batch_in_cp_group", False):  # one batch per cp group: the activations of its chunks only
         place = functools.partial(place, same_batch_in_cp_group=True)
-    if kwargs.get("attention_exchange") is not None:
-        place = functools.partial(place, attention_exchange=kwargs.pop("attention_exchange"))
-    kwargs.pop("attention_exchange", None)
+    exchange = kwargs.pop("attention_exchange", None)
+    if exchange is not None:
+        place = functools.partial(place, attention_exchange=exchange)
     if plan is not None:
         world = math.prod(plan.mesh_shape)
         if kwargs.setdefault("world_size", world) != world or kwargs.setdefault("strategy", "auto") != "auto":

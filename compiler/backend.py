@@ -24,7 +24,6 @@ from dpar.core.errors import OptionsError
 from dpar.core.facts import period_of, tensor_parallel_spec_of
 from dpar.runtime.finite_gradients import FiniteGradients
 from dpar.runtime.liveness import compiling
-from dpar.core import model_state
 from dpar.core.model_state import check_materialized
 from dpar.core.torch_internals import register_dynamo_backend, resolve_process_group
 from dpar.runtime.optimizer_hooks import hand_down
@@ -56,10 +55,9 @@ def dpar_backend(
         return _compiled(gm, example_inputs, options=options, mode=mode)
     captured = graph_copy(gm)
     compiled = _compiled(gm, example_inputs, options=options, mode=mode)
-    first = example_inputs[parameters[0].index]
-    owner = model_state.owners_of([first])[0]
-    return PerModel(captured, lambda g, ex: _compiled(g, ex, options=options, mode=mode), parameters[0].index, owner,
-                    compiled, id(first))
+    position = parameters[0].index
+    return PerModel(captured, lambda g, ex: _compiled(g, ex, options=options, mode=mode), position, compiled,
+                    example_inputs[position])
 
 
 @compiling()  # a rank compiling is not stalled: see [Note: a rank that vanishes]

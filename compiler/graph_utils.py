@@ -12,6 +12,11 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from dpar.core.torch_internals import FakeTensorMode, detect_fake_mode, stable_topological_sort
 
 
+def call(graph: fx.Graph, target: object, *args: object, **kwargs: object) -> fx.Node:
+    """``graph.call_function`` spelled as the call it makes (at the graph's insertion point)."""
+    return graph.call_function(target, args, kwargs)
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """An independent graph to rewrite; node metadata (fake values) is shared, not cloned."""
     graph = fx.Graph()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpar.compiler.graph_utils import copy_graph_module
 from dpar.core import model_state
 from dpar.core.model_state import ModelState
 
@@ -38,12 +39,10 @@ class _Source:
 def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm``'s graph and meta that the passes run on ``gm`` leave as captured (node meta copied, not shared),
     holding no reference to the tensors it was captured with."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for node in graph.nodes:
+    copy = copy_graph_module(gm)
+    for node in copy.graph.nodes:
         if "grapharg" in node.meta:
             node.meta["grapharg"] = _Source(getattr(node.meta["grapharg"], "source", None))
-    copy = fx.GraphModule(gm, graph)
     copy.meta = dict(gm.meta)
     return copy
 
@@ -55,11 +54,13 @@ def _owner(tensor: torch.Tensor) -> ModelState | None:
 class PerModel:
     """Calls the graphs compiled for the model that owns the parameter at ``position`` of the arguments (see the Note)."""
 
-    def __init__(self, captured: fx.GraphModule, compile_graphs: Compile, position: int, owner: ModelState | None,
-                 compiled: Callable[..., Any], plain_id: int) -> None:
+    def __init__(self, captured: fx.GraphModule, compile_graphs: Compile, position: int, compiled: Callable[..., Any],
+                 parameter: torch.Tensor) -> None:
+        """``compiled``: the graphs compiled for the model holding ``parameter``, the argument at ``position``."""
         self.captured, self.compile_graphs, self.position = captured, compile_graphs, position
+        owner = _owner(parameter)
         self.compiled: dict[int, tuple[ModelState | None, Callable[..., Any]]] = {id(owner): (owner, compiled)}
-        self.last, self.plain_id = owner, plain_id  # the owner of the latest call; a plain model's parameter id
+        self.last, self.plain_id = owner, id(parameter)  # the owner of the latest call; a plain model's parameter id
 
     def _owner_of(self, tensor: torch.Tensor) -> ModelState | None:
         """The model state owning ``tensor``: the latest call's where its map still knows it, else looked up."""

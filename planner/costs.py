@@ -284,19 +284,18 @@ class CostModel:
     def context_exchange(self) -> list[tuple[str, str, float, int, str]]:
         """(kind, phase, bytes of one, count, where) of the attention ops' exchange over cp per step, in the
         ``attention_exchange`` this layout takes (see the Note)."""
-        return self._exchanges().get(self.attention_exchange, [])
+        return self._exchanges.get(self.attention_exchange, [])
 
     @functools.cached_property
     def attention_exchange(self) -> str | None:
         """The exchange of every attention op over cp: ``all_to_all`` where all can run by heads and that is faster
         on this device, else ``all_gather``; None without a cp axis. ``parallelize(plan=...)`` applies it."""
-        found = self._exchanges()
-        if not found:
+        if not self._exchanges:
             return None
-        seconds = {name: sum(count * self.collective(kind, nbytes, (self.layout.cp_axis,))
-                             for kind, _, nbytes, count, _ in listed) for name, listed in found.items()}
+        seconds = {name: self._exchange_seconds(listed) for name, listed in self._exchanges.items()}
         return min(seconds, key=lambda name: (seconds[name], name != ALL_GATHER))
 
+    @functools.cached_property
     def _exchanges(self) -> dict[str, list[tuple[str, str, float, int, str]]]:
         """Each exchange the attention ops can take over cp, as ``context_exchange`` lists it (no cp axis: none)."""
         if self.layout.cp_axis is None:
@@ -349,8 +348,10 @@ class CostModel:
 
     def context_exchange_seconds(self) -> float:
         """The attention exchange over cp in time, on the critical path."""
-        return sum(count * self.collective(kind, nbytes, (self.layout.cp_axis,))
-                   for kind, _, nbytes, count, _ in self.context_exchange())
+        return self._exchange_seconds(self.context_exchange())
+
+    def _exchange_seconds(self, listed: list[tuple[str, str, float, int, str]]) -> float:
+        return sum(count * self.collective(kind, nbytes, (self.layout.cp_axis,)) for kind, _, nbytes, count, _ in listed)
 
     def context_gradient_buckets(self) -> int:
         """The all-reduces of the gradients over cp: ``capped_buckets`` of every parameter."""

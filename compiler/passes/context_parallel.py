@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dpar.compiler.graph_utils import refresh_fake_values
+from dpar.compiler.graph_utils import call, refresh_fake_values
 from dpar.compiler.passes.group_batch import OWN_ROWS
 from dpar.compiler.passes.heads_exchange import exchange_heads
 from dpar.compiler.passes.tensor_parallel import split_addmm
@@ -101,10 +101,6 @@ def marked_length(gm: fx.GraphModule) -> int:
     return marker.args[0].meta["val"].shape[marker.args[1]]
 
 
-def _call(graph: fx.Graph, target: object, *args: object, **kwargs: object) -> fx.Node:
-    return graph.call_function(target, args, kwargs)
-
-
 def check_attention(gm: fx.GraphModule) -> fx.GraphModule:
     """Every attention in the graph is one the pass splits exactly: the CPU kernel (or attention written out,
     which propagation follows op by op), without dropout, causal only over one sequence."""
@@ -139,14 +135,14 @@ def _chunks(layout: BalancedLayout) -> tuple[int, int]:
 
 
 def _along(graph: fx.Graph, value: fx.Node, start: int, end: int) -> fx.Node:
-    return _call(graph, aten.slice.Tensor, value, 2, start, end)
+    return call(graph, aten.slice.Tensor, value, 2, start, end)
 
 
 def _log_add_exp(graph: fx.Graph, a: fx.Node, b: fx.Node) -> fx.Node:
     """``log(exp(a) + exp(b))`` from ops every backend lowers (Inductor refuses ``logaddexp`` already decomposed)."""
-    top = _call(graph, aten.maximum.default, a, b)
-    total = _call(graph, aten.add.Tensor, *(_call(graph, aten.exp.default, _call(graph, aten.sub.Tensor, x, top)) for x in (a, b)))
-    return _call(graph, aten.add.Tensor, top, _call(graph, aten.log.default, total))
+    top = call(graph, aten.maximum.default, a, b)
+    total = call(graph, aten.add.Tensor, *(call(graph, aten.exp.default, call(graph, aten.sub.Tensor, x, top)) for x in (a, b)))
+    return call(graph, aten.add.Tensor, top, call(graph, aten.log.default, total))
 
 
 def _causal_forward(graph: fx.Graph, node: fx.Node, layout: BalancedLayout) -> tuple[fx.Node, fx.Node]:
@@ -158,25 +154,25 @@ def _causal_forward(graph: fx.Graph, node: fx.Node, layout: BalancedLayout) -> t
     for half, chunk in enumerate(_chunks(layout)):
         q = _along(graph, query, half * length, (half + 1) * length)
         keys = (chunk * length, (chunk + 1) * length)
-        own = _call(graph, FLASH, q, _along(graph, key, *keys), _along(graph, value, *keys), 0.0, True, scale=scale)
-        out, lse = _call(graph, operator.getitem, own, 0), _call(graph, operator.getitem, own, 1)
+        own = call(graph, FLASH, q, _along(graph, key, *keys), _along(graph, value, *keys), 0.0, True, scale=scale)
+        out, lse = call(graph, operator.getitem, own, 0), call(graph, operator.getitem, own, 1)
         if chunk:
-            before = _call(graph, FLASH, q, _along(graph, key, 0, keys[0]), _along(graph, value, 0, keys[0]),
+            before = call(graph, FLASH, q, _along(graph, key, 0, keys[0]), _along(graph, value, 0, keys[0]),
                            0.0, False, scale=scale)
-            out_before, lse_before = _call(graph, operator.getitem, before, 0), _call(graph, operator.getitem, before, 1)
+            out_before, lse_before = call(graph, operator.getitem, before, 0), call(graph, operator.getitem, before, 1)
             merged = _log_add_exp(graph, lse_before, lse)
-            weights = [_call(graph, aten.unsqueeze.default, _call(graph, aten.exp.default,
-                                                                  _call(graph, aten.sub.Tensor, part, merged)), -1)
+            weights = [call(graph, aten.unsqueeze.default, call(graph, aten.exp.default,
+                                                                  call(graph, aten.sub.Tensor, part, merged)), -1)
                        for part in (lse_before, lse)]
             dtype = query.meta["val"].dtype
             if dtype != torch.float32:
-                weights = [_call(graph, aten._to_copy.default, w, dtype=dtype) for w in weights]
-            out = _call(graph, aten.add.Tensor, _call(graph, aten.mul.Tensor, out_before, weights[0]),
-                        _call(graph, aten.mul.Tensor, out, weights[1]))
+                weights = [call(graph, aten._to_copy.default, w, dtype=dtype) for w in weights]
+            out = call(graph, aten.add.Tensor, call(graph, aten.mul.Tensor, out_before, weights[0]),
+                        call(graph, aten.mul.Tensor, out, weights[1]))
             lse = merged
         outs.append(out)
         lses.append(lse)
-    return _call(graph, aten.cat.default, outs, 2), _call(graph, aten.cat.default, lses, 2)
+    return call(graph, aten.cat.default, outs, 2), call(graph, aten.cat.default, lses, 2)
 
 
 def _causal_backward(graph: fx.Graph, node: fx.Node, layout: BalancedLayout) -> tuple[fx.Node, fx.Node, fx.Node]:
@@ -194,19 +190,19 @@ def _causal_backward(graph: fx.Graph, node: fx.Node, layout: BalancedLayout) -> 
         pieces = [(keys, True)] + ([((0, keys[0]), False)] if chunk else [])
         dq = None
         for (start, end), causal in pieces:
-            grads = _call(graph, FLASH_BACKWARD, g, q, _along(graph, key, start, end), _along(graph, value, start, end),
+            grads = call(graph, FLASH_BACKWARD, g, q, _along(graph, key, start, end), _along(graph, value, start, end),
                           o, m, 0.0, causal, scale=scale)
-            piece_dq, dk, dv = (_call(graph, operator.getitem, grads, i) for i in range(3))
-            dq = piece_dq if dq is None else _call(graph, aten.add.Tensor, dq, piece_dq)
+            piece_dq, dk, dv = (call(graph, operator.getitem, grads, i) for i in range(3))
+            dq = piece_dq if dq is None else call(graph, aten.add.Tensor, dq, piece_dq)
             padding = [0, 0, start, period - end]  # back to the whole sequence: zeros elsewhere
-            grad_keys.append(_call(graph, aten.constant_pad_nd.default, dk, padding))
-            grad_values.append(_call(graph, aten.constant_pad_nd.default, dv, padding))
+            grad_keys.append(call(graph, aten.constant_pad_nd.default, dk, padding))
+            grad_values.append(call(graph, aten.constant_pad_nd.default, dv, padding))
         grad_queries.append(dq)
     total_keys, total_values = grad_keys[0], grad_values[0]
     for dk, dv in zip(grad_keys[1:], grad_values[1:]):
-        total_keys = _call(graph, aten.add.Tensor, total_keys, dk)
-        total_values = _call(graph, aten.add.Tensor, total_values, dv)
-    return _call(graph, aten.cat.default, grad_queries, 2), total_keys, total_values
+        total_keys = call(graph, aten.add.Tensor, total_keys, dk)
+        total_values = call(graph, aten.add.Tensor, total_values, dv)
+    return call(graph, aten.cat.default, grad_queries, 2), total_keys, total_values
 
 
 def causal_attention_by_chunks(gm: fx.GraphModule, layout: BalancedLayout) -> fx.GraphModule:

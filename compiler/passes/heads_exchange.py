@@ -15,6 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from dpar.compiler.graph_utils import call
 from dpar.compiler.propagation.context_rules import ATTENTION_EXCHANGE, undetached
 from dpar.compiler.propagation.redistribute import (
     BalancedLayout,
@@ -30,15 +31,11 @@ from dpar.core.torch_internals import C10D_FUNCTIONAL
 aten = torch.ops.aten
 
 
-def _at(graph: fx.Graph, target: object, *args: object, **kwargs: object) -> fx.Node:
-    return graph.call_function(target, args, kwargs)
-
-
 def _exchange(graph: fx.Graph, send: fx.Node, cp: int, group_name: str) -> fx.Node:
     """One all-to-all of ``send``, contiguous, whose dim 0 is the destination rank: dim 0 of the result is the source."""
-    dense = _at(graph, aten.clone.default, send, memory_format=torch.contiguous_format)
+    dense = call(graph, aten.clone.default, send, memory_format=torch.contiguous_format)
     moved = activation_collective(graph, C10D_FUNCTIONAL.all_to_all_single.default, (dense, [1] * cp, [1] * cp, group_name))
-    return _at(graph, C10D_FUNCTIONAL.wait_tensor.default, moved)
+    return call(graph, C10D_FUNCTIONAL.wait_tensor.default, moved)
 
 
 def to_heads(graph: fx.Graph, value: fx.Node, shape: list[int], layout: BalancedLayout, group_name: str) -> fx.Node:
@@ -51,14 +48,14 @@ def to_heads(graph: fx.Graph, value: fx.Node, shape: list[int], layout: Balanced
     cp, chunk = layout.size, layout.chunk
     batch, heads, _, *rest = shape
     ends = list(range(4, 4 + len(rest)))
-    by_block = _at(graph, aten.view.default, value, [batch, cp, heads // cp, 2 * chunk, *rest])
-    received = _exchange(graph, _at(graph, aten.permute.default, by_block, [1, 0, 2, 3, *ends]), cp, group_name)
-    halves = _at(graph, aten.view.default, received, [cp, batch, heads // cp, 2, chunk, *rest])
-    first = _at(graph, aten.select.int, halves, 3, 0)
-    second = reversed_along(graph, _at(graph, aten.select.int, halves, 3, 1), 0, cp)
-    chunks = _at(graph, aten.cat.default, [first, second], 0)  # (2cp, batch, heads / cp, chunk, *rest)
-    ordered = _at(graph, aten.permute.default, chunks, [1, 2, 0, 3, *ends])
-    return _at(graph, aten.reshape.default, ordered, [batch, heads // cp, 2 * cp * chunk, *rest])
+    by_block = call(graph, aten.view.default, value, [batch, cp, heads // cp, 2 * chunk, *rest])
+    received = _exchange(graph, call(graph, aten.permute.default, by_block, [1, 0, 2, 3, *ends]), cp, group_name)
+    halves = call(graph, aten.view.default, received, [cp, batch, heads // cp, 2, chunk, *rest])
+    first = call(graph, aten.select.int, halves, 3, 0)
+    second = reversed_along(graph, call(graph, aten.select.int, halves, 3, 1), 0, cp)
+    chunks = call(graph, aten.cat.default, [first, second], 0)  # (2cp, batch, heads / cp, chunk, *rest)
+    ordered = call(graph, aten.permute.default, chunks, [1, 2, 0, 3, *ends])
+    return call(graph, aten.reshape.default, ordered, [batch, heads // cp, 2 * cp * chunk, *rest])
 
 
 def to_chunks(graph: fx.Graph, value: fx.Node, shape: list[int], layout: BalancedLayout, group_name: str) -> fx.Node:
@@ -66,15 +63,15 @@ def to_chunks(graph: fx.Graph, value: fx.Node, shape: list[int], layout: Balance
     cp, chunk = layout.size, layout.chunk
     batch, heads, _, *rest = shape
     ends = list(range(4, 4 + len(rest)))
-    chunks = _at(graph, aten.view.default, value, [batch, heads // cp, 2 * cp, chunk, *rest])
-    first = _at(graph, aten.slice.Tensor, chunks, 2, 0, cp)  # rank j's head chunk at j
-    second = reversed_along(graph, _at(graph, aten.slice.Tensor, chunks, 2, cp, 2 * cp), 2, cp)  # its tail at j
+    chunks = call(graph, aten.view.default, value, [batch, heads // cp, 2 * cp, chunk, *rest])
+    first = call(graph, aten.slice.Tensor, chunks, 2, 0, cp)  # rank j's head chunk at j
+    second = reversed_along(graph, call(graph, aten.slice.Tensor, chunks, 2, cp, 2 * cp), 2, cp)  # its tail at j
     # (batch, heads / cp, cp, 2, chunk, *rest); not ``stack``, which Inductor both decomposes and falls back on
-    paired = _at(graph, aten.cat.default, [_at(graph, aten.unsqueeze.default, half, 3) for half in (first, second)], 3)
-    received = _exchange(graph, _at(graph, aten.permute.default, paired, [2, 0, 1, 3, 4, *(e + 1 for e in ends)]), cp,
+    paired = call(graph, aten.cat.default, [call(graph, aten.unsqueeze.default, half, 3) for half in (first, second)], 3)
+    received = _exchange(graph, call(graph, aten.permute.default, paired, [2, 0, 1, 3, 4, *(e + 1 for e in ends)]), cp,
                          group_name)  # (cp: head block, batch, heads / cp, 2, chunk, *rest)
-    merged = _at(graph, aten.permute.default, received, [1, 0, 2, 3, 4, *(e + 1 for e in ends)])
-    return _at(graph, aten.reshape.default, merged, [batch, heads, 2 * chunk, *rest])
+    merged = call(graph, aten.permute.default, received, [1, 0, 2, 3, 4, *(e + 1 for e in ends)])
+    return call(graph, aten.reshape.default, merged, [batch, heads, 2 * chunk, *rest])
 
 
 def exchange_heads(gm: fx.GraphModule, layout: BalancedLayout, group_name: str) -> fx.GraphModule:
@@ -98,7 +95,7 @@ def exchange_heads(gm: fx.GraphModule, layout: BalancedLayout, group_name: str) 
             kwargs = dict(node.kwargs)
             if isinstance(mask, fx.Node) and mask.meta["val"].dim() == 4 and mask.meta["val"].shape[1] > 1:
                 per_rank = mask.meta["val"].shape[1] // layout.size  # a mask per head: this rank's heads
-                kwargs["attn_mask"] = _at(graph, aten.slice.Tensor, mask, 1, layout.rank * per_rank,
+                kwargs["attn_mask"] = call(graph, aten.slice.Tensor, mask, 1, layout.rank * per_rank,
                                           (layout.rank + 1) * per_rank)
             computed = graph.call_function(node.target, args, kwargs)
         vals = node.meta["val"]
@@ -106,7 +103,7 @@ def exchange_heads(gm: fx.GraphModule, layout: BalancedLayout, group_name: str) 
             index = user.args[1]
             val = vals[index]
             with graph.inserting_before(user):
-                result = _at(graph, operator.getitem, computed, index)
+                result = call(graph, operator.getitem, computed, index)
                 if val.dim() < 3:
                     back = result
                 else:

@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from dpar.compiler.graph_utils import call
 from dpar.core.facts import local_block
 from dpar.core.torch_internals import C10D_FUNCTIONAL
 
@@ -296,26 +297,22 @@ class BalancedLayout:
         return length // self.period
 
 
-def _at(graph: fx.Graph, target: object, *args: object) -> fx.Node:
-    return graph.call_function(target, args)
-
-
 def reversed_along(graph: fx.Graph, value: fx.Node, dim: int, length: int) -> fx.Node:
     """``value`` with its ``length`` entries along ``dim`` in reverse order (slices joined, not ``flip``, which
     Inductor both decomposes and falls back on)."""
-    pieces = [_at(graph, aten.slice.Tensor, value, dim, i, i + 1) for i in reversed(range(length))]
-    return pieces[0] if length == 1 else _at(graph, aten.cat.default, pieces, dim)
+    pieces = [call(graph, aten.slice.Tensor, value, dim, i, i + 1) for i in reversed(range(length))]
+    return pieces[0] if length == 1 else call(graph, aten.cat.default, pieces, dim)
 
 
 def _balanced_slice(graph: fx.Graph, value: fx.Node, dim: int, layout: BalancedLayout) -> fx.Node:
     """This rank's two chunks of every run along ``dim`` of a whole (replicated) value."""
     shape = list(value.meta["val"].shape)
     runs, chunk, r = layout.runs(shape[dim]), layout.chunk, layout.rank
-    split = _at(graph, aten.reshape.default, value, [*shape[:dim], runs, 2 * layout.size, chunk, *shape[dim + 1:]])
-    head = _at(graph, aten.slice.Tensor, split, dim + 1, r, r + 1)
-    tail = _at(graph, aten.slice.Tensor, split, dim + 1, 2 * layout.size - 1 - r, 2 * layout.size - r)
-    both = _at(graph, aten.cat.default, [head, tail], dim + 1)
-    return _at(graph, aten.reshape.default, both, [*shape[:dim], runs * 2 * chunk, *shape[dim + 1:]])
+    split = call(graph, aten.reshape.default, value, [*shape[:dim], runs, 2 * layout.size, chunk, *shape[dim + 1:]])
+    head = call(graph, aten.slice.Tensor, split, dim + 1, r, r + 1)
+    tail = call(graph, aten.slice.Tensor, split, dim + 1, 2 * layout.size - 1 - r, 2 * layout.size - r)
+    both = call(graph, aten.cat.default, [head, tail], dim + 1)
+    return call(graph, aten.reshape.default, both, [*shape[:dim], runs * 2 * chunk, *shape[dim + 1:]])
 
 
 def _balanced_gather(graph: fx.Graph, value: fx.Node, dim: int, layout: BalancedLayout, group_name: str) -> fx.Node:
@@ -327,13 +324,13 @@ def _balanced_gather(graph: fx.Graph, value: fx.Node, dim: int, layout: Balanced
     dense, order = _dim_first(graph, value, dim, len(shape))
     rest = [shape[d] for d in order[1:]]
     gathered = activation_collective(graph, c10d.all_gather_into_tensor.default, (dense, cp, group_name))
-    waited = _at(graph, c10d.wait_tensor.default, gathered)
-    by_rank = _at(graph, aten.reshape.default, waited, [cp, runs, 2, chunk, *rest])
-    heads = _at(graph, aten.select.int, by_rank, 2, 0)  # (cp, runs, chunk, ...): chunks 0 .. cp-1 in rank order
-    tails = reversed_along(graph, _at(graph, aten.select.int, by_rank, 2, 1), 0, cp)  # chunks cp .. 2cp-1
-    chunks = _at(graph, aten.cat.default, [heads, tails], 0)  # (2cp, runs, chunk, ...)
-    in_order = _at(graph, aten.permute.default, chunks, [1, 0, *range(2, 3 + len(rest))])
-    whole = _at(graph, aten.reshape.default, in_order, [runs * layout.period, *rest])
+    waited = call(graph, c10d.wait_tensor.default, gathered)
+    by_rank = call(graph, aten.reshape.default, waited, [cp, runs, 2, chunk, *rest])
+    heads = call(graph, aten.select.int, by_rank, 2, 0)  # (cp, runs, chunk, ...): chunks 0 .. cp-1 in rank order
+    tails = reversed_along(graph, call(graph, aten.select.int, by_rank, 2, 1), 0, cp)  # chunks cp .. 2cp-1
+    chunks = call(graph, aten.cat.default, [heads, tails], 0)  # (2cp, runs, chunk, ...)
+    in_order = call(graph, aten.permute.default, chunks, [1, 0, *range(2, 3 + len(rest))])
+    whole = call(graph, aten.reshape.default, in_order, [runs * layout.period, *rest])
     return _dim_back(graph, whole, order, memory_layout(val))
 
 
@@ -344,14 +341,14 @@ def _balanced_scatter(graph: fx.Graph, value: fx.Node, dim: int, layout: Balance
     runs = layout.runs(shape[dim])
     dense, order = _dim_first(graph, value, dim, len(shape))
     rest = [shape[d] for d in order[1:]]
-    chunks = _at(graph, aten.reshape.default, dense, [runs, 2 * cp, chunk, *rest])
-    heads = _at(graph, aten.slice.Tensor, chunks, 1, 0, cp)
-    tails = reversed_along(graph, _at(graph, aten.slice.Tensor, chunks, 1, cp, 2 * cp), 1, cp)
-    paired = _at(graph, aten.cat.default, [_at(graph, aten.unsqueeze.default, half, 2) for half in (heads, tails)], 2)
-    by_rank = _at(graph, aten.permute.default, paired, [1, 0, *range(2, 4 + len(rest))])  # (cp, runs, 2, chunk, ...)
-    flat = _at(graph, aten.reshape.default, by_rank, [cp * runs * 2 * chunk, *rest])
+    chunks = call(graph, aten.reshape.default, dense, [runs, 2 * cp, chunk, *rest])
+    heads = call(graph, aten.slice.Tensor, chunks, 1, 0, cp)
+    tails = reversed_along(graph, call(graph, aten.slice.Tensor, chunks, 1, cp, 2 * cp), 1, cp)
+    paired = call(graph, aten.cat.default, [call(graph, aten.unsqueeze.default, half, 2) for half in (heads, tails)], 2)
+    by_rank = call(graph, aten.permute.default, paired, [1, 0, *range(2, 4 + len(rest))])  # (cp, runs, 2, chunk, ...)
+    flat = call(graph, aten.reshape.default, by_rank, [cp * runs * 2 * chunk, *rest])
     scattered = activation_collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", cp, group_name))
-    waited = _at(graph, c10d.wait_tensor.default, scattered)
+    waited = call(graph, c10d.wait_tensor.default, scattered)
     return _dim_back(graph, waited, order, memory_layout(val))
 
 

@@ -5,10 +5,13 @@ Four gloo ranks; each round, every rank issues functional collectives on its 2-r
 each input once issued, the waits later), and allocates a few small tensors meanwhile. Runs go on for
 ``--seconds``; a rank killed by a signal ends the run. Schedules:
 
-- ``gathers``: four all-gathers in flight at a time;
+- ``gathers``: four all-gathers in flight at a time; ``gathers-kept``: the same, each input held 2 ms past the
+  round's waits;
+- ``gathers-as-all-reduces``: four all-gathers in flight as dpar runs them on gloo: each an all-reduce of the
+  rank's block among zeros (compiler/passes/gloo_all_gathers.py);
 - ``gather-beside-reduce``: all-reduces in flight, each all-gather waited at once;
 - ``gather-alone``: all-reduces in flight, but before each all-gather every collective in flight is waited,
-  and the all-gather is waited at once (what dpar's graphs do on gloo: compiler/passes/gloo_all_gathers.py);
+  and the all-gather is waited at once (what dpar's graphs did on gloo before they ran no all-gather);
 - ``reduces``: four all-reduces in flight at a time; ``scatters``: four reduce-scatters;
 - ``all-to-alls``: four all-to-alls in flight; ``all-to-all-beside-reduce``: all-reduces in flight, each
   all-to-all waited at once (what expert parallel's graphs did before the pass isolated all-to-alls too).
@@ -42,17 +45,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 c10d = torch.ops._c10d_functional
-SCHEDULES = ("gathers", "gather-beside-reduce", "gather-alone", "reduces", "scatters", "all-to-alls",
+SCHEDULES = ("gathers", "gathers-kept", "gathers-as-all-reduces", "gather-beside-reduce", "gather-alone", "reduces", "scatters", "all-to-alls",
              "all-to-all-beside-reduce")
 
 
 def _round(schedule: str, group: str) -> None:
     """One round of ``schedule`` on ``group``: issue, drop the inputs, allocate, wait."""
     in_flight: list[torch.Tensor] = []
+    kept: list[torch.Tensor] = []
+    rank = dist.get_rank() % 2
     for k in range(4):
         x = torch.randn(16, 128) * 1.0  # a graph's intermediate: it has a Python object
-        if schedule == "gathers":
+        if schedule in ("gathers", "gathers-kept"):
             in_flight.append(c10d.all_gather_into_tensor(x, 2, group))
+            if schedule == "gathers-kept":
+                kept.append(x)
+        elif schedule == "gathers-as-all-reduces":
+            blocks = [x if j == rank else torch.zeros_like(x) for j in range(2)]
+            in_flight.append(c10d.all_reduce(torch.cat(blocks), "sum", group))
         elif schedule == "reduces":
             in_flight.append(c10d.all_reduce(x, "sum", group))
         elif schedule == "scatters":
@@ -74,6 +84,9 @@ def _round(schedule: str, group: str) -> None:
         del small
     for t in in_flight:
         c10d.wait_tensor(t)
+    if kept:
+        time.sleep(0.002)
+        kept.clear()
 
 
 def _rank(rank: int, world_size: int, port: int, schedule: str, seconds: float) -> None:

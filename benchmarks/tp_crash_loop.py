@@ -42,13 +42,15 @@ this thread freed: something wrote into a chunk after the gloo worker freed it. 
 every 1 ms instead of 1 s (1000 times the frame walks and store writes) hf_llama_tp gave 0 crashes in 20 runs of
 20 steps under the checking allocator, which argues against that thread.
 
-The cause, found after: an all-gather on a gloo group beside another collective of that group in flight
-(benchmarks/gloo_all_gather_race.py reproduces it without dpar; [Note: an all-gather alone on gloo] in
-compiler/passes/gloo_all_gathers.py). The core above fits: the worker was in ``AsyncAllgatherCoalescedWork``,
+The cause, found after: gloo's all-gather (benchmarks/gloo_all_gather_race.py reproduces the corruption without
+dpar, with all-gathers in flight together). The core above fits: the worker was in ``AsyncAllgatherCoalescedWork``,
 and the corrupted cache entry held a tensor version counter's vtable, written over a chunk that was freed twice.
-With each all-gather alone on gloo: titan_fsdp_tp 0 crashes, 0 stalls, 0 failures in 41 runs of 5 steps (2026-11-28,
-50-55 s a run). Before it, 2 crashes and 1 stall in 70: 41 clean runs alone would happen by chance about one time in
-six; the reproducer without dpar is the proof.
+With each all-gather alone on gloo (every other collective waited first): titan_fsdp_tp 0 crashes, 0 stalls,
+0 failures in 41 runs of 5 steps (2026-11-28, 50-55 s a run); before it, 2 crashes and 1 stall in 70. Not gone: on
+2026-11-29 the suite lost titan_fsdp_tp's rank 0 to SIGSEGV in a non-Python thread while its backward waited a
+reduce-scatter, in graphs that never held two collectives in flight. Since then dpar runs no all-gather on gloo
+([Note: no all-gather on gloo] in compiler/passes/gloo_all_gathers.py); the loop's figures with it are below.
+"""
 """
 
 from __future__ import annotations

@@ -24,13 +24,13 @@ at the end of the backward, not its start (HF Llama 100M, 2x128 tokens a rank, d
 activations at their peak, 396 MiB at the step's, 396.1 MiB measured).
 
 [Note: gloo stages its gathers and reductions]
-ProcessGroupGloo runs ``all_gather_into_tensor`` into a buffer of the output's size that it allocates
-on its worker thread and frees once it has copied out, so on CPU each all-gather in flight holds its
-gathered bytes twice (measured, benchmarks/measured_vs_modelled.py: a 2.5 MiB buffer on gloo's thread
-for each 2.5 MiB gather of an HF Llama's blocks under fsdp). ``reduce_scatter_tensor`` likewise reduces
-through a buffer of its input's size, the whole unscattered gradient: 2 ranks, a 12 MiB input, the
-allocator's peak over the collective and its wait is 18 MiB (the 6 MiB result and 12 MiB staged); an
-all-gather of 6 MiB per rank peaks at 24 (12 + 12), an all-reduce at its 12 MiB result alone.
+On gloo an all-gather holds its gathered bytes twice: gloo's own gather copied out of a buffer of the output's size
+that it allocated on its worker thread (measured, benchmarks/measured_vs_modelled.py: a 2.5 MiB buffer on gloo's
+thread for each 2.5 MiB gather of an HF Llama's blocks under fsdp), and the all-reduce dpar runs instead
+([Note: no all-gather on gloo]) reduces a copy of the zero-padded block, both of the gathered size at its issue.
+``reduce_scatter_tensor`` likewise reduces through a buffer of its input's size, the whole unscattered gradient:
+2 ranks, a 12 MiB input, the allocator's peak over the collective and its wait is 18 MiB (the 6 MiB result and
+12 MiB staged); an all-gather of 6 MiB per rank peaks at 24 (12 + 12), an all-reduce at its 12 MiB result alone.
 ``staged_collectives=True`` counts those buffers from the collective's issue to its wait; NCCL works in
 place, and the GPU presets need none.
 """

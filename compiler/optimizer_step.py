@@ -42,6 +42,7 @@ import torch.nn as nn
 from dpar.compiler.collectives import collectives
 from dpar.compiler.pass_listing import Pass, optimizer_passes, run_passes
 from dpar.compiler.passes.all_gather_ranges import UpdatedRange
+from dpar.compiler.passes.gloo_all_gathers import as_run_on_gloo
 from dpar.compiler.registry import record
 from dpar.core.errors import StepNotCaptured
 from dpar.core.plan import Strategy
@@ -93,7 +94,7 @@ class CapturedStep:
     def _backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         gm = run_passes(gm, self.passes(example_inputs), LABEL)
         record(LABEL, gm, collectives(gm))
-        compiled = self.lower(gm, example_inputs)
+        compiled = self.lower(as_run_on_gloo(gm), example_inputs)  # [Note: no all-gather on gloo]
 
         def run(*args: Any) -> Any:
             self.ran = True
@@ -136,8 +137,9 @@ class PassesAfterEagerStep:
                 graph.get_attr(f"p{i}")
             graph.output(())
             label = f"{LABEL} (gather only)"
-            self._graph = run_passes(fx.GraphModule(holder, graph), self.passes(()), label)
-            record(label, self._graph, collectives(self._graph))
+            gathering = run_passes(fx.GraphModule(holder, graph), self.passes(()), label)
+            record(label, gathering, collectives(gathering))
+            self._graph = as_run_on_gloo(gathering)
         with torch.no_grad():
             self._graph()
 

@@ -58,7 +58,7 @@ from dpar.compiler.passes.expert_rows import mark_routed_rows
 from dpar.compiler.passes.broadcast_buffers import average_inputs_pass, buffer_broadcast_groups
 from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.recompute import keep_collectives_in_forward, tag_recompute
-from dpar.compiler.passes.gloo_all_gathers import isolate_all_gathers, on_gloo
+from dpar.compiler.passes.gloo_all_gathers import as_run_on_gloo, on_gloo
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.pipeline_parallel.data_parallel import StageGradientBuckets
 from dpar.compiler.pipeline_parallel.schedules import ZERO_BUBBLE
@@ -99,7 +99,6 @@ def optimizer_passes(
     if strategy is not Strategy.ZERO1:
         return []
     name, size = group
-    # One all-gather and nothing else in flight: alone on gloo as it is ([Note: an all-gather alone on gloo]).
     return [("all_gather_updated_ranges",
              lambda g: all_gather_updated_ranges(g, example_inputs, ranges, group_name=name, world_size=size))]
 
@@ -119,8 +118,6 @@ def lower_checked(
 ) -> Callable[..., Any]:
     """Record the post-pass graph, agree on its collectives across ranks, then compile it, watched for a
     rank that vanishes (runtime/liveness.py)."""
-    if world.backend == "gloo":  # [Note: an all-gather alone on gloo]
-        gm = isolate_all_gathers(gm)
     refresh_fake_values(gm, example_inputs)
     found = collectives(gm)
     record(label, gm, found)
@@ -135,7 +132,7 @@ def lower_checked(
             lines.append(c.fingerprint(f"over {len(ranks)} ranks", shape=whole_world))
             within.append(None if whole_world else (f"shape [{', '.join(c.shape)}]", ranks))
         agree(world, label, lines, options.check_timeout_s, within=within)
-    compiled = lower(gm, example_inputs)
+    compiled = lower(as_run_on_gloo(gm), example_inputs)  # [Note: no all-gather on gloo]
     return compiled if world.backend == "fake" else Watched(compiled, role.value)
 
 
@@ -378,8 +375,8 @@ class PipelinePassListing:
         if self.mode is not DataParallel.FSDP:
             return []
         passes: list[Pass] = [("gather_parameters", lambda g: gather_parameters(g, graphs, layout, self.group_name))]
-        if self.group_name and on_gloo(self.group_name):  # [Note: an all-gather alone on gloo]
-            passes.append(("isolate_all_gathers", isolate_all_gathers))
+        if self.group_name and on_gloo(self.group_name):  # [Note: no all-gather on gloo]
+            passes.append(("all_gathers_as_all_reduces", as_run_on_gloo))
         return passes
 
     def sync_passes(

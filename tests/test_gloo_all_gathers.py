@@ -1,76 +1,104 @@
-"""On gloo, an all-gather never runs beside another collective ([Note: an all-gather alone on gloo] in
-compiler/passes/gloo_all_gathers.py): gloo corrupts the heap when one does (benchmarks/gloo_all_gather_race.py).
+"""On gloo, no all-gather runs ([Note: no all-gather on gloo] in compiler/passes/gloo_all_gathers.py): gloo's
+all-gather corrupts the heap (benchmarks/gloo_all_gather_race.py), so each runs as an all-reduce of the
+rank's block among zeros.
 
-The pass on a graph of its own; then the example GPT under tp on 2 gloo ranks (whose forward had 2
-all-gathers in flight at once), the collectives in flight beside an all-gather counted in the compiled graphs'
-order, and the parameters against one process on the whole batch.
+On 2 gloo ranks, one launch: the rewrite on a graph of its own (plain and coalesced gathers, against gloo's own
+all-gather, bit for bit), then the example GPT under tp, the ops the profiler saw it dispatch (all-reduces, no
+all-gather) beside the graphs recorded as planned (with their all-gathers), and its parameters against one
+process on the whole batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from distributed import run_ranks
-from tensor_parallel_training import single_process, train_parallel
-from training import TOLERANCE, Case, max_abs_diff
+from tensor_parallel_training import ROWS, mesh_of, single_process
+from training import STEPS, TOLERANCE, Case, global_batch, loss_of, make_optimizer, max_abs_diff, seeded_model
 
 c10d = torch.ops._c10d_functional
 
 
-def test_each_all_gather_runs_alone_and_the_other_collectives_keep_their_overlap() -> None:
-    from dpar.compiler.passes.gloo_all_gathers import isolate_all_gathers
-
+def _gather_graph(group: str, x: torch.Tensor, y: torch.Tensor) -> fx.GraphModule:
+    """A plain and a coalesced gather of ``x`` and ``y``, each gathered value in its node's meta (as after the passes)."""
     graph = fx.Graph()
-    x = graph.placeholder("x")
-    first = graph.call_function(c10d.all_gather_into_tensor.default, (x, 2, "g"))
-    second = graph.call_function(c10d.all_gather_into_tensor.default, (x, 2, "g"))
-    reduced = graph.call_function(c10d.all_reduce.default, (x, "sum", "g"))
-    both = graph.call_function(c10d.all_gather_into_tensor_coalesced.default, ([x, x], 2, "g"))
-    later = graph.call_function(c10d.all_reduce.default, (x, "sum", "g"))
-    y = graph.call_function(torch.ops.aten.mul.Tensor, (x, x))
-    waits = [graph.call_function(c10d.wait_tensor.default, (n,)) for n in (first, second, reduced)]
+    inputs = graph.placeholder("x"), graph.placeholder("y")
+    gather = graph.call_function(c10d.all_gather_into_tensor.default, (inputs[0], 2, group))
+    both = graph.call_function(c10d.all_gather_into_tensor_coalesced.default, (list(inputs), 2, group))
     parts = [graph.call_function(operator.getitem, (both, i)) for i in range(2)]
-    waits += [graph.call_function(c10d.wait_tensor.default, (p,)) for p in parts]
-    waits.append(graph.call_function(c10d.wait_tensor.default, (later,)))
-    graph.output((*waits, y))
-    gm = isolate_all_gathers(fx.GraphModule(torch.nn.Module(), graph))
-    expected = [
-        x, first, waits[0], second, waits[1], reduced, waits[2],  # the all-reduce is waited before the next gather
-        both, parts[0], waits[3], parts[1], waits[4], later, y, waits[5],  # the last all-reduce still overlaps mul
-    ]
-    assert list(gm.graph.nodes)[:-1] == expected, [n.name for n in gm.graph.nodes]
+    for node, t in zip((gather, *parts), (x, x, y)):
+        node.meta["val"] = torch.cat([t, t])
+    graph.output(tuple(graph.call_function(c10d.wait_tensor.default, (n,)) for n in (gather, *parts)))
+    return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def _crowding(gm: fx.GraphModule) -> int:
-    """The most collectives in flight beside an all-gather, at any point of the graph's order."""
-    in_flight: set[fx.Node] = set()
-    most = 0
-    for node in gm.graph.nodes:
-        if node.target is c10d.wait_tensor.default:
-            in_flight.discard(node.args[0])
-        elif getattr(node.target, "namespace", None) == "_c10d_functional":
-            in_flight.add(node)
-        if any(n.target is c10d.all_gather_into_tensor.default for n in in_flight):
-            most = max(most, len(in_flight) - 1)
-    return most
+def _rewrite(rank: int) -> dict[str, object]:
+    from dpar.compiler.passes.gloo_all_gathers import as_run_on_gloo
+
+    group = dist.group.WORLD.group_name
+    x = torch.tensor([[-0.0, 1.5, float("inf")], [float("nan"), 3.0, -2.0]]) + rank
+    y = torch.arange(4, dtype=torch.int64).view(2, 2) * (rank + 1)
+    planned = _gather_graph(group, x, y)
+    run = as_run_on_gloo(planned)
+    got = run(x, y)
+    expected = []
+    for t in (x, x, y):
+        blocks = [torch.empty_like(t) for _ in range(2)]
+        dist.all_gather(blocks, t)
+        expected.append(torch.cat(blocks))
+    gathers_left = sum("all_gather" in str(n.target) for n in run.graph.nodes)
+    return {
+        "same": [torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) and torch.equal(a.isnan(), b.isnan())
+                 for a, b in zip(got, expected)],
+        "gathers_left": gathers_left,
+        "all_reduces": sum(n.target is c10d.all_reduce.default for n in run.graph.nodes),
+        "planned_kept": sum("all_gather" in str(n.target) for n in planned.graph.nodes),
+    }
 
 
 def _train(rank: int, world_size: int) -> dict[str, object]:
+    """The GPT under tp, 5 AdamW steps; the last (compiled graphs only, nothing compiling) profiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import dpar
     from dpar.compiler import registry
 
+    case = Case("gpt", "adamw")
+    model = seeded_model(case)
+    dpar.parallelize(model, strategy="tp", example_inputs=(global_batch(case.model, 0, 0, ROWS)[0],),
+                     mesh=mesh_of("tp", world_size))
+    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
+    optimizer = make_optimizer(case.optimizer, list(model.parameters()))
     with registry.recording() as graphs:
-        trained = train_parallel(rank, world_size, Case("gpt", "adamw"), "tp")
-    gathers = sum(c.kind == "all_gather" for g in graphs for c in g.collectives)
-    return {"crowding": max(_crowding(g.graph) for g in graphs), "gathers": gathers, "trained": trained}
+        for step in range(STEPS):
+            with profile(activities=[ProfilerActivity.CPU]) if step == STEPS - 1 else contextlib.nullcontext() as prof:
+                optimizer.zero_grad()
+                x, y = global_batch(case.model, step, 0, ROWS)
+                loss_of(case.model, runner, x.chunk(world_size)[rank], y.chunk(world_size)[rank]).backward()
+                optimizer.step()
+    ran = [e.name for e in prof.events()]
+    return {
+        "rewritten": _rewrite(rank),
+        "recorded_gathers": sum(c.kind == "all_gather" for g in graphs for c in g.collectives),
+        "gloo_gathers": ran.count("gloo:all_gather"),
+        "gloo_all_reduces": ran.count("gloo:all_reduce"),
+        "trained": dpar.checkpoint.full_state_dict(model),
+    }
 
 
-def test_tensor_parallel_on_gloo_runs_each_all_gather_alone_and_matches_one_process() -> None:
-    """The GPT's forward under tp issues its attention's gathers together (2 in flight on 2 ranks before)."""
+def test_tensor_parallel_on_gloo_runs_its_gathers_as_all_reduces_and_matches_one_process() -> None:
     results = run_ranks(_train, 2)
     for rank, result in enumerate(results):
-        assert result["gathers"] >= 2, result
-        assert result["crowding"] == 0, f"rank {rank}: {result['crowding']} collectives in flight beside an all-gather"
+        rewritten = result["rewritten"]
+        assert rewritten["same"] == [True, True, True], rewritten  # the gather's values, inf, nan and ints alike
+        assert rewritten["gathers_left"] == 0 and rewritten["all_reduces"] == 3, rewritten
+        assert rewritten["planned_kept"] == 2, rewritten  # the rewrite works on a copy
+        assert result["recorded_gathers"] >= 2, result  # the graphs as planned, with the attention's gathers
+        assert result["gloo_gathers"] == 0, f"rank {rank}: gloo ran {result['gloo_gathers']} all-gathers in a step"
+        assert result["gloo_all_reduces"] >= result["recorded_gathers"], result
     assert max_abs_diff(results[0]["trained"], single_process(Case("gpt", "adamw"))) <= TOLERANCE["adamw"]

@@ -76,6 +76,7 @@ def _gather_into_wholes(
     mine = graph.call_function(aten.cat.default, (padded,))
     mine.meta["val"] = torch.empty(sum(chunks), dtype=dtype, device="meta")  # what the collective tables read
     gathered = graph.call_function(c10d.all_gather_into_tensor.default, (mine, world_size, group_name))
+    gathered.meta["val"] = torch.empty(world_size * sum(chunks), dtype=dtype, device="meta")
     waited = graph.call_function(WAIT, (gathered,))
     rows = graph.call_function(aten.view.default, (waited, [world_size, sum(chunks)]))
     columns = graph.call_function(aten.split_with_sizes.default, (rows, chunks, 1))

@@ -51,7 +51,6 @@ With each all-gather alone on gloo (every other collective waited first): titan_
 reduce-scatter, in graphs that never held two collectives in flight. Since then dpar runs no all-gather on gloo
 ([Note: no all-gather on gloo] in compiler/passes/gloo_all_gathers.py); the loop's figures with it are below.
 """
-"""
 
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ fastbin chunk detected", or SIGSEGV), also in 3 of 3 with 1-D inputs, in 2 of 2 
 (a 2 x 2 mesh) and in 1 of 2 with each input kept alive to its wait; ``gather-beside-reduce`` 2 of 3;
 all-gathers waited one at a time with nothing else in flight 0 of 3; ``reduces`` 0 of 3; ``scatters`` 0 of 3;
 ``gather-alone`` 0 of 4. All-to-alls (the same day, 45 s runs): ``all-to-alls`` 0 of 2,
-``all-to-all-beside-reduce`` 0 of 2.
+``all-to-all-beside-reduce`` 0 of 2. 2026-11-29, 40-45 s runs: ``gathers`` 1 of 1 more, ``gathers-kept`` 2 of 2
+(SIGSEGV: holding the inputs does not help), ``gathers-as-all-reduces`` 0 of 2.
 The first two die the way dpar's tensor-parallel runs on gloo died: the heap found corrupted by a gloo worker
 thread inside ``AsyncAllgatherCoalescedWork``. torch 2.14.1 (the same day, ``gathers``, 45 s): 2 of 2 runs
 (SIGABRT, SIGSEGV). Not measured on earlier versions.

@@ -48,10 +48,13 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
         for step in range(1, 4):
             loss = torch.nn.functional.mse_loss(runner(x), y)
             if step == STRAY_AT:
-                # One collective on rank 0 only, on the group the graphs use: every later pair is shifted,
-                # and the backward's first collective on rank 1 meets this one, of another size.
+                # One collective on rank 0 only, on the group the graphs use: every later pair is shifted, and
+                # gloo pairs a collective by kind and count, so the backward's all-reduces (its gathers too, on
+                # gloo: [Note: no all-gather on gloo]) never meet their peer's. A stray all-reduce would meet
+                # one of another size instead, which gloo's transport refuses by aborting the process
+                # ("Received data size doesn't match expected size").
                 if rank == 0:
-                    dist.all_reduce(torch.ones(3), async_op=True)
+                    dist.broadcast(torch.ones(3), src=0, async_op=True)
                 Path(f"{out}/stray.{rank}").write_text(str(time.time()))
             loss.backward()
     except Exception as exc:

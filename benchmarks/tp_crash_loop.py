@@ -50,7 +50,8 @@ With each all-gather alone on gloo (every other collective waited first): titan_
 2026-11-29 the suite lost titan_fsdp_tp's rank 0 to SIGSEGV in a non-Python thread while its backward waited a
 reduce-scatter, in graphs that never held two collectives in flight. Since then dpar runs no all-gather on gloo
 ([Note: no all-gather on gloo] in compiler/passes/gloo_all_gathers.py). With it: titan_fsdp_tp 0 crashes, 0 stalls,
-0 failures in 24 runs of 5 steps (2026-11-29, the loop alone, 36-39 s a run). Beside that,
+0 failures in 24 runs of 5 steps (2026-11-29, the loop alone, 36-39 s a run); hf_2d 0 of 10 (3 strategies a run).
+Beside that,
 benchmarks/gloo_all_gather_race.py's four gathers in flight as dpar now runs them (all-reduces of padded blocks):
 0 of 2 runs of 45 s, where gloo's own gathers died in 2 of 2 runs of 40 s, inputs kept past their waits or not.
 """

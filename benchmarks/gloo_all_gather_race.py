@@ -14,7 +14,7 @@ each input once issued, the waits later), and allocates a few small tensors mean
   and the all-gather is waited at once (what dpar's graphs did on gloo before they ran no all-gather);
 - ``reduces``: four all-reduces in flight at a time; ``scatters``: four reduce-scatters;
 - ``all-to-alls``: four all-to-alls in flight; ``all-to-all-beside-reduce``: all-reduces in flight, each
-  all-to-all waited at once (what expert parallel's graphs did before the pass isolated all-to-alls too).
+  all-to-all waited at once (expert and context parallel's all-to-alls beside gradient all-reduces).
 
     python benchmarks/gloo_all_gather_race.py --runs 3 --seconds 60
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -43,9 +46,11 @@ def data_parallel_rank(model: torch.nn.Module, world_size: int, same_batch_in_tp
 
 
 def train_parallel(
-    rank: int, world_size: int, case: Case, strategy: str, compiler: str = "aot_eager", **parallelize_kwargs
+    rank: int, world_size: int, case: Case, strategy: str, compiler: str = "aot_eager",
+    step_context: Callable[[int], contextlib.AbstractContextManager] | None = None, **parallelize_kwargs
 ) -> dict:
-    """``case`` trained under ``strategy``, each rank fed its own rows; the full state dict on rank 0."""
+    """``case`` trained under ``strategy``, each rank fed its own rows, each step inside ``step_context(step)``
+    where given (a profiler around one); the full state dict on rank 0."""
     model = seeded_model(case)
     x0, _ = global_batch(case.model, 0, 0, ROWS)
     if strategy in ("tp", "ddp+tp", "zero2+tp", "fsdp+tp"):
@@ -56,10 +61,11 @@ def train_parallel(
     same_batch = parallelize_kwargs.get("same_batch_in_tp_group", False)
     dp_rank, dp_size = data_parallel_rank(model, world_size, same_batch)
     for step in range(STEPS):
-        opt.zero_grad()
-        x, y = global_batch(case.model, step, 0, ROWS)
-        loss_of(case.model, runner, x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]).backward()
-        opt.step()
+        with step_context(step) if step_context is not None else contextlib.nullcontext():
+            opt.zero_grad()
+            x, y = global_batch(case.model, step, 0, ROWS)
+            loss_of(case.model, runner, x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]).backward()
+            opt.step()
     return dpar.checkpoint.full_state_dict(model)
 
 

@@ -29,8 +29,8 @@ from gpt import GPT, GPTConfig
 from third_party import Run, assert_figures, max_abs_diff, needs_torchtitan
 
 FLOAT64 = 1e-9
-RECOMPUTE = ("selective", "full")
 FLOAT32 = 1e-4
+RECOMPUTE = ("selective", "full")
 
 # (model, strategy, mesh shape, rows per rank, tokens per row, ranks fed the same rows, float64[, inner compiler,
 # attention exchange or activation policy])

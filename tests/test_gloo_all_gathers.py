@@ -3,7 +3,7 @@ all-gather corrupts the heap (benchmarks/gloo_all_gather_race.py), so each runs 
 rank's block among zeros.
 
 On 2 gloo ranks, one launch: the rewrite on a graph of its own (plain and coalesced gathers, against gloo's own
-all-gather, bit for bit), then the example GPT under tp, the ops the profiler saw it dispatch (all-reduces, no
+all-gather, bit for bit), then the example GPT under tp: the collectives gloo ran in a profiled step (all-reduces, no
 all-gather) beside the graphs recorded as planned (with their all-gathers), and its parameters against one
 process on the whole batch.
 """
@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from distributed import run_ranks
-from tensor_parallel_training import ROWS, mesh_of, single_process
-from training import STEPS, TOLERANCE, Case, global_batch, loss_of, make_optimizer, max_abs_diff, seeded_model
+from tensor_parallel_training import single_process, train_parallel
+from training import STEPS, TOLERANCE, Case, max_abs_diff
 
 c10d = torch.ops._c10d_functional
 
@@ -62,32 +62,22 @@ def _rewrite(rank: int) -> dict[str, object]:
 
 
 def _train(rank: int, world_size: int) -> dict[str, object]:
-    """The GPT under tp, 5 AdamW steps; the last (compiled graphs only, nothing compiling) profiled."""
+    """The GPT under tp, its last step (compiled graphs only, nothing compiling) profiled."""
     from torch.profiler import ProfilerActivity, profile
 
-    import dpar
     from dpar.compiler import registry
 
-    case = Case("gpt", "adamw")
-    model = seeded_model(case)
-    dpar.parallelize(model, strategy="tp", example_inputs=(global_batch(case.model, 0, 0, ROWS)[0],),
-                     mesh=mesh_of("tp", world_size))
-    runner = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
-    optimizer = make_optimizer(case.optimizer, list(model.parameters()))
+    profiled = profile(activities=[ProfilerActivity.CPU])
     with registry.recording() as graphs:
-        for step in range(STEPS):
-            with profile(activities=[ProfilerActivity.CPU]) if step == STEPS - 1 else contextlib.nullcontext() as prof:
-                optimizer.zero_grad()
-                x, y = global_batch(case.model, step, 0, ROWS)
-                loss_of(case.model, runner, x.chunk(world_size)[rank], y.chunk(world_size)[rank]).backward()
-                optimizer.step()
-    ran = [e.name for e in prof.events()]
+        trained = train_parallel(rank, world_size, Case("gpt", "adamw"), "tp",
+                                 step_context=lambda step: profiled if step == STEPS - 1 else contextlib.nullcontext())
+    ran = [e.name for e in profiled.events()]
     return {
         "rewritten": _rewrite(rank),
         "recorded_gathers": sum(c.kind == "all_gather" for g in graphs for c in g.collectives),
         "gloo_gathers": ran.count("gloo:all_gather"),
         "gloo_all_reduces": ran.count("gloo:all_reduce"),
-        "trained": dpar.checkpoint.full_state_dict(model),
+        "trained": trained,
     }
 
 

@@ -158,17 +158,17 @@ def _causal_forward(graph: fx.Graph, node: fx.Node, layout: BalancedLayout) -> t
         out, lse = call(graph, operator.getitem, own, 0), call(graph, operator.getitem, own, 1)
         if chunk:
             before = call(graph, FLASH, q, _along(graph, key, 0, keys[0]), _along(graph, value, 0, keys[0]),
-                           0.0, False, scale=scale)
+                          0.0, False, scale=scale)
             out_before, lse_before = call(graph, operator.getitem, before, 0), call(graph, operator.getitem, before, 1)
             merged = _log_add_exp(graph, lse_before, lse)
             weights = [call(graph, aten.unsqueeze.default, call(graph, aten.exp.default,
-                                                                  call(graph, aten.sub.Tensor, part, merged)), -1)
+                                                                call(graph, aten.sub.Tensor, part, merged)), -1)
                        for part in (lse_before, lse)]
             dtype = query.meta["val"].dtype
             if dtype != torch.float32:
                 weights = [call(graph, aten._to_copy.default, w, dtype=dtype) for w in weights]
             out = call(graph, aten.add.Tensor, call(graph, aten.mul.Tensor, out_before, weights[0]),
-                        call(graph, aten.mul.Tensor, out, weights[1]))
+                       call(graph, aten.mul.Tensor, out, weights[1]))
             lse = merged
         outs.append(out)
         lses.append(lse)
@@ -191,7 +191,7 @@ def _causal_backward(graph: fx.Graph, node: fx.Node, layout: BalancedLayout) -> 
         dq = None
         for (start, end), causal in pieces:
             grads = call(graph, FLASH_BACKWARD, g, q, _along(graph, key, start, end), _along(graph, value, start, end),
-                          o, m, 0.0, causal, scale=scale)
+                         o, m, 0.0, causal, scale=scale)
             piece_dq, dk, dv = (call(graph, operator.getitem, grads, i) for i in range(3))
             dq = piece_dq if dq is None else call(graph, aten.add.Tensor, dq, piece_dq)
             padding = [0, 0, start, period - end]  # back to the whole sequence: zeros elsewhere

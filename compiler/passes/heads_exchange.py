@@ -96,7 +96,7 @@ def exchange_heads(gm: fx.GraphModule, layout: BalancedLayout, group_name: str) 
             if isinstance(mask, fx.Node) and mask.meta["val"].dim() == 4 and mask.meta["val"].shape[1] > 1:
                 per_rank = mask.meta["val"].shape[1] // layout.size  # a mask per head: this rank's heads
                 kwargs["attn_mask"] = call(graph, aten.slice.Tensor, mask, 1, layout.rank * per_rank,
-                                          (layout.rank + 1) * per_rank)
+                                           (layout.rank + 1) * per_rank)
             computed = graph.call_function(node.target, args, kwargs)
         vals = node.meta["val"]
         for user in list(node.users):

@@ -96,10 +96,10 @@ ATTENTION_EXCHANGE = "dpar_attention_exchange"
 # against 2 for the gathers, times (cp - 1) / cp), for 4 query heads a key-value head above cp 8, and a latency per
 # collective (5 against 2) keeps the gathers for short sequences. Over forward and backward the all-to-alls move
 # less from cp 2 (8 / cp against 6), as the planner prices them; pricing the backward here too would make the
-# whole attention on every rank (``replicated``, priced by its forward gathers) look cheapest, which it is not. An attention reading a mask of a row per query (Hugging Face's causal and
-# padding masks) keeps all_gather unless asked: by heads each rank needs every row of it, seq x seq, where the
-# gather builds this rank's rows (the term that grows fastest with the sequence). ``parallelize(attention_exchange=...)``
-# fixes one for every attention.
+# whole attention on every rank (``replicated``, priced by its forward gathers) look cheapest, which it is not.
+# An attention reading a mask of a row per query (Hugging Face's causal and padding masks) keeps all_gather unless
+# asked: by heads each rank needs every row of it, seq x seq, where the gather builds this rank's rows (the term
+# that grows fastest with the sequence). ``parallelize(attention_exchange=...)`` fixes one for every attention.
 
 
 def attention(node: fx.Node, size: int, period: int, exchange: str | None) -> list[Candidate]:

@@ -15,7 +15,7 @@ from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.core.errors import (
     ActivationPolicyError, BatchMismatchError, CheckpointError, CollectiveMismatchError, ContextParallelError,
     CollectiveStallError, DivergedRanksError, DparError,
-    InitializationError, InspectionError, NonFiniteGradientError, NotCompiledError, OptionsError, PipelineMemoryError, ProcessGroupError, RankLostError,
+    InitializationError, InspectionError, NonFiniteGradientError, NotCompiledError, OptionsError, PipelineAdviceWarning, PipelineMemoryError, PlanMemoryError, ProcessGroupError, RankLostError,
     SafetensorsCheckpointError, ScheduleError, TensorParallelPlanError, TooFewBlocksError, TooFewMicroBatchesError,
     UnmaterializedStateError, WrappedTwiceError,
 )
@@ -43,9 +43,11 @@ __all__ = [
     "NotCompiledError",
     "OptionsError",
     "OuterSGD",
+    "PipelineAdviceWarning",
     "PipelineBubbleWarning",
     "PipelineMemoryError",
     "Plan",
+    "PlanMemoryError",
     "ProcessGroupError",
     "RankLostError",
     "Recompute",

@@ -141,7 +141,7 @@ def _plan(args: argparse.Namespace) -> int:
         result = plan(
             model, example_inputs, mesh_shape=args.mesh_shape, memory_budget_gb=args.memory_budget_gb,
             mesh_dim_names=args.mesh_dim_names, device=args.device, on_graphs=not args.op_graph,
-            pipelines=args.with_pipelines,
+            pipelines=False if args.placements_only else (True if args.with_pipelines else None),
         )
     except OptionsError as error:
         console.print(f"dpar plan: {error}")
@@ -239,10 +239,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON (Plan.from_json reads it)")
     p.add_argument("--op-graph", action="store_true", help="report the search's op-graph figures; default: the chosen "
                    "plan's compute and activations counted on its compiled graphs, as dpar inspect counts them")
-    g = p.add_argument_group("--pipeline: choose pp x tp x dp (and ddp or fsdp over dp) instead of placements")
+    searched = p.add_mutually_exclusive_group()
+    searched.add_argument("--placements-only", action="store_true", help="search placements alone; default: pipelines "
+                          "too on a GPU preset, and the plan is the faster answer (run by dpar.pipeline(plan=...))")
+    searched.add_argument("--with-pipelines", action="store_true",
+                          help="search pipelines too on every device, the cpu preset included")
+    g = p.add_argument_group("--pipeline: the pipeline search alone, every pp x tp x dp layout it priced")
     g.add_argument("--pipeline", action="store_true", help="price every pp x tp x dp layout of the mesh's ranks")
-    g.add_argument("--with-pipelines", action="store_true",
-                   help="the placement plan, and the pipeline search's choice on the same ranks beside it (one answer)")
     g.add_argument("--schedule", default="1f1b", choices=PLANNED_SCHEDULES)
     g.add_argument("--tp-max", type=int, default=8, help="largest tensor-parallel degree searched (a power of two); "
                    "1: pipeline and data parallelism only, what dpar.pipeline runs today")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -9,11 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dpar.initialization import replay_own_initializers
-from dpar.placement import activation_policy
+from dpar.placement import _mesh_device_type, activation_policy
+from dpar.planner.plan import Plan
 from dpar.compiler.lowering import STAGE_COMPILERS, lower_stage_graph
 from dpar.compiler.megatron import megatron_plan
 from dpar.compiler.optimizer_step import OPTIMIZER_STAGE
@@ -39,6 +41,38 @@ from dpar.surgery.tensor_parallel import install_markers, split_parameters, stat
 from dpar.core.world import current_world
 
 _ATTRIBUTE = "_dpar_pipeline"
+
+
+def _as_planned(
+    plan: Plan, model: nn.Module, example_inputs: Sequence[torch.Tensor], stages: int | None,
+    micro_batches: int | None, schedule: str, dp_strategy: str, activation_checkpointing: Any,
+    mesh: DeviceMesh | None,
+) -> tuple[int, int, str, str, Any, DeviceMesh | None]:
+    """What ``plan.pipeline`` fixes, refusing a keyword given beside it with another value, and its mesh."""
+    layout = plan.pipeline
+    if layout is None:
+        raise OptionsError(f"pipeline: plan= is a placement plan ({plan.strategy}); apply it with "
+                           "dpar.parallelize(model, plan=plan), or run dpar.plan(..., pipelines=True) for a pipeline")
+    given = {"stages": (stages, None, layout.stages), "micro_batches": (micro_batches, None, layout.micro_batches),
+             "schedule": (schedule, "1f1b", layout.schedule), "dp_strategy": (dp_strategy, "ddp", layout.dp_strategy)}
+    clash = [f"{name}={value!r} (the plan's {planned!r})" for name, (value, default, planned) in given.items()
+             if value not in (default, planned)]
+    if clash:
+        raise OptionsError(f"pipeline: plan= fixes {', '.join(clash)}; drop them, or plan again")
+    world = math.prod(plan.mesh_shape)
+    if dist.is_initialized() and dist.get_world_size() != world:
+        raise OptionsError(f"pipeline: the plan is for {world} ranks ({layout.mesh}) but the world has "
+                           f"{dist.get_world_size()}; plan for this world")
+    rows = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else None
+    if rows is None or rows * world != plan.batch_size:
+        raise OptionsError(f"pipeline: the plan was priced at a global batch of {plan.batch_size} rows, {plan.batch_size // world} "
+                           f"a rank, but example_inputs hold {rows} rows; feed each rank its slice of the planned batch, or plan again")
+    if mesh is None and (layout.dp > 1 or layout.tp > 1):
+        names = tuple(n for n, size in zip(plan.mesh_dim_names, plan.mesh_shape) if size > 1 or n == "pp")
+        shape = tuple(size for n, size in zip(plan.mesh_dim_names, plan.mesh_shape) if n in names)
+        mesh = init_device_mesh(_mesh_device_type(model), shape, mesh_dim_names=names)
+    policy = plan.activations if activation_checkpointing is None else activation_checkpointing
+    return layout.stages, layout.micro_batches, layout.schedule, layout.dp_strategy, policy, mesh
 
 
 def _groups(mesh: DeviceMesh | None) -> PipelineGroups:
@@ -415,8 +449,8 @@ def pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     example_inputs: Sequence[torch.Tensor],
-    stages: int,
-    micro_batches: int,
+    stages: int | None = None,
+    micro_batches: int | None = None,
     schedule: str = "1f1b",
     mesh: DeviceMesh | None = None,
     split_points: Sequence[str] | None = None,
@@ -426,8 +460,13 @@ def pipeline(
     tp_plan: dict[str, int | None] | None = None,
     sequence_parallel: bool = False,
     compiler: str = "aot_eager",
+    plan: Plan | None = None,
 ) -> PipelineStep:
     """Cut ``model`` into ``stages`` pipeline stages and return the step that trains it.
+
+    ``plan``: a pipeline plan from ``dpar.plan`` (``plan.pipeline`` set) gives ``stages``, ``micro_batches``,
+    ``schedule``, ``dp_strategy``, the activation policy and, where ``mesh`` is None, the mesh (see
+    [Note: one answer over placements and pipelines] in ``api/planning.py``).
 
     ``example_inputs`` is one rank's slice, ``(*model_inputs, target)``; ``loss_fn(model(*model_inputs),
     target)`` must be the micro-batch's mean loss. ``schedule``: ``gpipe``, ``1f1b``, ``zb_h1`` (``stages`` = the
@@ -460,6 +499,11 @@ def pipeline(
     """
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise OptionsError("pipeline: this model is already cut into stages; call dpar.pipeline once per model.")
+    if plan is not None:
+        stages, micro_batches, schedule, dp_strategy, activation_checkpointing, mesh = _as_planned(
+            plan, model, example_inputs, stages, micro_batches, schedule, dp_strategy, activation_checkpointing, mesh)
+    elif stages is None or micro_batches is None:
+        raise OptionsError("pipeline: give stages= and micro_batches=, or plan= (a pipeline plan from dpar.plan)")
     activations = activation_policy(model, activation_checkpointing)
     check_name(schedule)
     if compiler not in STAGE_COMPILERS:

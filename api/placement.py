@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -29,7 +31,7 @@ from dpar.core import model_state
 from dpar import initialization
 from dpar.runtime import eager_guard, forward_scope, optimizer_hooks, parameter_writes
 from dpar.surgery import expert_parallel, local_sgd, sharding, tensor_parallel, zero1
-from dpar.core.errors import ActivationPolicyError, OptionsError, ProcessGroupError
+from dpar.core.errors import ActivationPolicyError, OptionsError, PipelineAdviceWarning, ProcessGroupError
 
 if TYPE_CHECKING:
     from dpar.planner.plan import Plan
@@ -203,6 +205,9 @@ def parallelize(
     (a sharded parameter is not gathered again for the recomputation) and random ops are saved, so the
     numbers are those of training without checkpointing (compiler/passes/recompute.py).
     """
+    if plan is not None and plan.pipeline is not None:
+        raise OptionsError(f"parallelize: the plan is a pipeline ({plan.pipeline.describe}), which parallelize does not "
+                           "run; run it with step = dpar.pipeline(model, loss_fn, example_inputs=..., plan=plan)")
     if plan is not None:  # a "tp" axis that splits no parameter runs as data parallel: see Plan.as_run
         if activation_checkpointing is None:  # the planner's choice, where it made one
             activation_checkpointing = plan.activations
@@ -520,7 +525,14 @@ def _parallelize_auto(
     if example_inputs is None:
         raise OptionsError("strategy 'auto' plans from one batch: pass example_inputs=(this rank's slice, ...)")
     shape = tuple(mesh.shape) if mesh is not None else (world,)
-    chosen = make_plan(model, global_batch(example_inputs, world), mesh_shape=shape, memory_budget_gb=memory_budget_gb)
+    batch = global_batch(example_inputs, world)
+    chosen = make_plan(model, batch, mesh_shape=shape, memory_budget_gb=memory_budget_gb)
+    if chosen.pipeline is not None:  # the answer parallelize cannot run: say it, apply the fastest placements
+        warnings.warn(f"strategy 'auto': the fastest plan is a pipeline ({chosen.pipeline.describe}, "
+                      f"{chosen.cost.step_s:.3g} s a step modelled); parallelize applies the fastest placement plan. "
+                      "To run the pipeline: step = dpar.pipeline(model, loss_fn, example_inputs=..., "
+                      "plan=dpar.plan(model, global_batch, mesh_shape=...))", PipelineAdviceWarning, stacklevel=3)
+        chosen = make_plan(model, batch, mesh_shape=shape, memory_budget_gb=memory_budget_gb, pipelines=False)
     placed = _mesh_of_plan(model, chosen.as_run(), mesh.mesh) if mesh is not None else None  # keep the given ranks' places
     return parallelize(model, plan=chosen, mesh=placed, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        activation_checkpointing=activation_checkpointing)

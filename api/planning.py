@@ -25,11 +25,12 @@ from dpar.compiler.costs import DeviceSpec, device_spec
 from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.activations import POLICIES
-from dpar.planner.plan import ON_GRAPHS, CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
+from dpar.planner.plan import ON_GRAPHS, CostBreakdown, ParameterPlan, PipelineLayout, Plan, PolicyOption, policy_label
 from dpar.planner.rules import candidates
 from dpar.planner.strategies import compare_strategies
-from dpar.core.errors import DparError, OptionsError, PipelineMemoryError
-from dpar.core.plan import KEEP_ACTIVATIONS, Recompute
+from dpar.compiler.pipeline_parallel.schedules import stages_per_rank
+from dpar.core.errors import OptionsError, PipelineMemoryError, PlanMemoryError
+from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy, Recompute
 from dpar.core.torch_internals import pytree
 
 __all__ = ["CostBreakdown", "DeviceSpec", "ParameterPlan", "Plan", "global_batch", "plan", "priced_on_graphs"]
@@ -44,7 +45,7 @@ def plan(
     mesh_dim_names: Sequence[str] | None = None,
     device: str | DeviceSpec = "h100",
     on_graphs: bool = False,
-    pipelines: bool = False,
+    pipelines: bool | None = None,
 ) -> Plan:
     """The cheapest plan for ``model`` on ``mesh_shape`` ranks that fits ``memory_budget_gb`` per rank (by default
     the device's memory: 80 GB on ``"h100"``, 141 on ``"h200"``; none on ``"cpu"``).
@@ -70,10 +71,13 @@ def plan(
     the memory at the step's peak), at the price of compiling its step for the mesh's ranks on a meta copy
     (``dpar plan`` does it unless ``--op-graph``); see [Note: the planner searches on its op graph and reports
     as inspect]. By default the search's own (op-graph) figures.
-    ``pipelines``: the pipeline search (``dpar.planner.plan_pipeline``: pp x tp x dp, schedule 1F1B, each
-    block's policy) runs too, on the same ranks, batch, budget and device; its choice joins ``plan.strategies``
-    and, where it is faster than the plan, ``plan.faster_pipeline`` says so and how to run it (``dpar.pipeline``:
-    ``parallelize`` places no pipeline).
+    ``pipelines`` (unless ``mesh_dim_names`` fixes the roles): the pipeline search (``dpar.planner.plan_pipeline``:
+    pp x tp x dp, schedule 1F1B, each block's policy) runs too, on the same ranks, batch, budget and device, and the
+    plan is the faster of the two searches' answers: see [Note: one answer over placements and pipelines]. A
+    pipeline answer has ``plan.pipeline`` set (its mesh ``("dp", "pp", "tp")``); ``dpar.pipeline(model, loss_fn,
+    example_inputs=..., plan=plan)`` runs it, ``parallelize`` refuses it by name. ``None`` (the default): searched
+    on a GPU preset, not for processes on a CPU's cores nor on links given per mesh dimension (the Note says why);
+    ``False``: placements only (what ``parallelize(strategy="auto")`` applies when the answer is a pipeline).
     """
     from dpar.planner.solver import solve_activations  # scipy.optimize: loaded when planning, not on import dpar
 
@@ -87,16 +91,26 @@ def plan(
     captured = time.perf_counter()
     found = _usable_layouts(graph, shape, names)
     budget = device.memory_bytes if memory_budget_gb is None else memory_budget_gb * 1e9
-    chosen = _fastest(graph, found, device, budget)
+    if pipelines is None:  # see the Note
+        pipelines = device.cores is None and device.mesh_links is None
+    pipelines = pipelines and names is None and math.prod(shape) > 1
+    try:
+        chosen: Plan | PlanMemoryError = _fastest(graph, found, device, budget)
+    except PlanMemoryError as unfit:
+        if not pipelines:
+            raise
+        chosen = unfit  # a pipeline may fit where no placement does
     searched = time.perf_counter()
-    chosen = dataclasses.replace(chosen, strategies=compare_strategies(graph, shape, device, budget))
+    if isinstance(chosen, Plan):
+        chosen = dataclasses.replace(chosen, strategies=compare_strategies(graph, shape, device, budget))
     compared = time.perf_counter()
     seconds = (("capture", captured - start), ("search", searched - captured),
                ("the named strategies priced", compared - searched))
     if pipelines:
-        chosen = _beside_pipelines(chosen, model, inputs, math.prod(shape), memory_budget_gb, device)
+        chosen = _with_pipelines(chosen, model, inputs, math.prod(shape), budget, device, graph.batch_size)
         seconds += (("the pipeline search", time.perf_counter() - compared),)
         compared = time.perf_counter()
+    assert isinstance(chosen, Plan)
     if on_graphs:
         chosen = priced_on_graphs(chosen, model, inputs, device)
         if chosen.priced_on == ON_GRAPHS:
@@ -125,7 +139,7 @@ def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[ob
                      device: str | DeviceSpec = "h100") -> Plan:
     """``chosen`` with the figures ``dpar.explain`` reports for it on ``model`` fed ``example_inputs`` (the global
     batch the plan was priced at): see the Note above."""
-    if "tp" in chosen.mesh_dim_names or "cp" in chosen.mesh_dim_names:  # see the Note
+    if chosen.pipeline is not None or "tp" in chosen.mesh_dim_names or "cp" in chosen.mesh_dim_names:  # see the Notes
         return chosen
     device = device_spec(device)
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
@@ -320,28 +334,75 @@ def _splits_a_parameter(graph: OpGraph, tp: int) -> bool:
     return tp == 1 or any(cand.splits_a_parameter for op in graph.ops for cand in candidates(op, tp))
 
 
-def _beside_pipelines(chosen: Plan, model: nn.Module, inputs: tuple[object, ...], world: int,
-                      memory_budget_gb: float | None, device: DeviceSpec) -> Plan:
-    """``chosen`` with the pipeline search's choice on the same ranks as one more row of ``strategies`` and, where
-    it is faster, ``faster_pipeline``; a model the pipeline search cannot split says why in ``faster_pipeline``."""
+# [Note: one answer over placements and pipelines]
+# ``dpar.plan`` runs two searches over the same world, batch, budget and device: the placement search (the ILP over
+# every op's candidates on each layout of dp / tp / ep / cp axes, each activation policy) and the pipeline search
+# (pp x tp x dp, ddp or fsdp across pipelines, each policy: planner/pipeline.py). A pipeline of one stage is a
+# placement, which the placement search prices with every data-parallel mode, so only pipelines of two stages or
+# more compete; both price collectives on the same links (``DeviceSpec.sharing_cores``: the world's processes on a
+# CPU's cores). The plan is the faster answer that fits; the other side's best is a row of ``plan.strategies``. A
+# pipeline answer is a ``Plan`` with ``pipeline`` set, mesh ``("dp", "pp", "tp")`` and the pipeline search's
+# figures (``cost.bubble_s``: the span beyond the busiest rank's compute), which ``dpar.pipeline(plan=...)`` runs.
+# Where no placement fits the budget, a pipeline that fits is the answer; where neither does, the error says both.
+# A model the pipeline search cannot cut (no repeated blocks, keyword inputs, ...) is planned by placements alone
+# and ``plan.pipeline_search`` says why.
+# Not by default for ranks that are processes on a CPU's cores (``DeviceSpec.cores``, the ``cpu`` preset): neither
+# search prices the host's work, and a pipeline's (a graph call, sends and receives for every action, the batch
+# gathered over the group) outweighs its modelled gain there. Measured on the 2-core machine (2026-11-29, 4 gloo
+# ranks, the tests' 4-block GPT, 16 rows of 8 tokens, medians of 10 steps, two turns each): the pipeline the search
+# chose (pp 2 x dp 2, modelled 1.18 ms against ddp's 1.61) ran 24.5-25.1 ms a step, ddp 12.0-12.4 ms.
+# Nor on links given by hand for the mesh's dimensions (``DeviceSpec.mesh_links``): a pipeline's (dp, pp, tp) mesh is
+# not the mesh they describe. ``pipelines=True`` searches them there anyway (on the device's inter-node link).
+
+
+def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tuple[object, ...], world: int,
+                    budget: float | None, device: DeviceSpec, batch_size: int) -> Plan:
+    """The faster of ``chosen`` (or, where no placement fits, the error saying so) and the pipeline search's best
+    pipeline of two stages or more on the same ranks: see the Note above."""
     from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
     from dpar.inspect.pipeline import block_collectives
     from dpar.pipelining import pipeline
-    from dpar.planner.pipeline import plan_pipeline
+    from dpar.planner.pipeline import fastest, plan_pipeline
+
+    def placements(why: str) -> Plan:
+        if isinstance(chosen, PlanMemoryError):
+            raise PlanMemoryError(f"{chosen}. Nor does a pipeline: {why}") from None
+        return dataclasses.replace(chosen, pipeline_search=why)
 
     try:
         with warnings.catch_warnings():  # the pipelines built to read tp's collectives are not the user's to tune
             warnings.simplefilter("ignore", PipelineBubbleWarning)
-            found = plan_pipeline(model, inputs, world_size=world, memory_budget_gb=memory_budget_gb, device=device,
+            found = plan_pipeline(model, inputs, world_size=world, memory_budget_gb=None if budget is None else budget / 1e9,
+                                  device=device,
                                   read_tp_collectives=functools.partial(block_collectives, model, pipeline=pipeline))
     except PipelineMemoryError as error:
-        return dataclasses.replace(chosen, faster_pipeline=f"no pipeline layout fits either: {error}")
-    except DparError as error:  # a model it cannot split into stages (TooFewBlocksError, ...), named
-        return dataclasses.replace(chosen, faster_pipeline=f"pipelines not searched: {error}")
-    c = found.choice
-    row = PolicyOption(c.activations, f"pipeline {c.layout}", c.step_s, c.recompute_s, c.memory_bytes, c.fits)
-    faster = ""
-    if c.step_s < chosen.cost.step_s:
-        faster = (f"a pipeline is faster by the same prices: {c.layout}, {c.step_s:.3g} s a step against this plan's "
-                  f"{chosen.cost.step_s:.3g} s" + (f"; {found.how_to_run}" if found.how_to_run else ""))
-    return dataclasses.replace(chosen, strategies=(*chosen.strategies, row), faster_pipeline=faster)
+        return placements(f"no pipeline layout fits either: {error}")
+    except Exception as error:  # noqa: BLE001 - a model it cannot cut is planned by placements, and the plan says why
+        return placements(f"pipelines not searched: {type(error).__name__}: {error}")
+    pipelined = [c for c in found.candidates if c.pp > 1 and c.fits]  # one stage is a placement: see the Note
+    if not pipelined:
+        return placements(f"no pipeline of two stages or more fits on {world} ranks")
+    best = fastest(pipelined)
+    row = PolicyOption(best.activations, f"pipeline {best.layout}", best.step_s, best.recompute_s, best.memory_bytes, True)
+    if isinstance(chosen, Plan) and chosen.cost.step_s <= best.step_s:
+        return dataclasses.replace(chosen, strategies=(*chosen.strategies, row))
+    rows: tuple[PolicyOption, ...] = (row,)
+    if isinstance(chosen, Plan):
+        cost = chosen.cost
+        rows = (*chosen.strategies, PolicyOption(policy_label(chosen.activations), f"placements: {chosen.strategy}",
+                                                 cost.step_s, cost.recompute_s, cost.memory_bytes_per_rank, True), row)
+    layout = PipelineLayout(
+        pp=best.pp, tp=best.tp, dp=best.dp, dp_strategy=best.dp_strategy, schedule=found.schedule,
+        stages=best.pp * stages_per_rank(found.schedule), micro_batches=best.micro_batches,
+        micro_batch_rows=found.micro_batch_rows)
+    return Plan(
+        mesh_shape=(best.dp, best.pp, best.tp), mesh_dim_names=("dp", "pp", "tp"),
+        data_parallel="fsdp" if best.dp_strategy == "fsdp" else "replicate", strategy="pipeline", parameters=(),
+        cost=CostBreakdown(
+            compute_s=best.compute_s - best.tp_s - best.recompute_s, comm_s=best.tp_s + best.dp_comm_s,
+            exposed_comm_s=best.tp_s + best.dp_comm_s, step_s=best.step_s, memory_bytes_per_rank=best.memory_bytes,
+            tp_comm_s=best.tp_s, dp_comm_s=best.dp_comm_s, activation_bytes_per_rank=best.activation_bytes,
+            recompute_s=best.recompute_s, bubble_s=best.pipeline_s - best.compute_s),
+        batch_size=batch_size, activations=ActivationPolicy(Recompute.parse(best.activations)), strategies=rows,
+        memory_budget_bytes=budget, priced_on="pipeline stage graphs", pipeline=layout,
+    )

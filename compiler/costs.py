@@ -145,6 +145,18 @@ class DeviceSpec:
             return 1.0
         return 1.0 + 0.5 * (ranks / self.cores - 1.0)
 
+    def sharing_cores(self, ranks: int) -> DeviceSpec:
+        """This device with ``ranks`` processes on its cores: every link's α times ``step_latency_scale``, as the
+        planner prices a world's collectives (the placement search and the pipeline search alike)."""
+        scale = self.step_latency_scale(ranks)
+        if scale == 1.0:
+            return self
+        return dataclasses.replace(
+            self, alpha=self.alpha * scale, cores=None,
+            intra_alpha=None if self.intra_alpha is None else self.intra_alpha * scale,
+            mesh_links=None if self.mesh_links is None else tuple((a * scale, b) for a, b in self.mesh_links),
+        )
+
     def links(self, mesh_shape: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
         """One (α, β) per mesh dimension (see [Note: the device's links])."""
         if self.mesh_links is not None:

@@ -82,6 +82,10 @@ class NonFiniteGradientError(DparError, FloatingPointError):
     """A backward produced nan or inf gradients (raised under options={"check_finite": True})."""
 
 
+class PlanMemoryError(OptionsError):
+    """No placement plan (every layout, every activation policy) fits the model in the memory budget."""
+
+
 class PipelineMemoryError(OptionsError):
     """No pipeline degree fits the model's state and activations in the memory budget."""
 
@@ -138,3 +142,8 @@ class StepNotCaptured(Exception):
     def __init__(self, optimizer: object, reason: str) -> None:
         super().__init__(f"Dynamo cannot capture {type(optimizer).__name__}'s step: {reason}")
         self.reason = reason
+
+
+class PipelineAdviceWarning(UserWarning):
+    """``parallelize(strategy="auto")`` applied placements where the planner's fastest answer is a pipeline,
+    which ``dpar.pipeline(plan=...)`` runs."""

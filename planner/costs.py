@@ -175,8 +175,8 @@ class CostModel:
     def __init__(self, graph: OpGraph, layout: Layout, device: DeviceSpec) -> None:
         self.graph, self.layout, self.device = graph, layout, device
         ranks = math.prod(layout.mesh_shape)
-        scale = device.step_latency_scale(ranks)  # processes sharing cores take turns at each ring step
-        self.links = tuple((alpha * scale, beta) for alpha, beta in device.links(layout.mesh_shape)) if ranks > 1 else ()
+        # Processes sharing cores take turns at each ring step.
+        self.links = device.sharing_cores(ranks).links(layout.mesh_shape) if ranks > 1 else ()
         self.dp, self.tp, self.ep = layout.dp_degree, layout.tp_degree, layout.ep_degree
         self.tokens = layout.token_degree  # what divides the batch's work: rows over dp, sequences over cp
         self.experts = graph.expert_parameters() if self.ep > 1 else frozenset()  # split over ep: 1/ep per rank

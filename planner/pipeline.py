@@ -249,7 +249,7 @@ def plan_pipeline(
     if mbr < 1 or rows % mbr:
         raise OptionsError(f"plan_pipeline: micro_batch_rows={micro_batch_rows} does not divide the global batch of "
                            f"{rows} rows; use a divisor of {rows} (default: rows / world_size, {rows // world_size})")
-    spec = device_spec(device)
+    spec = device_spec(device).sharing_cores(world_size)  # the placement search's links for the same world
     micro_batch = micro_batch_of(inputs, mbr)
     graph = capture(model, loss, micro_batch)
     prefix, blocks = find_blocks(graph)
@@ -308,14 +308,19 @@ def plan_pipeline(
             f"or the state (more ranks, a larger tp_max, dp_strategy "
             f"fsdp, an optimizer with less state)"
         )
-    choice = min(fitting, key=lambda c: (c.step_s, c.pp, c.tp, DP_STRATEGIES.index(c.dp_strategy),
-                                         _RECOMPUTES_LESS[c.activations]))
+    choice = fastest(fitting)
     return PipelinePlan(
         world_size=world_size, schedule=schedule, micro_batch_rows=mbr,
         memory_budget_bytes=None if memory_budget_gb is None else memory_budget_gb * 1e9,
         device=spec.name, optimizer=optimizer, candidates=tuple(candidates), choice=choice,
         tp_read_off_graphs=read is not None,
     )
+
+
+def fastest(candidates: Sequence[PipelineCandidate]) -> PipelineCandidate:
+    """The least modelled step; ties go to the smaller pp, then the smaller tp, then ddp, then less recomputation."""
+    return min(candidates, key=lambda c: (c.step_s, c.pp, c.tp, DP_STRATEGIES.index(c.dp_strategy),
+                                          _RECOMPUTES_LESS[c.activations]))
 
 
 def _cannot_win(kept: list[PipelineCandidate], found: list[PipelineCandidate]) -> bool:

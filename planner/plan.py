@@ -46,6 +46,7 @@ class CostBreakdown:
     cp_comm_s: float = 0.0  # the attention ops' key / value gathers over cp and their gradients' (critical path)
     activation_bytes_per_rank: int = 0  # the activation part of memory_bytes_per_rank (saved, or live at the peak)
     recompute_s: float = 0.0  # forward ops run again in the backward (activation checkpointing)
+    bubble_s: float = 0.0  # a pipeline's ranks idle in its schedule (step_s counts it)
     memory_bytes_keep: int | None = None  # memory_bytes_per_rank of the same placements keeping every activation
     activation_bytes_keep: int | None = None  # ... its activation part
 
@@ -65,6 +66,38 @@ class PolicyOption:
     recompute_s: float
     memory_bytes_per_rank: int  # the plan's, or the smallest footprint found when nothing fits
     fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """A pipeline chosen by the search (``Plan.pipeline``): what ``dpar.pipeline(..., plan=plan)`` runs.
+
+    ``pp`` ranks a pipeline (``stages`` stages: one a rank, two in a V under zbv), ``tp`` ranks splitting each
+    stage's layers, ``dp`` pipelines side by side under ``dp_strategy``; each pipeline runs ``micro_batches``
+    micro-batches of ``micro_batch_rows`` rows a step (the rows of its ``pp x tp`` ranks' slices)."""
+
+    pp: int
+    tp: int
+    dp: int
+    dp_strategy: str  # ddp | fsdp
+    schedule: str
+    stages: int
+    micro_batches: int
+    micro_batch_rows: int
+
+    @property
+    def describe(self) -> str:
+        return (f"pp={self.pp} x tp={self.tp} x dp={self.dp} ({self.dp_strategy}), {self.schedule}, "
+                f"{self.micro_batches} micro-batches of {self.micro_batch_rows} rows")
+
+    @property
+    def mesh(self) -> str:
+        """The mesh ``dpar.pipeline`` runs it on, as words."""
+        if self.tp > 1:
+            return f"a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp})"
+        if self.dp > 1:
+            return f"a ('dp', 'pp') mesh of shape ({self.dp}, {self.pp})"
+        return f"the whole world ({self.pp} ranks)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +155,8 @@ class Plan:
     strategies: tuple[PolicyOption, ...] = ()  # the named strategies on the same mesh, priced alike (side by side)
     memory_budget_bytes: float | None = None  # the budget it was planned under
     priced_on: str = "op graph"  # or ON_GRAPHS: priced by dpar inspect (api/planning.py, ``on_graphs``)
-    faster_pipeline: str = ""  # searched with pipelines: the pipeline layout faster than this plan and how to run it
+    pipeline: PipelineLayout | None = None  # the answer is a pipeline: dpar.pipeline(..., plan=plan) runs it
+    pipeline_search: str = ""  # why the pipeline search, where it ran, gave no candidate
     # Wall time planning took, by phase (capture, search, pricing): not part of what the plan is.
     seconds: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
 
@@ -140,9 +174,9 @@ class Plan:
         """This plan as the runtime must apply it: a ``tp`` axis along which no parameter is
         split becomes a ``dp`` axis (see the Note above), its placements and the strategy follow.
 
-        The cost is left as priced: a plan from ``dpar.plan`` never has such an axis.
+        The cost is left as priced: a plan from ``dpar.plan`` never has such an axis. A pipeline plan is run as it is.
         """
-        if "tp" not in self.mesh_dim_names or any(d is not None for d in self.tp_dims().values()):
+        if self.pipeline is not None or "tp" not in self.mesh_dim_names or any(d is not None for d in self.tp_dims().values()):
             return self
         layout = Layout(self.mesh_shape, ("dp",) * len(self.mesh_shape), self.data_parallel)
         placements = tuple(layout.dp_placement if n > 1 else "R" for n in self.mesh_shape)
@@ -192,7 +226,8 @@ class Plan:
             strategies=tuple(PolicyOption(**o) for o in raw.get("strategies", ())),
             memory_budget_bytes=raw.get("memory_budget_bytes"),
             priced_on=raw.get("priced_on", "op graph"),
-            faster_pipeline=raw.get("faster_pipeline", ""),
+            pipeline=PipelineLayout(**raw["pipeline"]) if raw.get("pipeline") else None,
+            pipeline_search=raw.get("pipeline_search", ""),
             seconds=tuple((phase, s) for phase, s in raw.get("seconds", ())),
         )
 
@@ -254,6 +289,10 @@ DATA_PARALLEL_STATE = {
 def _role(plan: Plan, axis: int) -> str:
     if plan.mesh_shape[axis] == 1:
         return "size 1, nothing to split"
+    if plan.pipeline is not None:
+        return {"dp": f"data parallel: pipelines side by side, gradients averaged ({plan.pipeline.dp_strategy})",
+                "pp": f"pipeline: {plan.pipeline.stages} stages of consecutive blocks, {plan.pipeline.schedule} schedule",
+                "tp": "tensor parallel inside each stage (Megatron-style)"}[plan.mesh_dim_names[axis]]
     if plan.mesh_dim_names[axis] == "dp":
         return f"data parallel: ranks see different rows, gradients averaged; {DATA_PARALLEL_STATE[plan.data_parallel]}"
     if plan.mesh_dim_names[axis] == "ep":
@@ -275,6 +314,58 @@ def render(plan: Plan, console: Any) -> None:
     mesh = " x ".join(f"{n} {name}" for n, name in zip(plan.mesh_shape, plan.mesh_dim_names))
     sp = ", sequence parallel" if plan.sequence_parallel else ""
     console.print(f"plan: {plan.strategy} (data_parallel={plan.data_parallel}{sp}) on mesh {mesh}")
+    if plan.pipeline is not None:
+        _render_pipeline(plan, plan.pipeline, console)
+    else:
+        _render_placements(plan, console)
+    c = plan.cost
+    _render_activations(plan, console)
+    cost = Table(title=f"modelled cost per step, per rank (compute and activations counted on the {plan.priced_on})")
+    cost.add_column("term")
+    cost.add_column("value", justify="right")
+    inspected = plan.priced_on == ON_GRAPHS
+    comm = ((("comm (every collective, simulated)", _seconds(c.comm_s)),) if inspected else
+            (("tp comm (critical path)", _seconds(c.tp_comm_s)),
+             *((("ep all-to-alls (critical path)", _seconds(c.ep_comm_s)),) if c.ep_comm_s else ()),
+             *((("cp key / value exchange (critical path)", _seconds(c.cp_comm_s)),) if c.cp_comm_s else ()),
+             ("dp comm" + (" (after the pipeline's span)" if plan.pipeline else " (overlappable)"), _seconds(c.dp_comm_s))))
+    for term, value in (
+        ("compute", _seconds(c.compute_s)),
+        ("recompute (activation checkpointing)", _seconds(c.recompute_s)),
+        *comm,
+        ("exposed comm", _seconds(c.exposed_comm_s)),
+        *((("pipeline bubble", _seconds(c.bubble_s)),) if plan.pipeline else ()),
+        ("step" + (" (simulated)" if inspected else ""), _seconds(c.step_s)),
+        ("memory" + (" at the step's peak" if inspected else ""), _bytes(c.memory_bytes_per_rank)),
+        ("  of which activations" + (" live at the peak" if inspected else " saved"), _bytes(c.activation_bytes_per_rank)),
+    ):
+        cost.add_row(term, value)
+    console.print(cost)
+    if plan.strategies:
+        _render_strategies(plan, console)
+    if plan.pipeline_search:
+        console.print(plan.pipeline_search, markup=False, highlight=False)
+    if plan.seconds:
+        phases = ", ".join(f"{phase} {s:.1f} s" for phase, s in plan.seconds)
+        console.print(f"planned in {sum(s for _, s in plan.seconds):.1f} s: {phases}")
+    if plan.memory_budget_bytes is not None and c.memory_bytes_per_rank > plan.memory_budget_bytes:
+        console.print(f"warning: counted on the {plan.priced_on}, this plan holds {_bytes(c.memory_bytes_per_rank)} per rank, "
+                      f"over the budget of {_bytes(plan.memory_budget_bytes)} that the search's op-graph count met")
+
+
+def _render_pipeline(plan: Plan, layout: PipelineLayout, console: Any) -> None:
+    console.print(f"{layout.micro_batches} micro-batches of {layout.micro_batch_rows} rows a pipeline and step "
+                  f"(global batch {plan.batch_size} rows, each rank fed its own {plan.batch_size // math.prod(plan.mesh_shape)})")
+    for i, (n, name) in enumerate(zip(plan.mesh_shape, plan.mesh_dim_names)):
+        console.print(f"  axis {i} {name} ({n}): {_role(plan, i)}")
+    console.print(f"run it with dpar.pipeline(model, loss_fn, example_inputs=..., plan=plan) on {layout.mesh}; "
+                  "dpar.parallelize places no pipeline", markup=False, highlight=False)
+
+
+def _render_placements(plan: Plan, console: Any) -> None:
+    """The data split, each axis's role, the parameters' placements and the collectives."""
+    from rich.table import Table
+
     console.print(_data_split(plan))
     for i, (n, name) in enumerate(zip(plan.mesh_shape, plan.mesh_dim_names)):
         console.print(f"  axis {i} {name} ({n}): {_role(plan, i)}")
@@ -291,38 +382,6 @@ def render(plan: Plan, console: Any) -> None:
         for c in plan.collectives:
             comm.add_row(c.kind, c.mesh_dim, c.phase, str(c.count), _bytes(c.bytes), c.where)
         console.print(comm)
-    c = plan.cost
-    _render_activations(plan, console)
-    cost = Table(title=f"modelled cost per step, per rank (compute and activations counted on the {plan.priced_on})")
-    cost.add_column("term")
-    cost.add_column("value", justify="right")
-    inspected = plan.priced_on == ON_GRAPHS
-    comm = ((("comm (every collective, simulated)", _seconds(c.comm_s)),) if inspected else
-            (("tp comm (critical path)", _seconds(c.tp_comm_s)),
-             *((("ep all-to-alls (critical path)", _seconds(c.ep_comm_s)),) if c.ep_comm_s else ()),
-             *((("cp key / value exchange (critical path)", _seconds(c.cp_comm_s)),) if c.cp_comm_s else ()),
-             ("dp comm (overlappable)", _seconds(c.dp_comm_s))))
-    for term, value in (
-        ("compute", _seconds(c.compute_s)),
-        ("recompute (activation checkpointing)", _seconds(c.recompute_s)),
-        *comm,
-        ("exposed comm", _seconds(c.exposed_comm_s)),
-        ("step" + (" (simulated)" if inspected else ""), _seconds(c.step_s)),
-        ("memory" + (" at the step's peak" if inspected else ""), _bytes(c.memory_bytes_per_rank)),
-        ("  of which activations" + (" live at the peak" if inspected else " saved"), _bytes(c.activation_bytes_per_rank)),
-    ):
-        cost.add_row(term, value)
-    console.print(cost)
-    if plan.strategies:
-        _render_strategies(plan, console)
-    if plan.faster_pipeline:
-        console.print(plan.faster_pipeline, markup=False, highlight=False)
-    if plan.seconds:
-        phases = ", ".join(f"{phase} {s:.1f} s" for phase, s in plan.seconds)
-        console.print(f"planned in {sum(s for _, s in plan.seconds):.1f} s: {phases}")
-    if plan.memory_budget_bytes is not None and c.memory_bytes_per_rank > plan.memory_budget_bytes:
-        console.print(f"warning: counted on the {plan.priced_on}, this plan holds {_bytes(c.memory_bytes_per_rank)} per rank, "
-                      f"over the budget of {_bytes(plan.memory_budget_bytes)} that the search's op-graph count met")
 
 
 def _render_strategies(plan: Plan, console: Any) -> None:

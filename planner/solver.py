@@ -49,7 +49,7 @@ from dpar.planner.evaluate import Assignment, chosen
 from dpar.planner.layout import Layout
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.rules import FORWARD_CONVERT, candidates
-from dpar.core.errors import OptionsError
+from dpar.core.errors import OptionsError, PlanMemoryError
 
 TIE_LAYOUT = 1e-4  # per position in layouts(), in units of single-device compute
 TIE_CANDIDATE = 1e-6  # per position in candidates()
@@ -277,12 +277,12 @@ def smallest_footprint(
     return found.least_bytes, found.layout
 
 
-def no_fit(unfit: Unfit, budget: float) -> OptionsError:
+def no_fit(unfit: Unfit, budget: float) -> PlanMemoryError:
     """Nothing fits ``budget``: the smallest budget that does, with the policy and layout that reach it."""
     layout = unfit.layout
     mesh = "x".join(map(str, layout.mesh_shape))
     with_policy = "" if unfit.recompute is Recompute.KEEP else f", activation checkpointing {unfit.recompute.value}"
-    return OptionsError(
+    return PlanMemoryError(
         f"no plan fits memory_budget_gb={budget / 1e9:.3g}: the smallest footprint found is "
         f"{unfit.least_bytes / 1e9:.4g} GB per rank ({layout.strategy} on mesh {mesh}, roles "
         f"{'/'.join(layout.roles)}{with_policy}); raise memory_budget_gb to at least that, or plan for more ranks "

@@ -20,9 +20,11 @@ def test_plan_command_prints_every_parameter_and_writes_json(tmp_path, capsys):
     assert all(p.name in printed for p in plan.parameters)
     assert "modelled cost per step" in printed and f"json: {out}" in printed
     assert "data split over: " in printed and f"global batch {plan.batch_size} rows" in printed
-    # The time split: capture, the search, the named strategies priced beside it, the chosen plan priced on its
-    # compiled graphs (dpar plan's default, except for a plan with a tp or cp axis: api/planning.py says why).
-    phases = ["capture", "search", "the named strategies priced"]
+    # The time split: capture, the search, the named strategies priced beside it, the pipeline search (on a GPU
+    # preset), the chosen plan priced on its compiled graphs (dpar plan's default, except for a plan with a tp or
+    # cp axis: api/planning.py says why).
+    assert plan.pipeline is None
+    phases = ["capture", "search", "the named strategies priced", "the pipeline search"]
     phases += ["pricing on the compiled graphs"] if plan.priced_on == "compiled graphs" else []
     assert (plan.priced_on == "compiled graphs") is ("tp" not in plan.mesh_dim_names)
     assert [phase for phase, _ in plan.seconds] == phases

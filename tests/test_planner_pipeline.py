@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from distributed import run_ranks
 from pipeline_models import FLOPS_ONLY, mse, stack
 
 import dpar
@@ -111,21 +112,97 @@ def test_cli_plan_pipeline_prints_every_candidate_and_the_choice(capsys):
     assert "Raise memory_budget_gb" in capsys.readouterr().out
 
 
-def test_one_plan_call_searches_placements_and_pipelines_and_says_which_is_faster(capsys):
-    """``dpar.plan(..., pipelines=True)``: the pipeline search runs on the same ranks, batch and device (a model that
-    returns its loss priced as that loss); its choice is one more row of the side-by-side table, priced as
-    ``plan_pipeline`` prices it alone, and the plan says a pipeline is faster exactly when it is. The CLI's
-    ``--with-pipelines`` prints the row."""
+def test_one_plan_call_answers_for_placements_and_pipelines(capsys):
+    """[Note: one answer over placements and pipelines]: on 16 H100s (two nodes of 8), the tests' 8-block GPT at
+    1024 wide, 16 rows of 128 tokens: the plan is the pipeline search's best of two stages or more, priced as the
+    pipeline search prices it alone, faster than the placement search's best, which is a row beside it. The pipeline
+    plan round-trips through JSON, parallelize refuses it by name, its printout says how to run it; placements alone
+    and the cpu preset (host work unpriced) search no pipeline."""
+    from functools import partial
+
     from planner_models import gpt
 
-    model, inputs = gpt(n_layer=4, n_embd=64, n_head=4, block=64, vocab=256, batch=8)
-    both = dpar.plan(model, inputs, mesh_shape=(4,), pipelines=True)
-    alone = plan_pipeline(model, inputs, world_size=4, memory_budget_gb=None)
-    row = next(o for o in both.strategies if o.strategy.startswith("pipeline "))
-    assert row.strategy == f"pipeline {alone.choice.layout}" and row.step_s == pytest.approx(alone.choice.step_s)
-    assert bool(both.faster_pipeline) == (row.step_s < both.cost.step_s)
-    assert [phase for phase, _ in both.seconds][-1] == "the pipeline search"
-    assert dpar.plan(model, inputs, mesh_shape=(4,)).strategies == both.strategies[:-1]  # the rest as without
+    from dpar.inspect.pipeline import block_collectives
+    from dpar.planner.pipeline import fastest
+    from dpar.planner.plan import Plan
+
+    model, inputs = gpt(n_layer=8, n_embd=1024, n_head=8, block=128, vocab=4096, batch=16)
+    both = dpar.plan(model, inputs, mesh_shape=(16,))
+    placements = dpar.plan(model, inputs, mesh_shape=(16,), pipelines=False)
+    alone = plan_pipeline(model, inputs, world_size=16, memory_budget_gb=80,
+                          read_tp_collectives=partial(block_collectives, model, pipeline=dpar.pipeline))
+    best = fastest([c for c in alone.candidates if c.pp > 1 and c.fits])
+    layout = both.pipeline
+    assert layout is not None and (layout.pp, layout.tp, layout.dp, layout.dp_strategy) == (best.pp, best.tp, best.dp,
+                                                                                             best.dp_strategy)
+    assert both.mesh_shape == (best.dp, best.pp, best.tp) and both.mesh_dim_names == ("dp", "pp", "tp")
+    assert layout.micro_batches == best.micro_batches and layout.micro_batches * layout.micro_batch_rows * best.dp == 16
+    c = both.cost
+    assert c.step_s == pytest.approx(best.step_s) and c.step_s < placements.cost.step_s
+    assert c.compute_s + c.recompute_s + c.exposed_comm_s + c.bubble_s == pytest.approx(c.step_s)
+    assert c.memory_bytes_per_rank == best.memory_bytes <= 80e9
+    rows = {o.strategy: o for o in both.strategies}
+    assert rows[f"placements: {placements.strategy}"].step_s == placements.cost.step_s
+    assert rows[f"pipeline {best.layout}"].step_s == best.step_s
+    assert not any(o.strategy.startswith("pipeline") for o in placements.strategies) and placements.pipeline is None
+    assert Plan.from_json(both.to_json()) == both
+    with pytest.raises(dpar.OptionsError, match=r"is a pipeline \(pp=.*dpar\.pipeline\(model, loss_fn"):
+        dpar.parallelize(model, plan=both)
+    text = str(both)
+    assert "run it with dpar.pipeline(model, loss_fn, example_inputs=..., plan=plan)" in text and "pipeline bubble" in text
+    on_cpu = dpar.plan(model, inputs, mesh_shape=(16,), device="cpu")
+    assert on_cpu.pipeline is None and "the pipeline search" not in dict(on_cpu.seconds)
     assert main(["plan", f"{MODELS.parent}/planner_models.py:gpt", "--mesh-shape", "4", "--op-graph",
-                 "--with-pipelines"]) == 0
+                 "--with-pipelines", "--device", "cpu"]) == 0
     assert "pipeline pp=" in capsys.readouterr().out
+    assert main(["plan", f"{MODELS.parent}/planner_models.py:gpt", "--mesh-shape", "4", "--op-graph",
+                 "--placements-only"]) == 0
+    assert "pipeline pp=" not in capsys.readouterr().out
+
+
+def _trained_as_planned(rank: int, world_size: int, plan, placements) -> tuple:  # noqa: ANN001
+    from pipeline_training import pipelined
+
+    layout = plan.pipeline
+    refused = []
+    for kwargs in ({"plan": placements}, {"plan": plan, "stages": layout.stages + 2}):
+        with pytest.raises(dpar.OptionsError) as error:
+            from pipeline_training import batch, build, token_loss
+
+            x, y = batch(0, 4 * world_size)
+            dpar.pipeline(build("gpt", 4), token_loss, example_inputs=(x.chunk(world_size)[rank], y.chunk(world_size)[rank]),
+                          **kwargs)
+        refused.append(str(error.value))
+    state, losses, _, _ = pipelined(rank, world_size, "gpt", 4, "adamw", layout.schedule, None, None,
+                                    dp_strategy=layout.dp_strategy, plan=plan)
+    return state, losses, refused
+
+
+def test_a_pipeline_plan_trains_as_one_process():
+    """``dpar.pipeline(..., plan=plan)`` runs the answer: on 4 gloo ranks, the tests' 4-block GPT planned with pipelines
+    on the cpu preset (pp 2 x dp 2, ddp across, 2 micro-batches of 4 rows), its mesh built from the plan; 5 AdamW steps
+    equal one process on the global batch. A placement plan, and a stage count beside the plan, are refused by name."""
+    from pipeline_training import ROWS_PER_RANK, batch, build, one_process
+    from training import max_abs_diff
+
+    x, _ = batch(0, ROWS_PER_RANK * 4)
+    plan = dpar.plan(build("gpt", 4), (x,), mesh_shape=(4,), device="cpu", pipelines=True)
+    placements = dpar.plan(build("gpt", 4), (x,), mesh_shape=(4,), device="cpu")
+    assert plan.pipeline is not None and (plan.pipeline.pp, plan.pipeline.dp) == (2, 2) and placements.pipeline is None
+    reference, reference_losses = one_process("gpt", 4, "adamw", 4)
+    results = run_ranks(_trained_as_planned, 4, plan, placements, timeout_s=300)
+    assert max_abs_diff(reference, results[0][0]) < 1e-4
+    for state, losses, refused in results:
+        assert losses == pytest.approx(reference_losses, rel=1e-5)
+        assert "is a placement plan (ddp)" in refused[0] and "dpar.parallelize(model, plan=plan)" in refused[0]
+        assert f"stages={plan.pipeline.stages + 2!r} (the plan's {plan.pipeline.stages!r})" in refused[1]
+
+
+def test_a_budget_neither_search_meets_names_both():
+    """The placement search's smallest footprint and the pipeline search's, in one error, before anything runs."""
+    from planner_models import gpt
+
+    model, inputs = gpt(n_layer=8, n_embd=256, n_head=4, block=64, vocab=4096, batch=8)
+    with pytest.raises(dpar.PlanMemoryError, match=r"no plan fits memory_budget_gb=0\.02: the smallest footprint .* "
+                                                   r"Nor does a pipeline: no pipeline layout fits either: .*least memory"):
+        dpar.plan(model, inputs, mesh_shape=(4,), memory_budget_gb=0.02)

@@ -25,9 +25,11 @@ from dpar.compiler.costs import DeviceSpec, device_spec
 from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.activations import POLICIES
+from dpar.planner.pipeline import PipelineCandidate, PipelinePlan
 from dpar.planner.plan import ON_GRAPHS, CostBreakdown, ParameterPlan, PipelineLayout, Plan, PolicyOption, policy_label
 from dpar.planner.rules import candidates
 from dpar.planner.strategies import compare_strategies
+from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.compiler.pipeline_parallel.schedules import stages_per_rank
 from dpar.core.errors import OptionsError, PipelineMemoryError, PlanMemoryError
 from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy, Recompute
@@ -397,7 +399,8 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
         micro_batch_rows=found.micro_batch_rows)
     return Plan(
         mesh_shape=(best.dp, best.pp, best.tp), mesh_dim_names=("dp", "pp", "tp"),
-        data_parallel="fsdp" if best.dp_strategy == "fsdp" else "replicate", strategy="pipeline", parameters=(),
+        data_parallel="fsdp" if best.dp_strategy == "fsdp" else "replicate", strategy="pipeline",
+        parameters=_pipeline_parameters(model, found, best, layout.stages),
         cost=CostBreakdown(
             compute_s=best.compute_s - best.tp_s - best.recompute_s, comm_s=best.tp_s + best.dp_comm_s,
             exposed_comm_s=best.tp_s + best.dp_comm_s, step_s=best.step_s, memory_bytes_per_rank=best.memory_bytes,
@@ -406,3 +409,26 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
         batch_size=batch_size, activations=ActivationPolicy(Recompute.parse(best.activations)), strategies=rows,
         memory_budget_bytes=budget, priced_on="pipeline stage graphs", pipeline=layout,
     )
+
+
+def _pipeline_parameters(model: nn.Module, found: PipelinePlan, chosen: PipelineCandidate,
+                         stages: int) -> tuple[ParameterPlan, ...]:
+    """Each parameter on the pipeline's mesh: sharded over dp under fsdp, on its stage(s) over pp (``stage 0+7``: a
+    tied weight both ends read), split over tp where Megatron splits it; its ring bytes over dp and its state a rank."""
+    where = found.stages_of(stages)
+    dims = dict(found.tp_dims) if chosen.tp > 1 else {}
+    sharded = chosen.dp_strategy == "fsdp" and chosen.dp > 1
+    factor = 2 + OPTIMIZER_STATES[found.optimizer]
+    aliases: dict[int, list[str]] = {}  # a tied parameter's names: the stages may name it by either
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    rows = []
+    for name, p in model.named_parameters():
+        dim = dims.get(name)
+        nbytes = p.numel() * p.element_size() / (chosen.tp if dim is not None else 1)
+        stages_of = sorted({stage for alias in aliases[id(p)] for stage in where.get(alias, ())})
+        placements = ("S(0)" if sharded else "R", "stage " + "+".join(map(str, stages_of)),
+                      "R" if dim is None else f"S({dim})")
+        rows.append(ParameterPlan(name, tuple(p.shape), placements, round(2 * (chosen.dp - 1) / chosen.dp * nbytes),
+                                  round(nbytes * factor / (chosen.dp if sharded else 1))))
+    return tuple(rows)

@@ -76,7 +76,7 @@ import torch
 import torch.nn as nn
 
 from dpar.compiler.costs import DeviceSpec, comm_time, device_spec
-from dpar.compiler.megatron import megatron_plan
+from dpar.compiler.megatron import MegatronPlan, megatron_plan
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.compiler.pipeline_parallel.costs import (
     BlockCollectives, LossFn, StageCost, TensorParallelCost, action_cost, cut_and_price_under, megatron_collectives,
@@ -143,6 +143,20 @@ class PipelinePlan:
     candidates: tuple[PipelineCandidate, ...]
     choice: PipelineCandidate
     tp_read_off_graphs: bool  # tp collectives counted in graphs dpar.pipeline built, else the Megatron model
+    block_parameters: tuple[tuple[str, ...], ...] = ()  # what each block's stage reads (the first and last: the root's too)
+    block_flops: tuple[float, ...] = ()  # each block's forward, which the stage cuts balance
+    tp_dims: tuple[tuple[str, int | None], ...] = ()  # parameter -> the dim tp splits (None: replicated), Megatron's
+
+    def stages_of(self, stages: int) -> dict[str, tuple[int, ...]]:
+        """Parameter -> the stages reading it when the blocks are cut into ``stages`` (a tied one: two)."""
+        starts = [*balanced_cuts(list(self.block_flops), stages), len(self.block_flops)]
+        found: dict[str, tuple[int, ...]] = {}
+        for stage in range(stages):
+            for names in self.block_parameters[starts[stage]:starts[stage + 1]]:
+                for name in names:
+                    if stage not in found.get(name, ()):
+                        found[name] = (*found.get(name, ()), stage)
+        return found
 
     @property
     def pp(self) -> int:
@@ -257,7 +271,8 @@ def plan_pipeline(
     priced = cut_and_price_under(split, model, micro_batch, spec, [ActivationPolicy(r) for r in ACTIVATION_POLICIES])
     per_block = {policy.default: costs for policy, costs in priced.items()}
     block_bytes = max((c.send_bytes for c in per_block[Recompute.KEEP]), default=0)
-    divides = _tp_must_divide(model, micro_batch[:-1])
+    megatron = megatron_plan(model, micro_batch[:-1])
+    divides = _tp_must_divide(megatron)
     v = stages_per_rank(schedule)
     tp_degrees = [tp for tp in (2 ** k for k in range(tp_max.bit_length()) if 2 ** k <= tp_max)
                   if world_size % tp == 0 and not any(size % tp for size in divides.values())]
@@ -314,6 +329,8 @@ def plan_pipeline(
         memory_budget_bytes=None if memory_budget_gb is None else memory_budget_gb * 1e9,
         device=spec.name, optimizer=optimizer, candidates=tuple(candidates), choice=choice,
         tp_read_off_graphs=read is not None,
+        block_parameters=tuple(c.parameters for c in per_block[Recompute.KEEP]),
+        block_flops=tuple(c.flops for c in per_block[Recompute.KEEP]), tp_dims=tuple(megatron.dims.items()),
     )
 
 
@@ -365,12 +382,12 @@ def _stages(per_block: Sequence[StageCost], stages: int, model: nn.Module) -> tu
     return tuple(merged)
 
 
-def _tp_must_divide(model: nn.Module, model_inputs: Sequence[torch.Tensor]) -> dict[str, int]:
+def _tp_must_divide(megatron: MegatronPlan) -> dict[str, int]:
     """What tp must divide: the units (attention heads, a fused projection's q/k/v parts) a view cuts each
     column Linear's output into, as ``dpar.pipeline``'s tp split reads them (``megatron_plan``), so that the
     planner proposes no tp degree the pipeline refuses. One entry per distinct count."""
     by_count: dict[int, list[str]] = {}
-    for name, count in megatron_plan(model, model_inputs).units.items():
+    for name, count in megatron.units.items():
         by_count.setdefault(count, []).append(name)
     return {(f"units of {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")): count
             for count, names in sorted(by_count.items())}

@@ -314,10 +314,21 @@ def render(plan: Plan, console: Any) -> None:
     mesh = " x ".join(f"{n} {name}" for n, name in zip(plan.mesh_shape, plan.mesh_dim_names))
     sp = ", sequence parallel" if plan.sequence_parallel else ""
     console.print(f"plan: {plan.strategy} (data_parallel={plan.data_parallel}{sp}) on mesh {mesh}")
-    if plan.pipeline is not None:
-        _render_pipeline(plan, plan.pipeline, console)
+    layout = plan.pipeline
+    if layout is not None:
+        rows = plan.batch_size // math.prod(plan.mesh_shape)
+        console.print(f"{layout.micro_batches} micro-batches of {layout.micro_batch_rows} rows a pipeline and step "
+                      f"(global batch {plan.batch_size} rows, each rank fed its own {rows})")
     else:
-        _render_placements(plan, console)
+        console.print(_data_split(plan))
+    for i, (n, name) in enumerate(zip(plan.mesh_shape, plan.mesh_dim_names)):
+        console.print(f"  axis {i} {name} ({n}): {_role(plan, i)}")
+    if layout is not None:
+        console.print(f"run it with dpar.pipeline(model, loss_fn, example_inputs=..., plan=plan) on {layout.mesh}; "
+                      "dpar.parallelize places no pipeline", markup=False, highlight=False)
+    _render_parameters(plan, console)
+    if plan.collectives:
+        _render_collectives(plan, console)
     c = plan.cost
     _render_activations(plan, console)
     cost = Table(title=f"modelled cost per step, per rank (compute and activations counted on the {plan.priced_on})")
@@ -353,35 +364,26 @@ def render(plan: Plan, console: Any) -> None:
                       f"over the budget of {_bytes(plan.memory_budget_bytes)} that the search's op-graph count met")
 
 
-def _render_pipeline(plan: Plan, layout: PipelineLayout, console: Any) -> None:
-    console.print(f"{layout.micro_batches} micro-batches of {layout.micro_batch_rows} rows a pipeline and step "
-                  f"(global batch {plan.batch_size} rows, each rank fed its own {plan.batch_size // math.prod(plan.mesh_shape)})")
-    for i, (n, name) in enumerate(zip(plan.mesh_shape, plan.mesh_dim_names)):
-        console.print(f"  axis {i} {name} ({n}): {_role(plan, i)}")
-    console.print(f"run it with dpar.pipeline(model, loss_fn, example_inputs=..., plan=plan) on {layout.mesh}; "
-                  "dpar.parallelize places no pipeline", markup=False, highlight=False)
-
-
-def _render_placements(plan: Plan, console: Any) -> None:
-    """The data split, each axis's role, the parameters' placements and the collectives."""
+def _render_collectives(plan: Plan, console: Any) -> None:
     from rich.table import Table
 
-    console.print(_data_split(plan))
-    for i, (n, name) in enumerate(zip(plan.mesh_shape, plan.mesh_dim_names)):
-        console.print(f"  axis {i} {name} ({n}): {_role(plan, i)}")
+    comm = Table(title="collectives per step")
+    for column in ("kind", "mesh dim", "phase", "count", "bytes", "where"):
+        comm.add_column(column)
+    for c in plan.collectives:
+        comm.add_row(c.kind, c.mesh_dim, c.phase, str(c.count), _bytes(c.bytes), c.where)
+    console.print(comm)
+
+
+def _render_parameters(plan: Plan, console: Any) -> None:
+    from rich.table import Table
+
     params = Table(title="parameters")
     for column in ("parameter", "shape", *(f"{n} ({i})" for i, n in enumerate(plan.mesh_dim_names)), "comm/step", "memory/rank"):
         params.add_column(column, justify="right" if column in ("comm/step", "memory/rank") else "left")
     for p in plan.parameters:
         params.add_row(p.name, "x".join(map(str, p.shape)), *p.placements, _bytes(p.comm_bytes), _bytes(p.memory_bytes))
     console.print(params)
-    if plan.collectives:
-        comm = Table(title="collectives per step")
-        for column in ("kind", "mesh dim", "phase", "count", "bytes", "where"):
-            comm.add_column(column)
-        for c in plan.collectives:
-            comm.add_row(c.kind, c.mesh_dim, c.phase, str(c.count), _bytes(c.bytes), c.where)
-        console.print(comm)
 
 
 def _render_strategies(plan: Plan, console: Any) -> None:

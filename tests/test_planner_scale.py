@@ -65,13 +65,12 @@ def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, seq, recomput
     own prices than FSDP x TP, which the plan shows beside it, than fsdp over all 256 ranks (whose gathers of
     70B parameters across nodes outlast the compute), and than the pipeline search's best, searched in the same call."""
     model, rank_slice, global_batch = _llama3(size, seq=seq)
-    p, seconds = _planned_on_h100s(model, global_batch(rank_slice, math.prod(mesh_shape)), mesh_shape,
-                                   pipelines=recomputes)  # 70B: the pipeline search too, one answer
+    p, seconds = _planned_on_h100s(model, global_batch(rank_slice, math.prod(mesh_shape)), mesh_shape)
     print(f"Llama-3-{size} on {mesh_shape}: {p.strategy}, {policy_label(p.activations)}, "
           f"{p.cost.step_s * 1e3:.1f} ms/step, {p.cost.memory_bytes_keep / 1e9:.2f} -> "
           f"{p.cost.memory_bytes_per_rank / 1e9:.2f} GB per rank, planned in {seconds:.1f} s")
-    assert seconds < 60.0
-    assert p.cost.memory_bytes_per_rank <= 80e9
+    assert seconds < 60.0 and "the pipeline search" in dict(p.seconds)  # one answer over placements and pipelines
+    assert p.cost.memory_bytes_per_rank <= 80e9 and p.pipeline is None
     assert p.activations.recomputes is recomputes
     assert {o.policy: o.fits for o in p.policies}["keep"] is not recomputes
     if recomputes:
@@ -83,7 +82,7 @@ def test_llama3_plans_within_80_gb_in_under_60_s(size, mesh_shape, seq, recomput
         assert p.mesh_dim_names == ("dp", "tp") and p.data_parallel in ("zero2", "fsdp") and p.sequence_parallel
         assert named["fsdp+tp (sequence parallel)"].fits and p.cost.step_s <= named["fsdp+tp (sequence parallel)"].step_s
         assert p.cost.step_s < named["fsdp"].step_s / 2
-        # The pipeline search's best on the same 256 ranks (pp 8 x tp 8 x dp 4, 10.5 s) is slower: no pipeline advice.
+        # The pipeline search's best on the same 256 ranks (pp 8 x tp 8 x dp 4, 10.5 s) is slower: the answer is the placement plan.
         pipelined = [o for o in p.strategies if o.strategy.startswith("pipeline ")]
         assert len(pipelined) == 1 and pipelined[0].fits and pipelined[0].step_s > p.cost.step_s and p.pipeline is None
 
@@ -133,3 +132,15 @@ def test_a_tensor_parallel_plan_splits_no_norm_weight():
     assert "tp" in p.strategy
     assert [d for n, d in p.tp_dims().items() if "norm" in n] == [None] * 5
     assert any(d is not None for d in p.tp_dims().values())
+
+
+def test_at_16k_ranks_the_plan_is_no_slower_than_any_named_strategy():
+    """The ILP's tie-breakers are priced in units of the ideal step (the single device's compute over the world):
+    in units of the single device's compute a step at 16,384 ranks is ~1e-4 of one, and the layout tie-breaker
+    (1e-4 a position) chose fsdp at 128 s a step over fsdp+tp at 19.6 s for Llama-3-405B, and for Llama-3-8B on
+    2048 x 8, here, a plan at 0.982 s beside the named zero2+tp's 0.974 s."""
+    model, rank_slice, global_batch = _llama3("8b")
+    p, seconds = _planned_on_h100s(model, global_batch(rank_slice, 16384), (2048, 8), pipelines=False)
+    fitting = {o.strategy: o.step_s for o in p.strategies if o.fits}
+    print(f"Llama-3-8B on (2048, 8): {p.strategy}, {p.cost.step_s:.3f} s/step; named: {fitting}, planned in {seconds:.1f} s")
+    assert p.cost.step_s <= min(fitting.values()) * (1 + 1e-9)

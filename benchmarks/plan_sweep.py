@@ -1,9 +1,10 @@
 """What the planner picks for a GPT as batch, width and world size change, next to DDP, FSDP and TP alone.
 
-    python benchmarks/plan_sweep.py        # about half a minute; no GPU, nothing is trained
+    python benchmarks/plan_sweep.py        # about a minute; no GPU, nothing is trained
 
 Every number is *modelled* (the planner's cost model on H100 defaults, see docs/planner.md),
-not measured. For each batch (sequences of 512 tokens) x hidden size x world size, the planner
+not measured. The plan is ``dpar.plan``'s one answer over placements and pipelines (a pipeline plan's mesh is
+(dp, pp, tp)). For each batch (sequences of 512 tokens) x hidden size x world size, the planner
 plans examples/gpt.py's GPT (8 blocks, 64-wide heads, 32k vocabulary; built on the meta
 device) under an 80 GB per-rank budget, on one node's mesh (8,) or on (nodes, 8) for 64 ranks,
 so it may compose data and tensor parallel. DDP and FSDP alone are priced by the same model
@@ -62,7 +63,7 @@ def sweep_point(batch: int, hidden: int, world: int) -> dict:
     row.update(
         plan_s=time.perf_counter() - start, strategy=best.strategy + (" SP" if best.sequence_parallel else ""),
         data_parallel=best.data_parallel,
-        roles=list(best.mesh_dim_names), step_s=best.cost.step_s, memory_gb=best.cost.memory_bytes_per_rank / 1e9,
+        roles=list(best.mesh_dim_names), plan_mesh=list(best.mesh_shape), step_s=best.cost.step_s, memory_gb=best.cost.memory_bytes_per_rank / 1e9,
     )
     graph = build_op_graph(model, inputs)
     on_mesh = evaluate_strategies(graph, mesh, PRESETS["h100"])
@@ -90,7 +91,7 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         if r.get("plan", True) is None:
             lines.append(f"| {r['world']} | {r['hidden']} | {r['batch']} | no plan: {r['error'][:60]}... | | | | | |")
             continue
-        roles = " × ".join(f"{n} {role}" for n, role in zip(r["mesh"], r["roles"]))
+        roles = " × ".join(f"{n} {role}" for n, role in zip(r["plan_mesh"], r["roles"]))
         lines.append(
             f"| {r['world']} | {r['hidden']} | {r['batch']} | {r['strategy']} ({roles}, {r['data_parallel']}) "
             f"| {r['step_s'] * 1e3:.2f} | {r['memory_gb']:.1f} | " + " | ".join(_cell(r[n]) for n in BASELINES) + " |"

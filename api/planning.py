@@ -114,7 +114,7 @@ def plan(
         compared = time.perf_counter()
     assert isinstance(chosen, Plan)
     if on_graphs:
-        chosen = priced_on_graphs(chosen, model, inputs, device)
+        chosen = _fitting_on_graphs(chosen, graph, found, device, budget, model, inputs)
         if chosen.priced_on == ON_GRAPHS:
             seconds += (("pricing on the compiled graphs", time.perf_counter() - compared),)
     return dataclasses.replace(chosen, seconds=seconds)
@@ -135,6 +135,44 @@ def plan(
 # keep the search's figures: compiling their propagation for every rank's graphs costs minutes at real sizes
 # (Llama-3-8B, ddp+tp on 8 x 8: 611 s of CPU, where the search took 18 s); ``dpar.explain(model, inputs, plan=plan)``
 # prices one when asked.
+
+
+# [Note: a plan that fits on its graphs]
+# The search counts memory on its op graph; the compiled graphs can hold more (the partitioner's saved values, gathered
+# parameters live together, gloo's staging buffers). Under ``on_graphs`` and a budget, a plan whose graphs hold more
+# than the budget is not the answer: the search runs again under the budget scaled down by how far its count fell
+# short (search budget x budget / what the graphs held), up to ``GRAPH_ROUNDS`` times, and the first plan whose graphs
+# fit is the answer; where none does, ``PlanMemoryError`` names the least the graphs held. The plan's
+# ``memory_budget_bytes`` stays the user's; its policy table is the last search's. Plans the graphs do not price
+# (a tp or cp axis, a pipeline: see the Note above) keep the search's count. The searches after the first compare
+# placements only: a pipeline the first comparison found slower is not weighed again.
+
+GRAPH_ROUNDS = 3
+
+
+def _fitting_on_graphs(chosen: Plan, graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None,
+                       model: nn.Module, inputs: tuple[object, ...]) -> Plan:
+    """``chosen`` priced on its compiled graphs, or the plan searched again until its graphs fit: see the Note."""
+    priced = priced_on_graphs(chosen, model, inputs, device)
+    search_budget, held = budget, []
+    for searched in range(GRAPH_ROUNDS + 1):
+        if budget is None or priced.priced_on != ON_GRAPHS or priced.cost.memory_bytes_per_rank <= budget:
+            return priced
+        held.append(f"{priced.strategy} ({policy_label(priced.activations)}) {priced.cost.memory_bytes_per_rank / 1e9:.4g} GB")
+        if searched == GRAPH_ROUNDS:
+            break
+        search_budget *= budget / priced.cost.memory_bytes_per_rank
+        try:
+            again = _fastest(graph, found, device, search_budget)
+        except PlanMemoryError:
+            break
+        again = dataclasses.replace(again, strategies=chosen.strategies, pipeline_search=chosen.pipeline_search,
+                                    memory_budget_bytes=budget)
+        priced = priced_on_graphs(again, model, inputs, device)
+    raise PlanMemoryError(
+        f"no plan fits memory_budget_gb={budget / 1e9:.4g} counted on its compiled graphs: the search's plans held "
+        f"{'; '.join(held)} there; raise memory_budget_gb, plan for more ranks, or plan on the op graph alone "
+        "(on_graphs=False, dpar plan --op-graph), whose count is lower than the graphs'")
 
 
 def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[object] | torch.Tensor,

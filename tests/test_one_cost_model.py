@@ -163,3 +163,23 @@ def test_a_tensor_parallel_plan_keeps_the_searchs_figures(small_llama):
     assert chosen.priced_on != ON_GRAPHS and "tp" in chosen.strategy
     with pytest.raises(dpar.OptionsError, match="plan= gives the strategy"):
         dpar.explain(model, rank_inputs, plan=chosen, strategy="fsdp")
+
+
+def test_a_plan_over_the_budget_on_its_graphs_is_searched_again_until_they_fit():
+    """[Note: a plan that fits on its graphs]: the tests' 2-block GPT on 4 ranks (cpu preset) at 70 % of ddp's
+    footprint. The search's answer (zero2, keeping every activation) holds more than the budget on its compiled graphs;
+    with ``on_graphs`` the search runs again under a budget scaled by its shortfall and the answer's graphs fit. At 55 %
+    no plan's graphs fit: a PlanMemoryError says what each held there."""
+    from planner_models import gpt
+
+    model, inputs = gpt(n_layer=2, n_embd=128, n_head=4, block=64, vocab=2048, batch=8)
+    unbounded = dpar.plan(model, inputs, mesh_shape=(4,), device="cpu")
+    budget = unbounded.cost.memory_bytes_per_rank * 0.7
+    searched = dpar.plan(model, inputs, mesh_shape=(4,), device="cpu", memory_budget_gb=budget / 1e9)
+    assert searched.cost.memory_bytes_per_rank <= budget
+    assert priced_on_graphs(searched, model, inputs, "cpu").cost.memory_bytes_per_rank > budget
+    fitting = dpar.plan(model, inputs, mesh_shape=(4,), device="cpu", memory_budget_gb=budget / 1e9, on_graphs=True)
+    assert fitting.priced_on == ON_GRAPHS and fitting.cost.memory_bytes_per_rank <= budget
+    assert fitting.memory_budget_bytes == budget and fitting.activations != searched.activations
+    with pytest.raises(dpar.PlanMemoryError, match=r"counted on its compiled graphs: the search's plans held .* GB"):
+        dpar.plan(model, inputs, mesh_shape=(4,), device="cpu", memory_budget_gb=budget / 0.7 * 0.55 / 1e9, on_graphs=True)

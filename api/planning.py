@@ -385,7 +385,9 @@ def _splits_a_parameter(graph: OpGraph, tp: int) -> bool:
 # figures (``cost.bubble_s``: the span beyond the busiest rank's compute), which ``dpar.pipeline(plan=...)`` runs.
 # Where no placement fits the budget, a pipeline that fits is the answer; where neither does, the error says both.
 # A model the pipeline search cannot cut (no repeated blocks, keyword inputs, ...) is planned by placements alone
-# and ``plan.pipeline_search`` says why.
+# and ``plan.pipeline_search`` says why. Under a live process group (``parallelize(strategy="auto")`` under torchrun)
+# the pipeline search prices tp's collectives as Megatron's instead of reading them off stage graphs built in a fake
+# world (which a live group rules out), and ``plan.pipeline_search`` says so.
 # Not by default for ranks that are processes on a CPU's cores (``DeviceSpec.cores``, the ``cpu`` preset): neither
 # search prices the host's work, and a pipeline's (a graph call, sends and receives for every action, the batch
 # gathered over the group) outweighs its modelled gain there. Measured on the 2-core machine (2026-11-29, 4 gloo
@@ -409,12 +411,17 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
             raise PlanMemoryError(f"{chosen}. Nor does a pipeline: {why}") from None
         return dataclasses.replace(chosen, pipeline_search=why)
 
+    # The stage graphs are read in a fake world of their own, which a live process group rules out (parallelize's
+    # "auto" under torchrun): there tp's collectives are Megatron's, and the plan says so.
+    live = dist.is_available() and dist.is_initialized()
+    read = None if live else functools.partial(block_collectives, model, pipeline=pipeline)
+    remark = ("the pipeline search priced tp's collectives as Megatron's (two a block forward and backward): a live "
+              "process group rules out reading them off the stage graphs, which dpar plan does") if live else ""
     try:
         with warnings.catch_warnings():  # the pipelines built to read tp's collectives are not the user's to tune
             warnings.simplefilter("ignore", PipelineBubbleWarning)
             found = plan_pipeline(model, inputs, world_size=world, memory_budget_gb=None if budget is None else budget / 1e9,
-                                  device=device,
-                                  read_tp_collectives=functools.partial(block_collectives, model, pipeline=pipeline))
+                                  device=device, read_tp_collectives=read)
     except PipelineMemoryError as error:
         return placements(f"no pipeline layout fits either: {error}")
     except Exception as error:  # noqa: BLE001 - a model it cannot cut is planned by placements, and the plan says why
@@ -425,7 +432,7 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
     best = fastest(pipelined)
     row = PolicyOption(best.activations, f"pipeline {best.layout}", best.step_s, best.recompute_s, best.memory_bytes, True)
     if isinstance(chosen, Plan) and chosen.cost.step_s <= best.step_s:
-        return dataclasses.replace(chosen, strategies=(*chosen.strategies, row))
+        return dataclasses.replace(chosen, strategies=(*chosen.strategies, row), pipeline_search=remark)
     rows: tuple[PolicyOption, ...] = (row,)
     if isinstance(chosen, Plan):
         cost = chosen.cost
@@ -445,7 +452,7 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
             tp_comm_s=best.tp_s, dp_comm_s=best.dp_comm_s, activation_bytes_per_rank=best.activation_bytes,
             recompute_s=best.recompute_s, bubble_s=best.pipeline_s - best.compute_s),
         batch_size=batch_size, activations=ActivationPolicy(Recompute.parse(best.activations)), strategies=rows,
-        memory_budget_bytes=budget, priced_on="pipeline stage graphs", pipeline=layout,
+        memory_budget_bytes=budget, priced_on="pipeline stage graphs", pipeline=layout, pipeline_search=remark,
     )
 
 

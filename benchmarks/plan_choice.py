@@ -11,6 +11,11 @@ weights on the same batches, AdamW, aot_eager. After a warm-up the modes take tu
 ``turns``), each turn giving every mode a median step; a mode's figure is the median of its turns, its spread
 the lowest and highest turn. The planner's choice holds when ``planned`` is the fastest, or within the spread
 of the fastest (its slowest turn at least as fast as the planned mode's fastest).
+
+``--pipelines``: the plan searched with pipelines too (``dpar.plan(..., pipelines=True)``, which the ``cpu`` preset
+does not do by default); where its answer is a pipeline, a ``pipeline`` mode runs it (``dpar.pipeline(...,
+plan=...)``, the model's logits and a token cross-entropy outside it), taking turns with the others, and the
+record says whether that answer would have held.
 """
 
 from __future__ import annotations
@@ -40,11 +45,11 @@ ROWS, SEQ = 4, 128  # rows a rank, tokens a row (at most the model's context)
 NAMED = ("ddp", "zero2", "fsdp", "tp", "cp")
 
 
-def _plan(model_name: str, world: int) -> dpar.Plan:
+def _plan(model_name: str, world: int, pipelines: bool | None = None) -> dpar.Plan:
     spec = MODELS[model_name]
     torch.manual_seed(0)
     ids, labels = batches(spec, ROWS * world, _seq(model_name), 1, seed=0)[0]
-    return dpar.plan(BUILD[model_name](), (ids, labels), mesh_shape=(world,), device="cpu")
+    return dpar.plan(BUILD[model_name](), (ids, labels), mesh_shape=(world,), device="cpu", pipelines=pipelines)
 
 
 def _seq(model_name: str) -> int:
@@ -55,16 +60,36 @@ def _applies(strategy: str, model_name: str) -> bool:
     return strategy != "cp" or model_name.startswith("llama")  # cp splits attention's sequences
 
 
-def measure(rank: int, world: int, model_name: str, plan: dpar.Plan, steps: int, rounds: int, warmup: int
-            ) -> dict[str, list[float]] | None:
+class Logits(torch.nn.Module):
+    """The model's logits, for a pipeline whose loss is taken outside the model (``dpar.pipeline``'s ``loss_fn``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        inner = getattr(self.model, "inner", None)
+        return self.model(ids) if inner is None else inner(input_ids=ids, use_cache=False).logits
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def measure(rank: int, world: int, model_name: str, plan: dpar.Plan, steps: int, rounds: int, warmup: int,
+            pipelined: dpar.Plan | None = None) -> dict[str, list[float]] | None:
     """Per mode, its median step (ms) in each turn, on rank 0."""
     spec = MODELS[model_name]
-    modes = ["planned", *(s for s in NAMED if _applies(s, model_name))]
+    modes = ["planned", *(s for s in NAMED if _applies(s, model_name)), *(["pipeline"] if pipelined else [])]
     data = batches(spec, ROWS, _seq(model_name), warmup + steps, seed=rank)
     runners = {}
     for mode in modes:
         torch.manual_seed(0)
         model = BUILD[model_name]()
+        if mode == "pipeline":
+            step = dpar.pipeline(Logits(model), token_loss, example_inputs=data[0], plan=pipelined)
+            runners[mode] = (step, torch.optim.AdamW(model.parameters(), lr=1e-3))
+            continue
         kwargs = {"plan": plan} if mode == "planned" else {"strategy": mode, "example_inputs": data[0]}
         dpar.parallelize(model, **kwargs)
         compiled = torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})
@@ -86,13 +111,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_choice.json")
+    parser.add_argument("--pipelines", action="store_true", help="also run the plan searched with pipelines, where "
+                        "it is a pipeline")
     args = parser.parse_args()
     record = {"revision": revision(), "rows_per_rank": ROWS, "seq": SEQ, "configs": []}
     for config in args.configs.split(","):
         model_name, ranks = config.split("@")
         world = int(ranks)
         plan = _plan(model_name, world)
-        per_turn = run_ranks(measure, world, model_name, plan, args.steps, args.rounds, args.warmup, timeout_s=1800)[0]
+        pipelined = _plan(model_name, world, pipelines=True) if args.pipelines else None
+        pipelined = pipelined if pipelined is not None and pipelined.pipeline is not None else None
+        per_turn = run_ranks(measure, world, model_name, plan, args.steps, args.rounds, args.warmup, pipelined,
+                             timeout_s=1800)[0]
         medians = {mode: statistics.median(t) for mode, t in per_turn.items()}
         fastest = min(medians, key=medians.get)
         holds = fastest == "planned" or max(per_turn[fastest]) >= min(per_turn["planned"])
@@ -102,11 +132,19 @@ def main() -> None:
             "turns_ms": per_turn, "fastest": fastest, "planned_vs_fastest": medians["planned"] / medians[fastest],
             "holds": holds,
         }
+        if pipelined is not None:
+            faster = max(per_turn[fastest]) >= min(per_turn["pipeline"]) or fastest == "pipeline"
+            entry["with_pipelines"] = {"planned": pipelined.pipeline.describe,
+                                       "modelled_step_ms": pipelined.cost.step_s * 1e3, "holds": faster}
         record["configs"].append(entry)
         print(f"{config}: planned {entry['planned']}; " + ", ".join(
             f"{m} {medians[m]:.1f} ms [{min(t):.1f}, {max(t):.1f}]" for m, t in per_turn.items())
             + f"; planned / fastest ({fastest}) {entry['planned_vs_fastest']:.2f}: {'holds' if holds else 'does not hold'}",
             flush=True)
+        if pipelined is not None:
+            print(f"  searched with pipelines: {pipelined.pipeline.describe}, modelled {pipelined.cost.step_s * 1e3:.2f} ms "
+                  f"(placements {plan.cost.step_s * 1e3:.2f}): {'holds' if entry['with_pipelines']['holds'] else 'does not hold'}",
+                  flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")

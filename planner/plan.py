@@ -156,7 +156,7 @@ class Plan:
     memory_budget_bytes: float | None = None  # the budget it was planned under
     priced_on: str = "op graph"  # or ON_GRAPHS: priced by dpar inspect (api/planning.py, ``on_graphs``)
     pipeline: PipelineLayout | None = None  # the answer is a pipeline: dpar.pipeline(..., plan=plan) runs it
-    pipeline_search: str = ""  # why the pipeline search, where it ran, gave no candidate
+    pipeline_search: str = ""  # what the pipeline search, where it ran, said beside its answer (or why it gave none)
     # Wall time planning took, by phase (capture, search, pricing): not part of what the plan is.
     seconds: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
 

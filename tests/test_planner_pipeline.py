@@ -206,3 +206,19 @@ def test_a_budget_neither_search_meets_names_both():
     with pytest.raises(dpar.PlanMemoryError, match=r"no plan fits memory_budget_gb=0\.02: the smallest footprint .* "
                                                    r"Nor does a pipeline: no pipeline layout fits either: .*least memory"):
         dpar.plan(model, inputs, mesh_shape=(4,), memory_budget_gb=0.02)
+
+
+def test_auto_applies_the_fastest_placements_and_warns_where_the_answer_is_a_pipeline():
+    """``parallelize(strategy="auto")`` places parameters; where dpar.plan's answer on the same world is a pipeline
+    (the 8-block GPT on 16 ranks of the h100 preset, as above), it says so and how to run it, and applies the plan
+    searched without pipelines, which it records."""
+    from fake_world import fake_world
+    from planner_models import gpt
+
+    model, (ids, targets) = gpt(n_layer=8, n_embd=1024, n_head=8, block=128, vocab=4096, batch=1)
+    placements = dpar.plan(model, (ids.repeat(16, 1), targets.repeat(16, 1)), mesh_shape=(16,), pipelines=False)
+    with fake_world(16):
+        with pytest.warns(dpar.PipelineAdviceWarning, match=r"the fastest plan is a pipeline \(pp=.*dpar\.pipeline\("):
+            dpar.parallelize(model, strategy="auto", example_inputs=(ids, targets))
+        applied = dpar.core.plan.plan_of_model(model)
+        assert applied is not None and applied.strategy.value == placements.strategy

@@ -65,8 +65,9 @@ def _as_planned(
                            f"{dist.get_world_size()}; plan for this world")
     rows = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else None
     if rows is None or rows * world != plan.batch_size:
-        raise OptionsError(f"pipeline: the plan was priced at a global batch of {plan.batch_size} rows, {plan.batch_size // world} "
-                           f"a rank, but example_inputs hold {rows} rows; feed each rank its slice of the planned batch, or plan again")
+        raise OptionsError(f"pipeline: the plan was priced at a global batch of {plan.batch_size} rows, "
+                           f"{plan.batch_size // world} a rank, but example_inputs hold {rows} rows; feed each rank its "
+                           "slice of the planned batch, or plan again")
     if mesh is None and (layout.dp > 1 or layout.tp > 1):
         names = tuple(n for n, size in zip(plan.mesh_dim_names, plan.mesh_shape) if size > 1 or n == "pp")
         shape = tuple(size for n, size in zip(plan.mesh_dim_names, plan.mesh_shape) if n in names)

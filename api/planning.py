@@ -74,9 +74,9 @@ def plan(
     (``dpar plan`` does it unless ``--op-graph``); see [Note: the planner searches on its op graph and reports
     as inspect]. By default the search's own (op-graph) figures.
     ``pipelines`` (unless ``mesh_dim_names`` fixes the roles): the pipeline search (``dpar.planner.plan_pipeline``:
-    pp x tp x dp, schedule 1F1B, each block's policy) runs too, on the same ranks, batch, budget and device, and the
-    plan is the faster of the two searches' answers: see [Note: one answer over placements and pipelines]. A
-    pipeline answer has ``plan.pipeline`` set (its mesh ``("dp", "pp", "tp")``); ``dpar.pipeline(model, loss_fn,
+    pp x tp x dp, the schedule 1F1B, ZB-H1 or ZBV, each block's policy) runs too, on the same ranks, batch, budget
+    and device, and the plan is the faster of the two searches' answers: see [Note: one answer over placements and
+    pipelines]. A pipeline answer has ``plan.pipeline`` set (its mesh ``("dp", "pp", "tp")``); ``dpar.pipeline(model, loss_fn,
     example_inputs=..., plan=plan)`` runs it, ``parallelize`` refuses it by name. ``None`` (the default): searched
     on a GPU preset, not for processes on a CPU's cores nor on links given per mesh dimension (the Note says why);
     ``False``: placements only (what ``parallelize(strategy="auto")`` applies when the answer is a pipeline).
@@ -377,10 +377,10 @@ def _splits_a_parameter(graph: OpGraph, tp: int) -> bool:
 # [Note: one answer over placements and pipelines]
 # ``dpar.plan`` runs two searches over the same world, batch, budget and device: the placement search (the ILP over
 # every op's candidates on each layout of dp / tp / ep / cp axes, each activation policy) and the pipeline search
-# (pp x tp x dp, ddp or fsdp across pipelines, each policy: planner/pipeline.py). A pipeline of one stage is a
-# placement, which the placement search prices with every data-parallel mode, so only pipelines of two stages or
-# more compete; both price collectives on the same links (``DeviceSpec.sharing_cores``: the world's processes on a
-# CPU's cores). The plan is the faster answer that fits; the other side's best is a row of ``plan.strategies``. A
+# (pp x tp x dp, ddp or fsdp across pipelines, 1F1B, ZB-H1 or ZBV, each policy: planner/pipeline.py). A pipeline
+# of one stage is a placement, which the placement search prices with every data-parallel mode, so only pipelines of
+# two stages or more compete; both price collectives on the same links (``DeviceSpec.sharing_cores``: the world's
+# processes on a CPU's cores). The plan is the faster answer that fits; the other side's best is a row of ``plan.strategies``. A
 # pipeline answer is a ``Plan`` with ``pipeline`` set, mesh ``("dp", "pp", "tp")`` and the pipeline search's
 # figures (``cost.bubble_s``: the span beyond the busiest rank's compute), which ``dpar.pipeline(plan=...)`` runs.
 # Where no placement fits the budget, a pipeline that fits is the answer; where neither does, the error says both.
@@ -404,7 +404,7 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
     from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
     from dpar.inspect.pipeline import block_collectives
     from dpar.pipelining import pipeline
-    from dpar.planner.pipeline import fastest, plan_pipeline
+    from dpar.planner.pipeline import SEARCHED_SCHEDULES, fastest, plan_pipeline
 
     def placements(why: str) -> Plan:
         if isinstance(chosen, PlanMemoryError):
@@ -421,7 +421,7 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
         with warnings.catch_warnings():  # the pipelines built to read tp's collectives are not the user's to tune
             warnings.simplefilter("ignore", PipelineBubbleWarning)
             found = plan_pipeline(model, inputs, world_size=world, memory_budget_gb=None if budget is None else budget / 1e9,
-                                  device=device, read_tp_collectives=read)
+                                  device=device, read_tp_collectives=read, schedule=SEARCHED_SCHEDULES)
     except PipelineMemoryError as error:
         return placements(f"no pipeline layout fits either: {error}")
     except Exception as error:  # noqa: BLE001 - a model it cannot cut is planned by placements, and the plan says why
@@ -439,8 +439,8 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
         rows = (*chosen.strategies, PolicyOption(policy_label(chosen.activations), f"placements: {chosen.strategy}",
                                                  cost.step_s, cost.recompute_s, cost.memory_bytes_per_rank, True), row)
     layout = PipelineLayout(
-        pp=best.pp, tp=best.tp, dp=best.dp, dp_strategy=best.dp_strategy, schedule=found.schedule,
-        stages=best.pp * stages_per_rank(found.schedule), micro_batches=best.micro_batches,
+        pp=best.pp, tp=best.tp, dp=best.dp, dp_strategy=best.dp_strategy, schedule=best.schedule,
+        stages=best.pp * stages_per_rank(best.schedule), micro_batches=best.micro_batches,
         micro_batch_rows=found.micro_batch_rows)
     return Plan(
         mesh_shape=(best.dp, best.pp, best.tp), mesh_dim_names=("dp", "pp", "tp"),

@@ -34,7 +34,9 @@ Megatron-style with sequence parallelism:
   (``BlockCollectives``: their count and bytes do not depend on the degree), priced the same way. On a Llama
   layer that is 2 all-reduces in F and 6 in B, where the model above says 2 and 2.
 
-Every candidate's schedule is replayed with those costs (``simulate``). Its modelled step:
+``schedule`` names one of ``PLANNED_SCHEDULES`` or several, each then one more dimension of the candidates
+(``dpar.plan`` searches ``SEARCHED_SCHEDULES``: 1F1B and the zero-bubble ZB-H1 and ZBV; GPipe takes 1F1B's time
+with more memory). Every candidate's schedule is replayed with those costs (``simulate``). Its modelled step:
 
     step = pipeline span (compute + tp collectives + bubble + sends on the critical path)
          + dp collectives of the fullest rank's stages (after the span, not overlapped)
@@ -92,6 +94,9 @@ from dpar.core.plan import ActivationPolicy, Recompute
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zbv")
 """One stage per rank, or zbv's two in a V; interleaved_1f1b's virtual stages are not searched."""
 
+SEARCHED_SCHEDULES = ("1f1b", "zb_h1", "zbv")
+"""What ``dpar.plan`` searches beside placements (see [Note: one answer over placements and pipelines])."""
+
 DP_STRATEGIES = ("ddp", "fsdp")
 
 ACTIVATION_POLICIES = (Recompute.KEEP, Recompute.SELECTIVE, Recompute.FULL)
@@ -121,6 +126,7 @@ class PipelineCandidate:
     fits: bool
     activations: str = "keep"  # the activation policy of every block
     recompute_s: float = 0.0  # of compute_s, the forward ops the busiest rank's backwards compute again
+    schedule: str = "1f1b"
 
     @property
     def memory_bytes(self) -> int:
@@ -128,14 +134,15 @@ class PipelineCandidate:
 
     @property
     def layout(self) -> str:
+        schedule = "" if self.schedule == "1f1b" else f", {self.schedule}"
         policy = "" if self.activations == "keep" else f", {self.activations} recomputation"
-        return f"pp={self.pp} x tp={self.tp} x dp={self.dp} ({self.dp_strategy}{policy})"
+        return f"pp={self.pp} x tp={self.tp} x dp={self.dp} ({self.dp_strategy}{schedule}{policy})"
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelinePlan:
     world_size: int
-    schedule: str
+    schedules: tuple[str, ...]  # searched
     micro_batch_rows: int
     memory_budget_bytes: float | None
     device: str
@@ -159,6 +166,10 @@ class PipelinePlan:
         return found
 
     @property
+    def schedule(self) -> str:
+        return self.choice.schedule
+
+    @property
     def pp(self) -> int:
         return self.choice.pp
 
@@ -179,14 +190,16 @@ class PipelinePlan:
         lines = [
             f"pipeline plan: {self.choice.layout} on {self.world_size} ranks ({self.schedule}, micro-batches of "
             f"{self.micro_batch_rows} rows, {budget}, {self.device}, {self.optimizer})",
-            f"{'pp':>3} {'tp':>3} {'dp':>4} {'dp by':>5} {'m':>4} {'compute':>11} {'of it tp':>11} {'bubble':>17} "
+            f"{'pp':>3} {'tp':>3} {'dp':>4} {'dp by':>5} {'schedule':>8} {'m':>4} {'compute':>11} {'of it tp':>11} "
+            f"{'bubble':>17} "
             f"{'send':>10} {'span':>11} {'dp comm':>11} {'step':>11} {'state GB':>9} {'act. GB':>9} "
             f"{'activations':>11} {'recompute':>11} fits",
         ]
         for c in self.candidates:
             mark = " <- chosen" if c is self.choice else ""
             lines.append(
-                f"{c.pp:>3} {c.tp:>3} {c.dp:>4} {c.dp_strategy:>5} {c.micro_batches:>4} {_ms(c.compute_s)} {_ms(c.tp_s)} "
+                f"{c.pp:>3} {c.tp:>3} {c.dp:>4} {c.dp_strategy:>5} {c.schedule:>8} {c.micro_batches:>4} "
+                f"{_ms(c.compute_s)} {_ms(c.tp_s)} "
                 f"{c.bubble:>5.1%} {_ms(c.bubble_s)} {_ms(c.send_s, 10)} {_ms(c.pipeline_s)} {_ms(c.dp_comm_s)} "
                 f"{_ms(c.step_s)} {c.state_bytes / 1e9:>9.4f} {c.activation_bytes / 1e9:>9.4f} "
                 f"{c.activations:>11} {_ms(c.recompute_s)} {'yes' if c.fits else 'no'}{mark}"
@@ -200,19 +213,20 @@ class PipelinePlan:
         """The ``dpar.pipeline`` call the choice needs (mesh, dp_strategy, policy); "" for data parallel alone."""
         if self.tp > 1:
             how = (f"run it with dpar.pipeline over a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp}), "
-                   f"dp_strategy={self.dp_strategy!r}{self._checkpointing}; ")
+                   f"dp_strategy={self.dp_strategy!r}{self._options}; ")
             if self.tp_read_off_graphs:
                 return how + "its tp collectives are those of the stage graphs dpar.pipeline builds (per block, read at tp 2)"
             return how + "tp is priced as Megatron with sequence parallel, a model not yet checked against measured runs"
         if self.pp > 1 or self.choice.activations != "keep":
             return (f"run it with dpar.pipeline over a ('dp', 'pp') mesh of shape ({self.dp}, {self.pp}), "
-                    f"dp_strategy={self.dp_strategy!r}{self._checkpointing}")
+                    f"dp_strategy={self.dp_strategy!r}{self._options}")
         return ""
 
     @property
-    def _checkpointing(self) -> str:
-        policy = self.choice.activations
-        return "" if policy == "keep" else f", activation_checkpointing={policy!r}"
+    def _options(self) -> str:
+        policy, schedule = self.choice.activations, self.choice.schedule
+        return ("" if schedule == "1f1b" else f", schedule={schedule!r}, stages={self.pp * stages_per_rank(schedule)}") \
+            + ("" if policy == "keep" else f", activation_checkpointing={policy!r}")
 
 
 def _ms(seconds: float, width: int = 11) -> str:
@@ -226,7 +240,7 @@ def plan_pipeline(
     world_size: int,
     memory_budget_gb: float | None,
     micro_batch_rows: int | None = None,
-    schedule: str = "1f1b",
+    schedule: str | Sequence[str] = "1f1b",
     loss_fn: LossFn | None = None,
     device: str | DeviceSpec = "h100",
     optimizer: str = "adamw",
@@ -245,9 +259,12 @@ def plan_pipeline(
     ``dpar.pipeline``, which the api hands down) gives each block's tp collectives as the pipeline's graphs hold
     them; without it they are modelled as Megatron's (two per block in F and in B).
     """
-    if schedule not in PLANNED_SCHEDULES:
-        raise OptionsError(f"plan_pipeline: schedule {schedule!r} is not one of {list(PLANNED_SCHEDULES)} (one stage "
-                           "per rank, or zbv's V); plan with '1f1b' and inspect the interleaved schedule with dpar.explain")
+    schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
+    unplanned = [name for name in schedules if name not in PLANNED_SCHEDULES]
+    if unplanned or not schedules:
+        raise OptionsError(f"plan_pipeline: schedule {unplanned or schedule!r} is not one of {list(PLANNED_SCHEDULES)} "
+                           "(one stage per rank, or zbv's V); plan with '1f1b' and inspect the interleaved schedule "
+                           "with dpar.explain")
     if optimizer not in OPTIMIZER_STATES:
         raise OptionsError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATES)}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -273,15 +290,19 @@ def plan_pipeline(
     block_bytes = max((c.send_bytes for c in per_block[Recompute.KEEP]), default=0)
     megatron = megatron_plan(model, micro_batch[:-1])
     divides = _tp_must_divide(megatron)
-    v = stages_per_rank(schedule)
     tp_degrees = [tp for tp in (2 ** k for k in range(tp_max.bit_length()) if 2 ** k <= tp_max)
                   if world_size % tp == 0 and not any(size % tp for size in divides.values())]
     # Read only where a tp degree is searched: the pipeline refuses tp 2 where it does not divide the units.
     read = read_tp_collectives(prefix, micro_batch, loss) \
         if read_tp_collectives is not None and max(tp_degrees) > 1 else None
     candidates = []
-    for pp in (d for d in range(1, len(blocks) // v + 1) if world_size % d == 0):
-        staged = {policy: _stages(per_block[policy], pp * v, model) for policy in ACTIVATION_POLICIES}
+    layouts = [(name, pp) for name in schedules
+               for pp in range(1, len(blocks) // stages_per_rank(name) + 1) if world_size % pp == 0]
+    staged_by_count: dict[int, dict[Recompute, tuple[StageCost, ...]]] = {}
+    for schedule_name, pp in layouts:
+        stages = pp * stages_per_rank(schedule_name)
+        staged = staged_by_count.setdefault(
+            stages, {policy: _stages(per_block[policy], stages, model) for policy in ACTIVATION_POLICIES})
         for tp in tp_degrees:
             if world_size % (pp * tp):
                 continue
@@ -289,7 +310,7 @@ def plan_pipeline(
             if rows % (dp * mbr):
                 continue  # the dp pipelines cannot each take whole micro-batches
             m = rows // (dp * mbr)
-            plan = build_schedule(schedule, num_ranks=pp, micro_batches=m, checked=False)
+            plan = build_schedule(schedule_name, num_ranks=pp, micro_batches=m, checked=False)
             order = execution_order(plan)  # checks it; one order serves every policy's costs
             kept: list[PipelineCandidate] = []
             for policy, costs in staged.items():
@@ -309,7 +330,8 @@ def plan_pipeline(
     if not candidates:
         raise OptionsError(
             f"plan_pipeline: no pp x tp x dp = {world_size} (tp up to {tp_max} dividing {_sizes(divides)}, "
-            f"{v} stage(s) per rank over {len(blocks)} blocks) splits the batch of {rows} rows into micro-batches of "
+            f"{max(stages_per_rank(name) for name in schedules)} stage(s) per rank over {len(blocks)} blocks) splits "
+            f"the batch of {rows} rows into micro-batches of "
             f"{mbr} per pipeline; use a batch that is a multiple of world_size x micro_batch_rows"
         )
     fitting = [c for c in candidates if c.fits]
@@ -325,7 +347,7 @@ def plan_pipeline(
         )
     choice = fastest(fitting)
     return PipelinePlan(
-        world_size=world_size, schedule=schedule, micro_batch_rows=mbr,
+        world_size=world_size, schedules=schedules, micro_batch_rows=mbr,
         memory_budget_bytes=None if memory_budget_gb is None else memory_budget_gb * 1e9,
         device=spec.name, optimizer=optimizer, candidates=tuple(candidates), choice=choice,
         tp_read_off_graphs=read is not None,
@@ -335,9 +357,10 @@ def plan_pipeline(
 
 
 def fastest(candidates: Sequence[PipelineCandidate]) -> PipelineCandidate:
-    """The least modelled step; ties go to the smaller pp, then the smaller tp, then ddp, then less recomputation."""
-    return min(candidates, key=lambda c: (c.step_s, c.pp, c.tp, DP_STRATEGIES.index(c.dp_strategy),
-                                          _RECOMPUTES_LESS[c.activations]))
+    """The least modelled step; ties go to the smaller pp, then the smaller tp, then the schedule first in
+    ``PLANNED_SCHEDULES``, then ddp, then less recomputation."""
+    return min(candidates, key=lambda c: (c.step_s, c.pp, c.tp, PLANNED_SCHEDULES.index(c.schedule),
+                                          DP_STRATEGIES.index(c.dp_strategy), _RECOMPUTES_LESS[c.activations]))
 
 
 def _cannot_win(kept: list[PipelineCandidate], found: list[PipelineCandidate]) -> bool:
@@ -353,7 +376,7 @@ def _worth_recomputing(candidates: list[PipelineCandidate]) -> list[PipelineCand
     held: dict[tuple, list[int]] = {}
     kept = []
     for c in sorted(candidates, key=lambda c: _RECOMPUTES_LESS[c.activations]):
-        before = held.setdefault((c.pp, c.tp, c.dp, c.dp_strategy), [])
+        before = held.setdefault((c.pp, c.tp, c.dp, c.dp_strategy, c.schedule), [])
         if all(c.memory_bytes < m for m in before):
             kept.append(c)
         before.append(c.memory_bytes)
@@ -424,4 +447,5 @@ def _price(
         state_bytes=round(state[fullest]), activation_bytes=round(activations[fullest]),
         fits=memory_budget_gb is None or memory <= memory_budget_gb * 1e9,
         activations=policy.value, recompute_s=m * sum(costs[s].recompute_s for s in plan.stages_of(busiest)) / tp,
+        schedule=plan.name,
     )

@@ -176,7 +176,8 @@ class Plan:
 
         The cost is left as priced: a plan from ``dpar.plan`` never has such an axis. A pipeline plan is run as it is.
         """
-        if self.pipeline is not None or "tp" not in self.mesh_dim_names or any(d is not None for d in self.tp_dims().values()):
+        if self.pipeline is not None or "tp" not in self.mesh_dim_names \
+                or any(d is not None for d in self.tp_dims().values()):
             return self
         layout = Layout(self.mesh_shape, ("dp",) * len(self.mesh_shape), self.data_parallel)
         placements = tuple(layout.dp_placement if n > 1 else "R" for n in self.mesh_shape)

@@ -114,8 +114,9 @@ def test_cli_plan_pipeline_prints_every_candidate_and_the_choice(capsys):
 
 def test_one_plan_call_answers_for_placements_and_pipelines(capsys):
     """[Note: one answer over placements and pipelines]: on 16 H100s (two nodes of 8), the tests' 8-block GPT at
-    1024 wide, 16 rows of 128 tokens: the plan is the pipeline search's best of two stages or more, priced as the
-    pipeline search prices it alone, faster than the placement search's best, which is a row beside it. The pipeline
+    1024 wide, 16 rows of 128 tokens: the plan is the pipeline search's best of two stages or more over 1F1B, ZB-H1 and
+    ZBV (a zero-bubble one, faster than 1F1B's best), priced as the pipeline search prices it alone, faster than the
+    placement search's best, which is a row beside it. The pipeline
     plan round-trips through JSON, parallelize refuses it by name, its printout says how to run it; placements alone
     and the cpu preset (host work unpriced) search no pipeline."""
     from functools import partial
@@ -123,18 +124,20 @@ def test_one_plan_call_answers_for_placements_and_pipelines(capsys):
     from planner_models import gpt
 
     from dpar.inspect.pipeline import block_collectives
-    from dpar.planner.pipeline import fastest
+    from dpar.planner.pipeline import SEARCHED_SCHEDULES, fastest
     from dpar.planner.plan import Plan
 
     model, inputs = gpt(n_layer=8, n_embd=1024, n_head=8, block=128, vocab=4096, batch=16)
     both = dpar.plan(model, inputs, mesh_shape=(16,))
     placements = dpar.plan(model, inputs, mesh_shape=(16,), pipelines=False)
-    alone = plan_pipeline(model, inputs, world_size=16, memory_budget_gb=80,
+    alone = plan_pipeline(model, inputs, world_size=16, memory_budget_gb=80, schedule=SEARCHED_SCHEDULES,
                           read_tp_collectives=partial(block_collectives, model, pipeline=dpar.pipeline))
     best = fastest([c for c in alone.candidates if c.pp > 1 and c.fits])
+    one_f_one_b = fastest([c for c in alone.candidates if c.pp > 1 and c.fits and c.schedule == "1f1b"])
+    assert best.schedule != "1f1b" and best.step_s < one_f_one_b.step_s  # a zero-bubble schedule, searched beside
     layout = both.pipeline
-    assert layout is not None and (layout.pp, layout.tp, layout.dp, layout.dp_strategy) == (best.pp, best.tp, best.dp,
-                                                                                             best.dp_strategy)
+    assert layout is not None and (layout.pp, layout.tp, layout.dp, layout.dp_strategy, layout.schedule) == (
+        best.pp, best.tp, best.dp, best.dp_strategy, best.schedule)
     assert both.mesh_shape == (best.dp, best.pp, best.tp) and both.mesh_dim_names == ("dp", "pp", "tp")
     assert layout.micro_batches == best.micro_batches and layout.micro_batches * layout.micro_batch_rows * best.dp == 16
     c = both.cost
@@ -149,7 +152,8 @@ def test_one_plan_call_answers_for_placements_and_pipelines(capsys):
     with pytest.raises(dpar.OptionsError, match=r"is a pipeline \(pp=.*dpar\.pipeline\(model, loss_fn"):
         dpar.parallelize(model, plan=both)
     text = str(both)
-    assert "run it with dpar.pipeline(model, loss_fn, example_inputs=..., plan=plan)" in text and "pipeline bubble" in text
+    assert "run it with dpar.pipeline(model, loss_fn, example_inputs=..., plan=plan)" in text
+    assert "pipeline bubble" in text
     on_cpu = dpar.plan(model, inputs, mesh_shape=(16,), device="cpu")
     assert on_cpu.pipeline is None and "the pipeline search" not in dict(on_cpu.seconds)
     assert main(["plan", f"{MODELS.parent}/planner_models.py:gpt", "--mesh-shape", "4", "--op-graph",
@@ -161,17 +165,15 @@ def test_one_plan_call_answers_for_placements_and_pipelines(capsys):
 
 
 def _trained_as_planned(rank: int, world_size: int, plan, placements) -> tuple:  # noqa: ANN001
-    from pipeline_training import pipelined
+    from pipeline_training import ROWS_PER_RANK, batch, build, pipelined, token_loss
 
     layout = plan.pipeline
+    x, y = batch(0, ROWS_PER_RANK * world_size)
+    mine = (x.chunk(world_size)[rank], y.chunk(world_size)[rank])
     refused = []
     for kwargs in ({"plan": placements}, {"plan": plan, "stages": layout.stages + 2}):
         with pytest.raises(dpar.OptionsError) as error:
-            from pipeline_training import batch, build, token_loss
-
-            x, y = batch(0, 4 * world_size)
-            dpar.pipeline(build("gpt", 4), token_loss, example_inputs=(x.chunk(world_size)[rank], y.chunk(world_size)[rank]),
-                          **kwargs)
+            dpar.pipeline(build("gpt", 4), token_loss, example_inputs=mine, **kwargs)
         refused.append(str(error.value))
     state, losses, _, _ = pipelined(rank, world_size, "gpt", 4, "adamw", layout.schedule, None, None,
                                     dp_strategy=layout.dp_strategy, plan=plan)
@@ -180,15 +182,16 @@ def _trained_as_planned(rank: int, world_size: int, plan, placements) -> tuple: 
 
 def test_a_pipeline_plan_trains_as_one_process():
     """``dpar.pipeline(..., plan=plan)`` runs the answer: on 4 gloo ranks, the tests' 4-block GPT planned with pipelines
-    on the cpu preset (pp 2 x dp 2, ddp across, 2 micro-batches of 4 rows), its mesh built from the plan; 5 AdamW steps
-    equal one process on the global batch. A placement plan, and a stage count beside the plan, are refused by name."""
+    on the cpu preset (pp 2 x dp 2, ddp across, ZB-H1, 2 micro-batches of 4 rows), its mesh built from the plan;
+    5 AdamW steps equal one process on the global batch. A placement plan, and a stage count beside the plan, are refused by name."""
     from pipeline_training import ROWS_PER_RANK, batch, build, one_process
     from training import max_abs_diff
 
     x, _ = batch(0, ROWS_PER_RANK * 4)
     plan = dpar.plan(build("gpt", 4), (x,), mesh_shape=(4,), device="cpu", pipelines=True)
     placements = dpar.plan(build("gpt", 4), (x,), mesh_shape=(4,), device="cpu")
-    assert plan.pipeline is not None and (plan.pipeline.pp, plan.pipeline.dp) == (2, 2) and placements.pipeline is None
+    assert plan.pipeline is not None and placements.pipeline is None
+    assert (plan.pipeline.pp, plan.pipeline.dp, plan.pipeline.schedule) == (2, 2, "zb_h1")
     reference, reference_losses = one_process("gpt", 4, "adamw", 4)
     results = run_ranks(_trained_as_planned, 4, plan, placements, timeout_s=300)
     assert max_abs_diff(reference, results[0][0]) < 1e-4

@@ -54,10 +54,17 @@ def test_plan_command_with_a_budget_prints_the_activation_policy_and_why(tmp_pat
     budget = (_fsdp_footprint(Recompute.SELECTIVE) + U / 2) / 1e9  # keep, or keep with three selective blocks, fits nowhere
     out = tmp_path / "plan.json"
     assert main(["plan", target, "--mesh-shape", "4", "--device", "cpu", "--memory-budget-gb", str(budget),
-                 "--json", str(out)]) == 0
+                 "--json", str(out), "--op-graph"]) == 0
     printed = capsys.readouterr().out
     plan = Plan.from_json(out.read_text())
     assert plan.activations.default is Recompute.SELECTIVE
     assert "activations: selective in every block" in printed
     assert "activation policies: the fastest plan that fits wins" in printed
     assert "memory per rank, keep vs chosen" in printed and "recompute added to the step" in printed
+    # Counted on its compiled graphs (the default), that plan holds more than the budget: the answer is searched
+    # again until its graphs fit ([Note: a plan that fits on its graphs]).
+    assert main(["plan", target, "--mesh-shape", "4", "--device", "cpu", "--memory-budget-gb", str(budget),
+                 "--json", str(out)]) == 0
+    on_graphs = Plan.from_json(out.read_text())
+    assert on_graphs.priced_on == "compiled graphs" and on_graphs.cost.memory_bytes_per_rank <= budget * 1e9
+    assert on_graphs.activations != plan.activations

@@ -389,10 +389,11 @@ def _splits_a_parameter(graph: OpGraph, tp: int) -> bool:
 # the pipeline search prices tp's collectives as Megatron's instead of reading them off stage graphs built in a fake
 # world (which a live group rules out), and ``plan.pipeline_search`` says so.
 # Not by default for ranks that are processes on a CPU's cores (``DeviceSpec.cores``, the ``cpu`` preset): neither
-# search prices the host's work, and a pipeline's (a graph call, sends and receives for every action, the batch
-# gathered over the group) outweighs its modelled gain there. Measured on the 2-core machine (2026-11-29, 4 gloo
-# ranks, the tests' 4-block GPT, 16 rows of 8 tokens, medians of 10 steps, two turns each): the pipeline the search
-# chose (pp 2 x dp 2, modelled 1.18 ms against ddp's 1.61) ran 24.5-25.1 ms a step, ddp 12.0-12.4 ms.
+# search prices the host's work (a pipeline's: a graph call, sends and receives for every action, the batch gathered
+# over the group), and measured on the 2-core machine the comparison went wrong both ways (2026-11-29, 4 gloo ranks,
+# medians of turns): the tests' 4-block GPT, a pipeline (pp 2 x dp 2) modelled at 1.18 ms against ddp's 1.61 ran
+# 24.5-25.1 ms against 12.0-12.4; benchmarks/plan_choice.py's Llama 4M, the pipeline search's best (pp 2 x dp 2, ZBV)
+# modelled at 148 ms against the plan's 116 ran 316.8 ms against ddp's 332.4 (results/plan_choice_pipelines.json).
 # Nor on links given by hand for the mesh's dimensions (``DeviceSpec.mesh_links``): a pipeline's (dp, pp, tp) mesh is
 # not the mesh they describe. ``pipelines=True`` searches them there anyway (on the device's inter-node link).
 

@@ -12,10 +12,11 @@ weights on the same batches, AdamW, aot_eager. After a warm-up the modes take tu
 the lowest and highest turn. The planner's choice holds when ``planned`` is the fastest, or within the spread
 of the fastest (its slowest turn at least as fast as the planned mode's fastest).
 
-``--pipelines``: the plan searched with pipelines too (``dpar.plan(..., pipelines=True)``, which the ``cpu`` preset
-does not do by default); where its answer is a pipeline, a ``pipeline`` mode runs it (``dpar.pipeline(...,
-plan=...)``, the model's logits and a token cross-entropy outside it), taking turns with the others, and the
-record says whether that answer would have held.
+``--pipelines``: a ``pipeline`` mode runs the pipeline search's best pipeline of two stages or more (what
+``dpar.plan(..., pipelines=True)`` weighs against the placements; the ``cpu`` preset does not search pipelines by
+default) with ``dpar.pipeline`` (the model's logits, a token cross-entropy outside it), taking turns with the
+others; the record gives its modelled step beside the planned one, and whether the plan searched with pipelines
+(the faster of the two by the model) would have held.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ import argparse
 import json
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
+from dpar.compiler.pipeline_parallel.schedules import stages_per_rank
+from dpar.inspect.pipeline import block_collectives
+from dpar.planner.pipeline import SEARCHED_SCHEDULES, PipelineCandidate, fastest, plan_pipeline
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
@@ -45,11 +51,11 @@ ROWS, SEQ = 4, 128  # rows a rank, tokens a row (at most the model's context)
 NAMED = ("ddp", "zero2", "fsdp", "tp", "cp")
 
 
-def _plan(model_name: str, world: int, pipelines: bool | None = None) -> dpar.Plan:
+def _plan(model_name: str, world: int) -> dpar.Plan:
     spec = MODELS[model_name]
     torch.manual_seed(0)
     ids, labels = batches(spec, ROWS * world, _seq(model_name), 1, seed=0)[0]
-    return dpar.plan(BUILD[model_name](), (ids, labels), mesh_shape=(world,), device="cpu", pipelines=pipelines)
+    return dpar.plan(BUILD[model_name](), (ids, labels), mesh_shape=(world,), device="cpu")
 
 
 def _seq(model_name: str) -> int:
@@ -76,8 +82,28 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+def _best_pipeline(model_name: str, world: int) -> PipelineCandidate:
+    """The pipeline search's fastest pipeline of two stages or more, as dpar.plan's one answer weighs it."""
+    spec = MODELS[model_name]
+    ids, labels = batches(spec, ROWS * world, _seq(model_name), 1, seed=0)[0]
+    model = BUILD[model_name]()
+    found = plan_pipeline(model, (ids, labels), world_size=world, memory_budget_gb=None, device="cpu",
+                          schedule=SEARCHED_SCHEDULES,
+                          read_tp_collectives=partial(block_collectives, model, pipeline=dpar.pipeline))
+    return fastest([c for c in found.candidates if c.pp > 1])
+
+
+def _pipeline_step(model: torch.nn.Module, candidate: PipelineCandidate, example: tuple[torch.Tensor, ...]):  # noqa: ANN202
+    sizes = {"dp": candidate.dp, "pp": candidate.pp, "tp": candidate.tp}
+    names = tuple(n for n, size in sizes.items() if size > 1 or n == "pp")
+    mesh = init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names) if len(names) > 1 else None
+    return dpar.pipeline(Logits(model), token_loss, example_inputs=example, mesh=mesh, schedule=candidate.schedule,
+                         stages=candidate.pp * stages_per_rank(candidate.schedule), micro_batches=candidate.micro_batches,
+                         dp_strategy=candidate.dp_strategy, activation_checkpointing=candidate.activations)
+
+
 def measure(rank: int, world: int, model_name: str, plan: dpar.Plan, steps: int, rounds: int, warmup: int,
-            pipelined: dpar.Plan | None = None) -> dict[str, list[float]] | None:
+            pipelined: PipelineCandidate | None = None) -> dict[str, list[float]] | None:
     """Per mode, its median step (ms) in each turn, on rank 0."""
     spec = MODELS[model_name]
     modes = ["planned", *(s for s in NAMED if _applies(s, model_name)), *(["pipeline"] if pipelined else [])]
@@ -87,7 +113,7 @@ def measure(rank: int, world: int, model_name: str, plan: dpar.Plan, steps: int,
         torch.manual_seed(0)
         model = BUILD[model_name]()
         if mode == "pipeline":
-            step = dpar.pipeline(Logits(model), token_loss, example_inputs=data[0], plan=pipelined)
+            step = _pipeline_step(model, pipelined, data[0])
             runners[mode] = (step, torch.optim.AdamW(model.parameters(), lr=1e-3))
             continue
         kwargs = {"plan": plan} if mode == "planned" else {"strategy": mode, "example_inputs": data[0]}
@@ -111,16 +137,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_choice.json")
-    parser.add_argument("--pipelines", action="store_true", help="also run the plan searched with pipelines, where "
-                        "it is a pipeline")
+    parser.add_argument("--pipelines", action="store_true", help="also run the pipeline search's best pipeline")
     args = parser.parse_args()
     record = {"revision": revision(), "rows_per_rank": ROWS, "seq": SEQ, "configs": []}
     for config in args.configs.split(","):
         model_name, ranks = config.split("@")
         world = int(ranks)
         plan = _plan(model_name, world)
-        pipelined = _plan(model_name, world, pipelines=True) if args.pipelines else None
-        pipelined = pipelined if pipelined is not None and pipelined.pipeline is not None else None
+        pipelined = _best_pipeline(model_name, world) if args.pipelines else None
         per_turn = run_ranks(measure, world, model_name, plan, args.steps, args.rounds, args.warmup, pipelined,
                              timeout_s=1800)[0]
         medians = {mode: statistics.median(t) for mode, t in per_turn.items()}
@@ -132,19 +156,21 @@ def main() -> None:
             "turns_ms": per_turn, "fastest": fastest, "planned_vs_fastest": medians["planned"] / medians[fastest],
             "holds": holds,
         }
-        if pipelined is not None:
-            faster = max(per_turn[fastest]) >= min(per_turn["pipeline"]) or fastest == "pipeline"
-            entry["with_pipelines"] = {"planned": pipelined.pipeline.describe,
-                                       "modelled_step_ms": pipelined.cost.step_s * 1e3, "holds": faster}
+        if pipelined is not None:  # searched with pipelines, the plan is the faster of the two by the model
+            answer = "pipeline" if pipelined.step_s < plan.cost.step_s else "planned"
+            holds_with = answer == fastest or max(per_turn[fastest]) >= min(per_turn[answer])
+            entry["with_pipelines"] = {"pipeline": f"{pipelined.layout}, {pipelined.micro_batches} micro-batches",
+                                       "modelled_step_ms": pipelined.step_s * 1e3, "answer": answer, "holds": holds_with}
         record["configs"].append(entry)
         print(f"{config}: planned {entry['planned']}; " + ", ".join(
             f"{m} {medians[m]:.1f} ms [{min(t):.1f}, {max(t):.1f}]" for m, t in per_turn.items())
             + f"; planned / fastest ({fastest}) {entry['planned_vs_fastest']:.2f}: {'holds' if holds else 'does not hold'}",
             flush=True)
         if pipelined is not None:
-            print(f"  searched with pipelines: {pipelined.pipeline.describe}, modelled {pipelined.cost.step_s * 1e3:.2f} ms "
-                  f"(placements {plan.cost.step_s * 1e3:.2f}): {'holds' if entry['with_pipelines']['holds'] else 'does not hold'}",
-                  flush=True)
+            found = entry["with_pipelines"]
+            print(f"  pipeline: {found['pipeline']}, modelled {found['modelled_step_ms']:.2f} ms (placements "
+                  f"{plan.cost.step_s * 1e3:.2f}); searched with pipelines the answer is {found['answer']}: "
+                  f"{'holds' if found['holds'] else 'does not hold'}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")

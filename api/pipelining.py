@@ -68,9 +68,8 @@ def _as_planned(
         raise OptionsError(f"pipeline: the plan was priced at a global batch of {plan.batch_size} rows, "
                            f"{plan.batch_size // world} a rank, but example_inputs hold {rows} rows; feed each rank its "
                            "slice of the planned batch, or plan again")
-    if mesh is None and (layout.dp > 1 or layout.tp > 1):
-        names = tuple(n for n, size in zip(plan.mesh_dim_names, plan.mesh_shape) if size > 1 or n == "pp")
-        shape = tuple(size for n, size in zip(plan.mesh_dim_names, plan.mesh_shape) if n in names)
+    names, shape = layout.mesh_dims
+    if mesh is None and names != ("pp",):
         mesh = init_device_mesh(_mesh_device_type(model), shape, mesh_dim_names=names)
     policy = plan.activations if activation_checkpointing is None else activation_checkpointing
     return layout.stages, layout.micro_batches, layout.schedule, layout.dp_strategy, policy, mesh

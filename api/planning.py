@@ -26,11 +26,10 @@ from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.activations import POLICIES
 from dpar.planner.pipeline import PipelineCandidate, PipelinePlan
-from dpar.planner.plan import ON_GRAPHS, CostBreakdown, ParameterPlan, PipelineLayout, Plan, PolicyOption, policy_label
+from dpar.planner.plan import ON_GRAPHS, CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
 from dpar.planner.rules import candidates
 from dpar.planner.strategies import compare_strategies
 from dpar.compiler.memory import OPTIMIZER_STATES
-from dpar.compiler.pipeline_parallel.schedules import stages_per_rank
 from dpar.core.errors import OptionsError, PipelineMemoryError, PlanMemoryError
 from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy, Recompute
 from dpar.core.torch_internals import pytree
@@ -405,7 +404,7 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
     from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
     from dpar.inspect.pipeline import block_collectives
     from dpar.pipelining import pipeline
-    from dpar.planner.pipeline import SEARCHED_SCHEDULES, fastest, plan_pipeline
+    from dpar.planner.pipeline import SEARCHED_SCHEDULES, fastest, layout_of, plan_pipeline
 
     def placements(why: str) -> Plan:
         if isinstance(chosen, PlanMemoryError):
@@ -439,10 +438,7 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
         cost = chosen.cost
         rows = (*chosen.strategies, PolicyOption(policy_label(chosen.activations), f"placements: {chosen.strategy}",
                                                  cost.step_s, cost.recompute_s, cost.memory_bytes_per_rank, True), row)
-    layout = PipelineLayout(
-        pp=best.pp, tp=best.tp, dp=best.dp, dp_strategy=best.dp_strategy, schedule=best.schedule,
-        stages=best.pp * stages_per_rank(best.schedule), micro_batches=best.micro_batches,
-        micro_batch_rows=found.micro_batch_rows)
+    layout = layout_of(best, found.micro_batch_rows)
     return Plan(
         mesh_shape=(best.dp, best.pp, best.tp), mesh_dim_names=("dp", "pp", "tp"),
         data_parallel="fsdp" if best.dp_strategy == "fsdp" else "replicate", strategy="pipeline",

@@ -32,9 +32,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
-from dpar.compiler.pipeline_parallel.schedules import stages_per_rank
 from dpar.inspect.pipeline import block_collectives
-from dpar.planner.pipeline import SEARCHED_SCHEDULES, PipelineCandidate, fastest, plan_pipeline
+from dpar.planner.pipeline import SEARCHED_SCHEDULES, PipelineCandidate, fastest, layout_of, plan_pipeline
+from dpar.planner.plan import PipelineLayout
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
@@ -82,28 +82,31 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def _best_pipeline(model_name: str, world: int) -> PipelineCandidate:
-    """The pipeline search's fastest pipeline of two stages or more, as dpar.plan's one answer weighs it."""
+def _best_pipeline(model_name: str, world: int) -> tuple[PipelineCandidate, PipelineLayout]:
+    """The pipeline search's fastest pipeline of two stages or more, as dpar.plan's one answer weighs it, and what
+    ``dpar.pipeline`` runs for it."""
     spec = MODELS[model_name]
     ids, labels = batches(spec, ROWS * world, _seq(model_name), 1, seed=0)[0]
     model = BUILD[model_name]()
     found = plan_pipeline(model, (ids, labels), world_size=world, memory_budget_gb=None, device="cpu",
                           schedule=SEARCHED_SCHEDULES,
                           read_tp_collectives=partial(block_collectives, model, pipeline=dpar.pipeline))
-    return fastest([c for c in found.candidates if c.pp > 1])
+    best = fastest([c for c in found.candidates if c.pp > 1])
+    return best, layout_of(best, found.micro_batch_rows)
 
 
-def _pipeline_step(model: torch.nn.Module, candidate: PipelineCandidate, example: tuple[torch.Tensor, ...]):  # noqa: ANN202
-    sizes = {"dp": candidate.dp, "pp": candidate.pp, "tp": candidate.tp}
-    names = tuple(n for n, size in sizes.items() if size > 1 or n == "pp")
-    mesh = init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names) if len(names) > 1 else None
-    return dpar.pipeline(Logits(model), token_loss, example_inputs=example, mesh=mesh, schedule=candidate.schedule,
-                         stages=candidate.pp * stages_per_rank(candidate.schedule), micro_batches=candidate.micro_batches,
-                         dp_strategy=candidate.dp_strategy, activation_checkpointing=candidate.activations)
+def _pipeline_step(model: torch.nn.Module, pipelined: tuple[PipelineCandidate, PipelineLayout],
+                   example: tuple[torch.Tensor, ...]):  # noqa: ANN202
+    candidate, layout = pipelined
+    names, shape = layout.mesh_dims
+    mesh = None if names == ("pp",) else init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return dpar.pipeline(Logits(model), token_loss, example_inputs=example, mesh=mesh, schedule=layout.schedule,
+                         stages=layout.stages, micro_batches=layout.micro_batches, dp_strategy=layout.dp_strategy,
+                         activation_checkpointing=candidate.activations)
 
 
 def measure(rank: int, world: int, model_name: str, plan: dpar.Plan, steps: int, rounds: int, warmup: int,
-            pipelined: PipelineCandidate | None = None) -> dict[str, list[float]] | None:
+            pipelined: tuple[PipelineCandidate, PipelineLayout] | None = None) -> dict[str, list[float]] | None:
     """Per mode, its median step (ms) in each turn, on rank 0."""
     spec = MODELS[model_name]
     modes = ["planned", *(s for s in NAMED if _applies(s, model_name)), *(["pipeline"] if pipelined else [])]
@@ -157,10 +160,11 @@ def main() -> None:
             "holds": holds,
         }
         if pipelined is not None:  # searched with pipelines, the plan is the faster of the two by the model
-            answer = "pipeline" if pipelined.step_s < plan.cost.step_s else "planned"
+            best = pipelined[0]
+            answer = "pipeline" if best.step_s < plan.cost.step_s else "planned"
             holds_with = answer == fastest or max(per_turn[fastest]) >= min(per_turn[answer])
-            entry["with_pipelines"] = {"pipeline": f"{pipelined.layout}, {pipelined.micro_batches} micro-batches",
-                                       "modelled_step_ms": pipelined.step_s * 1e3, "answer": answer, "holds": holds_with}
+            entry["with_pipelines"] = {"pipeline": f"{best.layout}, {best.micro_batches} micro-batches",
+                                       "modelled_step_ms": best.step_s * 1e3, "answer": answer, "holds": holds_with}
         record["configs"].append(entry)
         print(f"{config}: planned {entry['planned']}; " + ", ".join(
             f"{m} {medians[m]:.1f} ms [{min(t):.1f}, {max(t):.1f}]" for m, t in per_turn.items())

@@ -90,6 +90,7 @@ from dpar.compiler.pipeline_parallel.split import balanced_cuts, capture, find_b
 from dpar.core.errors import OptionsError, PipelineMemoryError
 from dpar.core.pipeline_program import Op, PipelineSchedule
 from dpar.core.plan import ActivationPolicy, Recompute
+from dpar.planner.plan import PipelineLayout
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zbv")
 """One stage per rank, or zbv's two in a V; interleaved_1f1b's virtual stages are not searched."""
@@ -354,6 +355,14 @@ def plan_pipeline(
         block_parameters=tuple(c.parameters for c in per_block[Recompute.KEEP]),
         block_flops=tuple(c.flops for c in per_block[Recompute.KEEP]), tp_dims=tuple(megatron.dims.items()),
     )
+
+
+def layout_of(candidate: PipelineCandidate, micro_batch_rows: int) -> PipelineLayout:
+    """What ``dpar.pipeline(plan=...)`` runs for ``candidate`` (its micro-batches of ``micro_batch_rows`` rows)."""
+    return PipelineLayout(
+        pp=candidate.pp, tp=candidate.tp, dp=candidate.dp, dp_strategy=candidate.dp_strategy,
+        schedule=candidate.schedule, stages=candidate.pp * stages_per_rank(candidate.schedule),
+        micro_batches=candidate.micro_batches, micro_batch_rows=micro_batch_rows)
 
 
 def fastest(candidates: Sequence[PipelineCandidate]) -> PipelineCandidate:

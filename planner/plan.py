@@ -91,13 +91,18 @@ class PipelineLayout:
                 f"{self.micro_batches} micro-batches of {self.micro_batch_rows} rows")
 
     @property
+    def mesh_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The mesh ``dpar.pipeline(plan=...)`` builds: its dimensions' names and sizes (pp, and dp and tp where
+        larger than 1); ``("pp",)`` alone is the whole world, no mesh."""
+        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        names = tuple(name for name, size in sizes.items() if size > 1 or name == "pp")
+        return names, tuple(sizes[name] for name in names)
+
+    @property
     def mesh(self) -> str:
         """The mesh ``dpar.pipeline`` runs it on, as words."""
-        if self.tp > 1:
-            return f"a ('dp', 'pp', 'tp') mesh of shape ({self.dp}, {self.pp}, {self.tp})"
-        if self.dp > 1:
-            return f"a ('dp', 'pp') mesh of shape ({self.dp}, {self.pp})"
-        return f"the whole world ({self.pp} ranks)"
+        names, shape = self.mesh_dims
+        return f"the whole world ({self.pp} ranks)" if names == ("pp",) else f"a {names} mesh of shape {shape}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -157,3 +158,23 @@ def test_sequence_parallel_saves_the_token_stream_split_along_the_sequence() -> 
     print(sorted(saved[False]), sorted(saved[True]), sep="\n")
     assert sum(s in whole for s in saved[False]) == sum(s == (batch, seq // tp, channels) for s in saved[True]) > 0
     assert not any(s in whole for s in saved[True])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_hugging_face_llama_attention_runs_on_this_ranks_heads(sequence_parallel: bool) -> None:
+    """HF Llama (RoPE, GQA, RMSNorm, a vocabulary-split embedding) under tp 2: each rank's attention reads its
+    half of the heads, and no weight changes its split in the step. Before [Note: a reduction already made is
+    free], the norm's output stayed a partial sum (or, under sequence parallel, was turned feature-split):
+    q, k and v ran row-split (an all-to-all of each weight), then were all-reduced, and every rank ran every head."""
+    from third_party import build, global_batch
+
+    model = build("llama")
+    heads = model.inner.config.num_attention_heads
+    ids, labels, mask = global_batch(0, 4)
+    graphs = compile_under_tp(model, 2, ids, labels, mask, example_inputs=(ids, labels, mask),
+                              sequence_parallel=sequence_parallel)
+    forward = graphs["forward graph"].graph
+    attention = [n for n in forward.nodes if "scaled_dot_product" in str(n.target)]
+    assert attention and all(n.args[0].meta["val"].shape[1] == heads // 2 for n in attention)
+    moved = [c.kind for label in ("forward graph", "backward graph") for c in collectives(graphs[label])]
+    assert "all_to_all" not in moved

@@ -11,6 +11,8 @@ outputs); the shapes in the graph stay global until ``localize`` runs.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Collection
 
 import torch
 import torch.fx as fx
@@ -77,29 +79,55 @@ def _wanted_by_gradients(graph: fx.Graph) -> dict[fx.Node, Placement]:
     return wanted
 
 
-def _choose(node: fx.Node, candidates: list[Candidate], mesh: MeshDim, wanted: Placement | None) -> Candidate:
+def _choose(node: fx.Node, candidates: list[Candidate], mesh: MeshDim, wanted: Placement | None,
+            made: Collection[tuple[fx.Node, Placement]], blocks: Collection[fx.Node]) -> Candidate:
     """The candidate whose inputs are cheapest to reach (with the collectives it runs itself), counting the
     hand-over to a parameter gradient's block where the node computes one (that placement is fixed, so known now).
-    Over cp a value wanted whole is gathered before any repeat of it (``_Redistributor.to``), and priced so."""
+    Over cp a value wanted whole is gathered before any repeat of it (``_Redistributor.to``), and priced so.
+    See [Note: a reduction already made is free].
+    """
     inputs = tensor_inputs(node)
     size = mesh.size
 
     def nbytes(value: fx.Node, want: Placement) -> int:
         return gathered_bytes(value) if mesh.period and want == Replicate() else nbytes_of(value)
 
-    def price(candidate: Candidate) -> float:
-        reach = candidate.inner + sum(
-            cost(n.meta.get("placement", Replicate()), want, nbytes(n, want), size)
-            for n, want in zip(inputs, candidate.inputs)
-        )
-        if wanted is None or candidate.outputs[0] == wanted:
-            return reach
-        return reach + cost(candidate.outputs[0], wanted, nbytes_of(node), size) + WASTED_WORK
+    def reach(value: fx.Node, want: Placement) -> float:
+        if (value, want) in made:
+            return 0.0
+        here = value.meta.get("placement", Replicate())
+        if value in blocks and isinstance(here, Shard) and here != want:
+            return math.inf  # a parameter keeps the split its plan gave it
+        return cost(here, want, nbytes(value, want), size)
+
+    def price(candidate: Candidate) -> tuple[float, int]:
+        moved = candidate.inner + sum(reach(n, want) for n, want in zip(inputs, candidate.inputs))
+        if wanted is not None and candidate.outputs[0] != wanted:
+            moved += cost(candidate.outputs[0], wanted, nbytes_of(node), size) + WASTED_WORK
+        return moved, sum(out == Partial() for out in candidate.outputs)
 
     return min(candidates, key=price)  # min keeps the first of equals
 
 
+# [Note: a reduction already made is free]
+# Each node is placed greedily, by what reaching its candidate's inputs costs. A value redistributed for one consumer
+# exists from then on (``_Redistributor.made``), so a later consumer that takes it in the same placement moves
+# nothing: pricing it again as a fresh collective made a partial sum look cheaper to carry on than its reduction to
+# reuse. And a split parameter keeps its plan's split: turning it into another split (an all-to-all of the weight
+# every step) is not offered, since the plan chose the split for the layer and a greedy sweep cannot see the
+# reduction the other split would owe later. Both showed on Hugging Face's Llama: its RMSNorm reads the
+# vocabulary-parallel embedding's partial sum twice (whole for the variance, reduced, and to scale it); priced as a
+# fresh all-reduce the scaled value stayed partial, and under sequence parallel the norm's token-split output was
+# cheaper to turn feature-split than to gather: either way the q, k and v projections ran row-split on re-split
+# weights, q, k and v were all-reduced, and attention ran on every head on every rank (8 times the attention a
+# rank of 8 should do; Llama-3-8B's graphs on 8 x 8 held 20.4 GB where its plan counted 4.0). Of two candidates that
+# cost the same, the one that leaves fewer partial sums pending wins: carrying one through an op of its size never
+# makes its reduction smaller.
+
+
 _CONTRACTIONS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
+_RELAYOUTS = TRANSPOSES | {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default,
+                           torch.ops.aten.detach.default, torch.ops.aten.clone.default}
 LOW_PRECISION = {torch.bfloat16, torch.float16}
 
 
@@ -171,6 +199,7 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
     move = _Redistributor(graph, mesh)
     wanted = _wanted_by_gradients(graph)
     read_whole: dict[fx.Node, fx.Node] = {}  # split parameter -> the first op that needs all of it
+    blocks: set[fx.Node] = set()  # split parameters and their views: see [Note: a reduction already made is free]
     for node in list(graph.nodes):
         if node.op == "placeholder":
             node.meta["placement"] = Replicate()  # data, replicated parameters, tangents, and local blocks
@@ -184,7 +213,10 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
         elif node.op == "call_function":
             if node.target is WEIGHT_MARKER:
                 node.meta["placement"] = Shard(node.args[1])
+                blocks.add(node)
                 continue
+            if node.target in _RELAYOUTS and [*tensor_inputs(node)] == [node.args[0]] and node.args[0] in blocks:
+                blocks.add(node)  # the same block, viewed (a Linear's weight is read transposed)
             if node.target is GRAD_MARKER:
                 # Its traced value is this rank's block, as a placeholder's is: nothing to rewrite after it.
                 chosen = Candidate((Shard(node.args[1]),), (Replicate(),))
@@ -193,7 +225,7 @@ def propagate_placements(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
                               else candidates_for(node, mesh.size))
                 if mesh.sequence_parallel:
                     candidates += sequence_shard(node, mesh.size)
-                chosen = _choose(node, candidates, mesh, wanted.get(node))
+                chosen = _choose(node, candidates, mesh, wanted.get(node), move.made, blocks)
                 if chosen.name in ATTENTION_EXCHANGES:
                     node.meta[ATTENTION_EXCHANGE] = chosen.name
             for value, want in zip(tensor_inputs(node), chosen.inputs):

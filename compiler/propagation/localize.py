@@ -5,7 +5,7 @@ its share from its inputs' shares. What changes is every explicit size (a
 view to the global shape becomes a view to the local one), the vocabulary-split
 embedding (look up only this rank's rows, zeros elsewhere, then the partial
 sums add up to the full lookup), and its backward (scatter only into this
-rank's rows). The tensor-parallel markers go: their block is the value itself; so do the experts' markers
+rank's rows); a cross-entropy over a vocabulary split the same way (``vocabulary_loss.py``). The tensor-parallel markers go: their block is the value itself; so do the experts' markers
 (their value is this rank's share, placed by propagation) and context parallel's (its input arrives as
 this rank's chunks of the sequence).
 """
@@ -17,7 +17,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from dpar.compiler.propagation.propagate import GRAD_MARKER, WEIGHT_MARKER, MeshDim
-from dpar.compiler.propagation.rules import EXPERTS_INPUT, EXPERTS_PARTIAL
+from dpar.compiler.propagation.rules import EXPERTS_INPUT, EXPERTS_PARTIAL, LOG_SOFTMAX, NLL_LOSS
+from dpar.compiler.propagation.vocabulary_loss import in_block, split_loss_op
 from dpar.core.facts import local_block
 from dpar.runtime.context_parallel import SEQUENCE_SPLIT
 
@@ -42,10 +43,7 @@ def _local_sizes(node: fx.Node, mesh: MeshDim) -> None:
 
 def _vocabulary_mask(graph: fx.Graph, indices: fx.Node, start: int, rows: int) -> tuple[fx.Node, fx.Node]:
     """(local row of each index, clamped to 0 where it is another rank's; mask of those)."""
-    shifted = graph.call_function(aten.sub.Tensor, (indices, start))
-    below = graph.call_function(aten.lt.Scalar, (shifted, 0))
-    above = graph.call_function(aten.ge.Scalar, (shifted, rows))
-    elsewhere = graph.call_function(aten.logical_or.default, (below, above))
+    shifted, elsewhere = in_block(graph, indices, start, rows)
     return _zero_where(graph, elsewhere, shifted, 0), graph.call_function(aten.unsqueeze.default, (elsewhere, -1))
 
 
@@ -87,6 +85,8 @@ def localize(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
             _split_embedding(graph, node, mesh)
         elif node.target is aten.embedding_dense_backward.default and node.meta.get("placement") == Shard(0):
             _split_embedding_backward(graph, node, mesh)
+        elif node.target in LOG_SOFTMAX | NLL_LOSS and not mesh.period:
+            split_loss_op(graph, node, mesh)
     # This axis's markers only: under cp and tp the context axis's stay for its own propagation, after tp's.
     markers = (SEQUENCE_SPLIT,) if mesh.period else (WEIGHT_MARKER, GRAD_MARKER, EXPERTS_PARTIAL, EXPERTS_INPUT)
     for node in list(graph.nodes):

@@ -25,6 +25,7 @@ forward whose backward is never traced.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable, Sequence
 
@@ -432,7 +433,8 @@ def reduction(node: fx.Node, tp: int) -> list[Candidate]:
 
 
 def softmax(node: fx.Node, tp: int) -> list[Candidate]:
-    """Softmax and its backward: shards along any dimension but the normalised one."""
+    """Softmax and its backward: shards along any dimension but the normalised one; a log-softmax (a loss's) also
+    along the normalised one, with its statistics reduced over the group (``vocabulary_loss.py``)."""
     inputs = tensor_inputs(node)
     ndim = len(shape_of(inputs[0]))
     dim = [a for a in node.args if isinstance(a, int) and not isinstance(a, bool)][0] % ndim
@@ -440,7 +442,29 @@ def softmax(node: fx.Node, tp: int) -> list[Candidate]:
     candidates = []
     if isinstance(here, Shard) and here.dim != dim:
         candidates.append(Candidate(tuple(here for _ in inputs), (here,)))
+    elif here == Shard(dim) and node.target in LOG_SOFTMAX:
+        rows = math.prod(shape_of(inputs[0])) // shape_of(inputs[0])[dim]
+        statistics = 4 * rows * (2 if node.target is aten._log_softmax.default else 1)  # max and sum; the sum back
+        candidates.append(Candidate(tuple(here for _ in inputs), (here,), name="vocab", inner=2 * (tp - 1) / tp * statistics))
     return candidates + [Candidate(tuple(R for _ in inputs), (R,))]
+
+
+LOG_SOFTMAX = {aten._log_softmax.default, aten._log_softmax_backward_data.default}
+NLL_LOSS = {aten.nll_loss_forward.default, aten.nll_loss_backward.default}
+
+
+def nll_loss(node: fx.Node, tp: int) -> list[Candidate]:
+    """The negative log-likelihood of (rows, classes) log-probabilities split by class: each rank picks the targets
+    in its block (a partial sum of the loss); the count of targets is the whole batch's. Unweighted only."""
+    forward = node.target is aten.nll_loss_forward.default
+    scores = node.args[0 if forward else 1]
+    weight = node.args[2 if forward else 3]
+    inputs = tensor_inputs(node)
+    if weight is None and len(shape_of(scores)) == 2 and scores.meta.get("placement") == Shard(1):
+        ins = tuple(Shard(1) if value is scores else R for value in inputs)
+        outs = (P, R) if forward else (Shard(1),)
+        return [Candidate(ins, outs, name="vocab"), Candidate(tuple(R for _ in inputs), _outputs(node, R))]
+    return replicated(node, tp)
 
 
 def layer_norm(node: fx.Node, tp: int) -> list[Candidate]:
@@ -620,6 +644,7 @@ RULES: dict[object, Rule] = {
     aten.mean.dim: reduction,
     aten.amax.default: reduction,
     **dict.fromkeys(SOFTMAX | SOFTMAX_BACKWARD, softmax),
+    **dict.fromkeys(NLL_LOSS, nll_loss),
     **dict.fromkeys(LAYER_NORM | LAYER_NORM_BACKWARD, layer_norm),
     **dict.fromkeys(ATTENTION | ATTENTION_BACKWARD, attention),
     **dict.fromkeys(EMBEDDING, embedding),

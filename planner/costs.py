@@ -363,6 +363,15 @@ class CostModel:
         nbytes = sum(self.param_numel(p, "R") * p.itemsize for p in params if p.requires_grad and p.op is not None)
         return max(1, math.ceil(nbytes / BUCKET_CAP_BYTES))
 
+    def group_copies_bytes(self, info: ParamInfo, nbytes: float) -> float:
+        """Bytes the backward's adds move summing the tp group's copies' gradients of a trained parameter (``nbytes``
+        this rank's block): under tp each rank of the group runs every rank's rows as a copy of the step ([Note: the
+        data contract under tensor parallel] in ``compiler/passes/group_batch.py``), each copy gives a gradient, and
+        tp - 1 adds (two read, one written) sum them. None without tp, nor under cp, whose group shares its rows."""
+        if self.tp == 1 or self.layout.cp_axis is not None or not info.requires_grad:
+            return 0.0
+        return (self.tp - 1) * 3 * nbytes
+
     def context_gradient_seconds(self, nbytes: float) -> float:
         """The bandwidth term of one gradient's all-reduce over cp (its α: ``dp_latency``); 0 without a cp axis."""
         return 0.0 if self.layout.cp_axis is None else self.collective("all_reduce", nbytes, (self.layout.cp_axis,), alpha=False)
@@ -446,7 +455,7 @@ class CostModel:
         for info in self.owned.get(index, []):
             local = self.param_numel(info, cand.params[info.slot])
             expert = info.name in self.experts
-            copies += self.bucket_copy_bytes(info, local * info.itemsize)
+            copies += self.bucket_copy_bytes(info, local * info.itemsize) + self.group_copies_bytes(info, local * info.itemsize)
             cp_gradients += self.context_gradient_seconds(local * info.itemsize) if info.requires_grad else 0.0
             state += self.param_state_bytes(local, info.requires_grad, info.itemsize, expert)
             gathered += self.gathered_bytes(local, info.itemsize, info.bucket == "root", expert)

@@ -178,3 +178,11 @@ def test_hugging_face_llama_attention_runs_on_this_ranks_heads(sequence_parallel
     assert attention and all(n.args[0].meta["val"].shape[1] == heads // 2 for n in attention)
     moved = [c.kind for label in ("forward graph", "backward graph") for c in collectives(graphs[label])]
     assert "all_to_all" not in moved
+    # The backward reduces each block input's gradient once (q, k and v's summed first; Megatron's f), and the LM
+    # head's: 2 a layer + 1 (was 8 all-reduces without sp, 10 reduce-scatters with it, before the Note's rehearsal).
+    # Under sp the first norm's variance term is reduced on its own: one more.
+    layers = model.inner.config.num_hidden_layers
+    activation_bytes = ids.numel() * model.inner.config.hidden_size * 4
+    reductions = [c.kind for c in collectives(graphs["backward graph"]) if c.bytes == activation_bytes
+                  and c.kind in ("all_reduce", "reduce_scatter")]
+    assert reductions == (["reduce_scatter"] * (2 * layers + 2) if sequence_parallel else ["all_reduce"] * (2 * layers + 1))

@@ -132,7 +132,8 @@ def _choose(node: fx.Node, candidates: list[Candidate], mesh: MeshDim, wanted: P
 # reduced again downstream. So the sweep runs twice: a rehearsal on a copy of the graph, then the real one, which
 # prices every conversion the rehearsal made as free (``foreseen``, by value name). And a view or transpose of a
 # partial sum that must be reduced is reduced at the sum and viewed after (``relaid_partial``), so the sum's readers
-# share one reduction. On HF Llama under tp + sequence parallel the backward's reduce-scatters halved (Megatron-SP's
+# share one reduction; not for the graph's outputs, whose reductions (cp's parameter gradients) the gradient
+# passes find as the outputs' producers and bucket. On HF Llama under tp + sequence parallel the backward's reduce-scatters halved (Megatron-SP's
 # count: one per block input gradient); without sequence parallel its all-reduces fell from 8 to Megatron's 5.
 
 
@@ -195,7 +196,7 @@ class _Redistributor:
                 repeated = self.graph.node_copy(value, lambda n: whole if n is tensor_inputs(value)[0] else n)
             repeated.meta.update(placement_inputs=(want,), placement=want)
             self.made[key] = repeated
-        source = relaid_partial(value)
+        source = relaid_partial(value) if consumer.op != "output" else None  # a gradient output: see the Note
         if source is not None and want == Replicate() and key not in self.made:  # reduced once, at its source
             whole = self.to(source, want, consumer)
             with self.graph.inserting_before(consumer):

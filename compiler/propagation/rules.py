@@ -138,7 +138,7 @@ _SCALING = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
 POINTWISE = _LINEAR | _SCALING | {
     aten.gelu.default, aten.gelu_backward.default, aten.relu.default, aten.threshold_backward.default,
     aten.tanh.default, aten.tanh_backward.default, aten.sigmoid.default, aten.sigmoid_backward.default,
-    aten.silu.default, aten.silu_backward.default, aten.exp.default, aten.rsqrt.default,
+    aten.silu.default, aten.silu_backward.default, aten.exp.default, aten.log.default, aten.rsqrt.default,
     aten.pow.Tensor_Scalar, aten.sqrt.default, aten.where.self, aten.masked_fill.Scalar,
     aten.add.Scalar, aten.sub.Scalar, aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar,
     aten.eq.Scalar, aten.ne.Scalar, aten.ge.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.lt.Tensor, aten.eq.Tensor,
@@ -200,8 +200,9 @@ def cast(node: fx.Node, tp: int) -> list[Candidate]:
     the gradient, a partial sum over the column-parallel Linears, down). Otherwise a pointwise op."""
     source = tensor_inputs(node)[0]
     dtype = node.kwargs.get("dtype")
-    if source.meta.get("placement") is P and dtype is not None and dtype.is_floating_point and (
-            torch.finfo(dtype).bits < torch.finfo(source.meta["val"].dtype).bits):
+    wide = source.meta["val"].dtype
+    if source.meta.get("placement") is P and dtype is not None and dtype.is_floating_point and wide.is_floating_point and (
+            torch.finfo(dtype).bits < torch.finfo(wide).bits):
         return [Candidate((R,), (R,))]
     return pointwise(node, tp)
 

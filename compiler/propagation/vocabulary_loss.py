@@ -30,7 +30,7 @@ from dpar.compiler.propagation.redistribute import activation_collective
 from dpar.core.facts import local_block
 from dpar.core.torch_internals import C10D_FUNCTIONAL
 
-aten = torch.ops.aten
+aten, prims = torch.ops.aten, torch.ops.prims  # casts as prims: Inductor lowers them (aten._to_copy it decomposes)
 c10d = C10D_FUNCTIONAL
 
 LOCAL_IGNORE = -1
@@ -62,7 +62,7 @@ def _log_softmax(graph: fx.Graph, node: fx.Node, mesh: MeshDim) -> None:
     x, dim, half_to_float = node.args
     with graph.inserting_before(node):
         if half_to_float:
-            x = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
+            x = graph.call_function(prims.convert_element_type.default, (x, torch.float32))
         peak = _all_reduce(graph, graph.call_function(aten.amax.default, (x, [dim], True)), "max", mesh)
         shifted = graph.call_function(aten.sub.Tensor, (x, peak))
         exponentials = graph.call_function(aten.exp.default, (shifted,))
@@ -78,7 +78,7 @@ def _log_softmax_backward(graph: fx.Graph, node: fx.Node, mesh: MeshDim) -> None
         spread = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.exp.default, (output,)), total))
         result = graph.call_function(aten.sub.Tensor, (grad, spread))
         if input_dtype != node.meta["val"].dtype or input_dtype != grad.meta["val"].dtype:
-            result = graph.call_function(aten._to_copy.default, (result,), {"dtype": input_dtype})
+            result = graph.call_function(prims.convert_element_type.default, (result, input_dtype))
     _replace(graph, node, result)
 
 
@@ -109,8 +109,8 @@ def _nll_loss(graph: fx.Graph, node: fx.Node, mesh: MeshDim) -> None:
     mean = reduction == 1
     with graph.inserting_before(node):
         own = _own_targets(graph, target, ignore_index, scores.meta["val"].shape[1], mesh)
-        counted = graph.call_function(aten.sum.default, (graph.call_function(aten.ne.Scalar, (target, ignore_index)),))
-        count = graph.call_function(aten._to_copy.default, (counted,), {"dtype": node.meta["val"][1].dtype})
+        valid = graph.call_function(aten.ne.Scalar, (target, ignore_index))
+        count = graph.call_function(aten.sum.default, (valid,), {"dtype": node.meta["val"][1].dtype})
     node.args = (scores, own, weight, 2 if mean else reduction, LOCAL_IGNORE)  # 2: sum, divided below
     for user in list(node.users):
         if user.args[1] == 1:  # the count of targets: the whole batch's

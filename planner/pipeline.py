@@ -32,7 +32,9 @@ Megatron-style with sequence parallelism:
   Given ``read_tp_collectives`` (``dpar plan --pipeline`` hands down ``dpar.inspect.pipeline.block_collectives``),
   the collectives are instead the ones the stage graphs ``dpar.pipeline`` builds hold, read per block at tp 2
   (``BlockCollectives``: their count and bytes do not depend on the degree), priced the same way. On a Llama
-  layer that is 2 all-reduces in F and 6 in B, where the model above says 2 and 2.
+  layer that is 2 all-reduces in F and 6 in B (4 of activations' gradients, 2 of its norms' weights), where the
+  model above says 2 and 2; read block by block, a stage of several blocks is counted 2 reductions high at each
+  boundary an input gradient crosses inside it (its graph reduces the two blocks' partial sums together).
 
 ``schedule`` names one of ``PLANNED_SCHEDULES`` or several, each then one more dimension of the candidates
 (``dpar.plan`` searches ``SEARCHED_SCHEDULES``: 1F1B and the zero-bubble ZB-H1 and ZBV; GPipe takes 1F1B's time

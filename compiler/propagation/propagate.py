@@ -162,12 +162,19 @@ def _accumulate_in_fp32(graph: fx.Graph, node: fx.Node) -> None:
     node.meta["val"] = val.to(torch.float32)
 
 
+def _relaid(node: fx.Node) -> fx.Node | None:
+    """The one tensor ``node`` views or transposes, if it is such a relayout (the same values, laid out anew)."""
+    if node.target not in _RELAYOUTS:
+        return None
+    inputs = tensor_inputs(node)
+    return inputs[0] if inputs == [node.args[0]] else None
+
+
 def relaid_partial(value: fx.Node) -> fx.Node | None:
     """The partial sum ``value`` views or transposes, if it is one (reduced, it is reduced there and relaid)."""
-    if value.target not in _RELAYOUTS or value.meta.get("placement") != Partial():
-        return None
-    inputs = tensor_inputs(value)
-    return inputs[0] if inputs == [value.args[0]] and inputs[0].meta.get("placement") == Partial() else None
+    source = _relaid(value)
+    partial = value.meta.get("placement") == Partial() and source is not None and source.meta.get("placement") == Partial()
+    return source if partial else None
 
 
 class _Redistributor:
@@ -257,7 +264,7 @@ def _sweep(graph: fx.Graph, mesh: MeshDim, foreseen: Collection[tuple[str, Place
                 node.meta["placement"] = Shard(node.args[1])
                 blocks.add(node)
                 continue
-            if node.target in _RELAYOUTS and [*tensor_inputs(node)] == [node.args[0]] and node.args[0] in blocks:
+            if _relaid(node) in blocks:
                 blocks.add(node)  # the same block, viewed (a Linear's weight is read transposed)
             if node.target is GRAD_MARKER:
                 # Its traced value is this rank's block, as a placeholder's is: nothing to rewrite after it.

@@ -2,10 +2,13 @@
 
 [Note: the simulated schedule]
 Each rank runs its program in order on its compute stream. A collective's issue
-costs nothing there; it enters the rank's comm stream, which runs collectives
-one at a time in issue order. A collective starts once every rank has issued it
-and every rank's comm stream is free (a ring needs all of them), and lasts its
-α-β time. A wait blocks the compute stream until its collective has finished:
+costs nothing there; it enters the rank's comm stream for its process group, which
+runs that group's collectives one at a time in issue order. A collective starts once
+every rank has issued it and every rank's stream for the group is free (a ring needs
+all of them), and lasts its α-β time. Collectives of different groups run side by
+side, as NCCL runs each communicator on its own stream (and gloo each group on its
+own threads): a tensor-parallel all-reduce over NVLink does not queue behind a
+data-parallel reduce-scatter over the NICs. Their sharing of a link is not modelled. A wait blocks the compute stream until its collective has finished:
 the time blocked is exposed communication.
 
 Times are floats, or ``PathTime``s that also carry, as a sympy expression in
@@ -62,6 +65,7 @@ class Op:
     seconds: Time = 0.0  # compute time, or the collective's duration for ISSUE
     collective: int = -1
     graph: str = ""
+    group: str = ""  # a collective's process group: each group has its own comm stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,7 @@ class Event:
     start: float
     end: float
     graph: str
+    group: str = ""  # a comm event's process group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +94,7 @@ class _Rank:
         self.program = program
         self.pc = 0
         self.compute_free = zero
-        self.comm_free = zero
+        self.comm_free: dict[str, Time] = {}  # a comm stream per process group
 
     @property
     def done(self) -> bool:
@@ -104,6 +109,7 @@ def simulate(programs: Mapping[int, Sequence[Op]], *, record: bool = True) -> Sc
     issued: dict[int, dict[int, Time]] = {}  # collective -> rank -> issue time
     duration: dict[int, Time] = {}
     names: dict[int, tuple[str, str]] = {}
+    groups: dict[int, str] = {}
     finished: dict[int, Time] = {}
     next_to_start = 0
     events: list[Event] = []
@@ -113,13 +119,14 @@ def simulate(programs: Mapping[int, Sequence[Op]], *, record: bool = True) -> Sc
         while len(issued.get(next_to_start, {})) == len(ranks):
             c = next_to_start
             start = zero
+            group = groups[c]
             for r, t in issued[c].items():
-                start = _max(start, _max(t, ranks[r].comm_free))
+                start = _max(start, _max(t, ranks[r].comm_free.get(group, zero)))
             end = start + duration[c]
             for r, state in ranks.items():
-                state.comm_free = end
+                state.comm_free[group] = end
                 if record:
-                    events.append(Event(r, "comm", names[c][0], float(start), float(end), names[c][1]))
+                    events.append(Event(r, "comm", names[c][0], float(start), float(end), names[c][1], group))
             finished[c] = end
             next_to_start += 1
 
@@ -136,6 +143,7 @@ def simulate(programs: Mapping[int, Sequence[Op]], *, record: bool = True) -> Sc
                     issued.setdefault(op.collective, {})[r] = state.compute_free
                     duration[op.collective] = op.seconds
                     names[op.collective] = (op.name, op.graph)
+                    groups[op.collective] = op.group
                     start_ready_collectives()
                 else:
                     begin = state.compute_free
@@ -151,5 +159,7 @@ def simulate(programs: Mapping[int, Sequence[Op]], *, record: bool = True) -> Sc
             raise RuntimeError(f"simulated ranks wait on collectives never issued by all: {stuck}")
     step = zero
     for state in ranks.values():
-        step = _max(step, _max(state.compute_free, state.comm_free))
+        step = _max(step, state.compute_free)
+        for free in state.comm_free.values():
+            step = _max(step, free)
     return Schedule(tuple(events), step)

@@ -35,7 +35,7 @@ def step_program(
                 if spec.collective_host_seconds > 0:  # the calling thread's part, before the collective starts
                     program.append(Op(OpKind.COMPUTE, f"{node.name} (host)", spec.collective_host_seconds, graph=label))
                 issued[node] = len(issued)
-                program.append(Op(OpKind.ISSUE, node.name, seconds, issued[node], label))
+                program.append(Op(OpKind.ISSUE, node.name, seconds, issued[node], label, str(node.args[-1])))
             elif node.target is WAIT:
                 program.append(Op(OpKind.WAIT, node.name, collective=issued[node.args[0]], graph=label))
             elif node.op == "call_function":

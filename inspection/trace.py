@@ -1,4 +1,5 @@
-"""Chrome / Perfetto trace JSON of a simulated timeline: a process per rank, a thread per stream.
+"""Chrome / Perfetto trace JSON of a simulated timeline: a process per rank, a thread per stream (a comm
+stream per process group).
 
 Two timelines are written: a strategy's step (``timeline.Timeline``) and a pipeline schedule replayed
 with per-action costs (``dpar.compiler.pipeline_parallel.simulate``), in the same format."""
@@ -14,19 +15,21 @@ if TYPE_CHECKING:
     from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline
     from dpar.inspect.timeline import Timeline
 
-STREAMS = {"compute": 0, "comm": 1}
-
-
 def trace_events(timeline: Timeline | SimulatedTimeline) -> list[dict[str, Any]]:
     """Complete ("X") events in microseconds, preceded by the names of ranks and streams."""
+    groups = sorted({getattr(e, "group", "") for e in timeline.events if e.stream == "comm"}) or [""]
+    threads = {("compute", ""): ("compute", 0)}
+    for i, group in enumerate(groups):
+        threads["comm", group] = (f"comm (group {group})" if len(groups) > 1 else "comm", 1 + i)
     events: list[dict[str, Any]] = []
     for rank in range(timeline.ranks_shown):
         events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-        for stream, tid in STREAMS.items():
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": stream}})
+        for name, tid in threads.values():
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
     for e in timeline.events:
+        key = (e.stream, getattr(e, "group", "") if e.stream == "comm" else "")
         events.append({
-            "ph": "X", "name": e.name, "cat": e.stream, "pid": e.rank, "tid": STREAMS[e.stream],
+            "ph": "X", "name": e.name, "cat": e.stream, "pid": e.rank, "tid": threads[key][1],
             "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6, "args": {"graph": e.graph},
         })
     return events

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -66,6 +67,16 @@ def test_hand_schedule_late_wait_hides_the_collective_behind_compute():
     early = [late[0], late[2], late[1], late[3]]
     assert simulate({0: late, 1: late}).step_time == 4.0  # 3 s of comm, 2 of them hidden
     assert simulate({0: early, 1: early}).step_time == 6.0  # nothing hidden
+
+
+def test_collectives_of_different_groups_run_side_by_side():
+    """Each process group has its own comm stream (NCCL runs each communicator on its own): a tensor-parallel
+    all-reduce does not queue behind a data-parallel reduce-scatter issued before it; one group's run in turn."""
+    program = [Op(OpKind.ISSUE, "rs", 3.0, 0, group="dp"), Op(OpKind.ISSUE, "ar", 1.0, 1, group="tp"),
+               Op(OpKind.WAIT, "w1", collective=1), Op(OpKind.COMPUTE, "mm", 2.0), Op(OpKind.WAIT, "w0", collective=0)]
+    assert simulate({0: program, 1: program}).step_time == 3.0  # ar 0-1, mm 1-3 beside rs 0-3
+    one_group = [dataclasses.replace(op, group="dp") for op in program]
+    assert simulate({0: one_group, 1: one_group}).step_time == 6.0  # rs 0-3, then ar 3-4, mm 4-6
 
 
 def test_rank_waiting_for_a_collective_another_rank_never_issues_is_reported():

@@ -150,6 +150,37 @@ def test_unrolled_gradients_are_added_in_as_each_copy_computes_them() -> None:
     assert _most_copy_gradients_alive(backward.graph.graph) <= 2 * parameters
 
 
+def test_copies_run_block_by_block_so_gradient_reductions_overlap_the_backward() -> None:
+    """zero2+tp on 2 x 2 (fake world): the copies run each block's backward in turn, so the last block's gradients
+    are complete, and reduce-scattered, before any copy runs the first block's backward; each bucket's reduction
+    overlaps compute, and the copies' shards are not summed with zeros after it (which pinned its wait there)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dpar.compiler.passes.recompute import block_path
+    from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
+    from fake_world import fake_world
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=3, n_head=2, n_embd=32))
+    x = torch.randint(0, 256, (2, 16))
+    with fake_world(4) as graphs:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dpar.parallelize(model, strategy="zero2+tp", mesh=mesh, example_inputs=(x, x))
+        torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(x, x).backward()
+    (backward,) = (c for c in graphs if c.label.startswith("backward"))
+    nodes = list(backward.graph.graph.nodes)
+    first_block = min(i for i, n in enumerate(nodes)  # the first block's first matmul of a backward
+                      if n.target is torch.ops.aten.mm.default and block_path(n, "fwd_nn_module_stack") == "blocks.0")
+    scatters = [i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default
+                and not n.meta.get(ACTIVATION_COLLECTIVE)]
+    assert len(scatters) == 4  # a bucket a block, and the root's
+    assert scatters[0] < first_block
+    overlapped = {c.issue_node: c.compute_between for c in backward.collectives}
+    assert all(overlapped[nodes[i].name] > 0 for i in scatters[:-1])
+    assert not any(n.target is torch.ops.aten.full.default for n in nodes)
+
+
 def test_unrolled_graph_gathers_inputs_and_tangents_once(world_of_two: list) -> None:
     """One process, fake group of 2: the forward gathers each input once and runs two copies;
     the backward gathers the tangent once; every parameter gradient is the copies' mean."""

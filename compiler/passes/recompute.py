@@ -90,10 +90,12 @@ _ROOT = re.compile(r"^L\['[^']*'\](?:\[\d+\])*\.?|^L__self__\.?")
 _INDEX = re.compile(r"\[(\d+)\]")
 
 
-def module_path(node: fx.Node) -> str | None:
+def module_path(node: fx.Node, stack_key: str = "nn_module_stack") -> str | None:
     """The dotted path (from the compiled module) of the innermost module that ran ``node``, as
-    Dynamo recorded it in ``nn_module_stack``; None outside every module."""
-    stack = node.meta.get("nn_module_stack")
+    Dynamo recorded it in ``nn_module_stack``; None outside every module. A joint graph's backward
+    node has no stack of its own: ``stack_key="fwd_nn_module_stack"`` reads the one AOTAutograd
+    copies onto it from the forward op it differentiates."""
+    stack = node.meta.get(stack_key)
     if not stack:
         return None
     path, _ = list(stack.values())[-1]
@@ -101,9 +103,9 @@ def module_path(node: fx.Node) -> str | None:
     return path.replace("._modules['", ".").replace("']", "")
 
 
-def block_path(node: fx.Node) -> str | None:
+def block_path(node: fx.Node, stack_key: str = "nn_module_stack") -> str | None:
     """The block (outermost numbered module, ``layers.3``) ``node`` ran in, or None."""
-    path = module_path(node)
+    path = module_path(node, stack_key)
     block = block_of(path + ".") if path else "root"
     return None if block == "root" else block
 

@@ -85,27 +85,54 @@ def bucket_reduce_scatters_pass(
 
 
 def _sum_before_reducing(graph: fx.Graph, tied: list[fx.Node]) -> fx.Node:
-    """A parameter read twice (tied weights) gets two gradients: add them, reduce-scatter once.
+    """A parameter read twice (tied weights, or the copies of a tensor-parallel group's rows) gets several
+    gradients: add them, reduce-scatter once.
 
-    The other reduce-scatters' results become zeros, so the graph's own sum of
-    the shards stays right; their collectives are gone.
+    The other reduce-scatters' results are zeros, so the graph's own sum of the shards stays right; their
+    collectives are gone, and so are the sums of those zeros (``_without_zero_terms``).
     """
     kept, *others = tied
     total = kept.args[0]
+    zeros = []
     with graph.inserting_before(kept):
         for other in others:
             total = graph.call_function(aten.add.Tensor, (total, other.args[0]))
             total.meta["val"] = kept.args[0].meta["val"]  # the bucketing reads shapes from it
             val = other.meta["val"]
             for wait in [u for u in other.users if u.target is WAIT]:
-                zeros = graph.call_function(  # full, not zeros: Inductor lowers it without a decomposition
+                zeros.append(graph.call_function(  # full, not zeros: Inductor lowers it without a decomposition
                     aten.full.default, (list(val.shape), 0), {"dtype": val.dtype, "device": val.device}
-                )
-                wait.replace_all_uses_with(zeros)
+                ))
+                zeros[-1].meta["val"] = val
+                wait.replace_all_uses_with(zeros[-1])
                 graph.erase_node(wait)
             graph.erase_node(other)
     kept.args = (total, *kept.args[1:])
+    _without_zero_terms(graph, zeros)
     return kept
+
+
+def _without_zero_terms(graph: fx.Graph, zeros: list[fx.Node]) -> None:
+    """Each ``x + 0`` of the same shape and dtype read as ``x``.
+
+    Left in, the sum of the copies' shards started right after the kept reduce-scatter's wait and
+    read zeros made elsewhere, which pinned the wait there: no gradient reduction overlapped the
+    rest of the backward.
+    """
+    pending = list(zeros)
+    while pending:
+        zero = pending.pop()
+        for user in list(zero.users):
+            if user.target is not aten.add.Tensor or user.kwargs or len(user.args) != 2:
+                continue
+            other = user.args[1] if user.args[0] is zero else user.args[0]
+            val, out = getattr(other, "meta", {}).get("val"), user.meta.get("val")
+            if not isinstance(val, torch.Tensor) or out is None or (val.shape, val.dtype) != (out.shape, out.dtype):
+                continue
+            user.replace_all_uses_with(other)
+            graph.erase_node(user)
+            if other in zeros:
+                pending.append(other)
 
 
 def _is_cast_to(node: fx.Node, dtype: torch.dtype) -> bool:

@@ -19,8 +19,8 @@ A graph goes through these stages, each a list of named passes run by
 passes and the state they plan from the graphs (buckets, groups), never the order.
 For fsdp+tp, for instance: dynamo [mark_own_rows]; joint [unroll_group_batch,
 tensor_parallel, tag_gathers, save_random_ops, keep_collectives_in_forward]; forward [broadcast_buffers,
-bucket_all_gathers, sink_waits, prefetch_all_gathers]; backward
-[bucket_all_gathers, bucket_reduce_scatters, sink_waits, prefetch_all_gathers].
+bucket_all_gathers, sink_waits, prefetch_all_gathers]; backward [recompute_when_needed,
+bucket_all_gathers, bucket_reduce_scatters, sink_waits, prefetch_all_gathers].
 With an activation policy that recomputes (``ParallelPlan.activations``), the joint stage
 ends with [tag_recompute] under every strategy, ddp included (passes/recompute.py), which keeps
 the forward's collectives in the forward as keep_collectives_in_forward does for a tensor axis.
@@ -58,6 +58,7 @@ from dpar.compiler.passes.expert_rows import mark_routed_rows
 from dpar.compiler.passes.broadcast_buffers import average_inputs_pass, buffer_broadcast_groups
 from dpar.compiler.passes.random_ops import save_random_ops
 from dpar.compiler.passes.recompute import keep_collectives_in_forward, tag_recompute
+from dpar.compiler.passes.recompute_order import recompute_when_needed
 from dpar.compiler.passes.gloo_all_gathers import as_run_on_gloo, on_gloo
 from dpar.compiler.passes.sink_waits import sink_waits_pass
 from dpar.compiler.pipeline_parallel.data_parallel import StageGradientBuckets
@@ -224,6 +225,8 @@ class PassListing:
 
     def backward_passes(self, variant: Variant = Variant.SYNC) -> list[Pass]:
         passes: list[Pass] = []
+        if any(axis is not None and axis.group_batch is not None for axis in (self.tensor, self.context)):
+            passes.append(("recompute_when_needed", recompute_when_needed))  # [Note: recomputation where it is needed]
         # cp's gradient sums, every step (no_sync too): after zero2's / fsdp's reduce-scatters, which sharding
         # runs first (the sums are of shards), before ddp's all-reduce, which the graph adds after them.
         if self.sharded is not None:

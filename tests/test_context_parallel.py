@@ -346,9 +346,10 @@ def nano():
 
 def test_inspect_prints_the_gathers_and_about_a_quarter_of_the_activations_at_cp_4(tmp_path, capsys) -> None:
     """``dpar inspect --strategy cp -n 4``: the all-gathers of keys and values in the collective table; with
-    ``--same-batch-in-cp-group`` (one batch per group) the activation peak is 0.33 of the default's at 256 tokens
-    (each rank computing its chunks of every rank's batch: as much as one process on one batch); with
-    ``--attention-exchange all_to_all`` all-to-alls instead, and a lower peak."""
+    ``--same-batch-in-cp-group`` (one batch per group) the activation peak is 0.38 of the default's at 256 tokens
+    (each rank computing its chunks of every rank's batch: as much as one process on one batch; the default's peak
+    was 2.41 MB, 1.36 since its backward gathers keys and values where it needs them: [Note: recomputation where it
+    is needed]); with ``--attention-exchange all_to_all`` all-to-alls instead, and a lower peak."""
     from dpar.cli import main
 
     target = tmp_path / "nano.py"
@@ -362,7 +363,7 @@ def test_inspect_prints_the_gathers_and_about_a_quarter_of_the_activations_at_cp
                                                     else {"all_gather", "reduce_scatter"}), kinds
         line = next(l for l in out.splitlines() if "activations (at the peak" in l)
         peaks[len(flags)] = int(line.split("│")[2].strip().replace(",", ""))
-    assert peaks[1] <= 0.35 * peaks[0], peaks
+    assert peaks[1] <= 0.4 * peaks[0], peaks
     assert peaks[3] < peaks[1], peaks  # no layer's keys and values whole
 
 

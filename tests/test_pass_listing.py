@@ -36,6 +36,7 @@ SHARDED_BACKWARD = [*GATHERS, "bucket_reduce_scatters", *WAITS, "prefetch_all_ga
 TP_JOINT = ["unroll_group_batch", "tensor_parallel"]
 KEEP_IN_FORWARD = ["keep_collectives_in_forward"]  # last in a training joint graph with a tensor axis
 
+COPIES_BACKWARD = "recompute_when_needed"  # a tp group's copies of each rank's rows read their tangents first
 # What a newcomer should be able to read off pass_listing.py: stage -> passes, per strategy.
 EXPECTED = {
     "ddp": {"dynamo": [], "joint": [], "forward": ["broadcast_buffers", *WAITS],
@@ -43,15 +44,15 @@ EXPECTED = {
     "fsdp": {"dynamo": [], "joint": ["tag_gathers", "save_random_ops"], "forward": SHARDED_FORWARD,
              "backward (sync)": SHARDED_BACKWARD},
     "tp": {"dynamo": ["mark_own_rows"], "joint": [*TP_JOINT, *KEEP_IN_FORWARD], "forward": ["broadcast_buffers", *WAITS],
-           "backward (sync)": WAITS, "inference": [*TP_JOINT, "broadcast_buffers", *WAITS]},
+           "backward (sync)": [COPIES_BACKWARD, *WAITS], "inference": [*TP_JOINT, "broadcast_buffers", *WAITS]},
     "ddp+tp": {"dynamo": ["mark_own_rows"], "joint": [*TP_JOINT, *KEEP_IN_FORWARD], "forward": ["broadcast_buffers", *WAITS],
-               "backward (sync)": ["all_reduce_gradients", *WAITS]},
+               "backward (sync)": [COPIES_BACKWARD, "all_reduce_gradients", *WAITS]},
     "local_sgd": {"dynamo": [], "joint": [], "forward": ["broadcast_buffers", *WAITS],
                   "forward (average)": ["average_parameters", "broadcast_buffers", *WAITS], "backward (sync)": WAITS},
     "zero1": {"dynamo": [], "joint": [], "forward": ["broadcast_buffers", *WAITS],
               "backward (sync)": ["all_reduce_gradients", *WAITS], "backward (no_sync)": []},
     "fsdp+tp": {"dynamo": ["mark_own_rows"], "joint": [*TP_JOINT, "tag_gathers", "save_random_ops", *KEEP_IN_FORWARD],
-                "forward": SHARDED_FORWARD, "backward (sync)": SHARDED_BACKWARD,
+                "forward": SHARDED_FORWARD, "backward (sync)": [COPIES_BACKWARD, *SHARDED_BACKWARD],
                 "inference": [*TP_JOINT, *SHARDED_FORWARD]},
 }
 

@@ -181,6 +181,28 @@ def test_copies_run_block_by_block_so_gradient_reductions_overlap_the_backward()
     assert not any(n.target is torch.ops.aten.full.default for n in nodes)
 
 
+def test_copies_gather_the_token_stream_again_where_the_backward_needs_it() -> None:
+    """tp + sequence parallel, each rank's own rows (copies): the backward gathers each block's token stream again
+    right before the matmuls that read it ([Note: recomputation where it is needed]), not every copy's at the top
+    of the backward, where all of them lived through it."""
+    from fake_world import fake_world
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32))
+    x = torch.randint(0, 256, (2, 16))
+    with fake_world(2) as graphs:
+        dpar.parallelize(model, strategy="tp", example_inputs=(x, x), sequence_parallel=True)
+        torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(x, x).backward()
+    (backward,) = (c for c in graphs if c.label.startswith("backward"))
+    nodes = list(backward.graph.graph.nodes)
+    gathers = [i for i, n in enumerate(nodes)
+               if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default and n.meta["val"].dim() >= 2]
+    matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    assert len(gathers) >= 2 * 2 * 2  # per copy, per block: before attention and before the MLP
+    assert sum(i < matmuls[0] for i in gathers) <= 1
+
+
 def test_unrolled_graph_gathers_inputs_and_tangents_once(world_of_two: list) -> None:
     """One process, fake group of 2: the forward gathers each input once and runs two copies;
     the backward gathers the tangent once; every parameter gradient is the copies' mean."""

@@ -4,9 +4,10 @@ Under sequence parallel the forward all-gathers a norm's output (held as
 T/tp tokens) before each column-parallel layer. Left alone, the partitioner
 saves that gathered tensor for the layer's weight gradient, and the activation
 memory that sequence parallel was meant to save is spent again. Marking the
-gather, the reshuffles around it and what is computed from it alone as
-must-recompute makes the partitioner save the shard instead; the backward
-gathers it again (Megatron-SP does the same).
+gather, the reshuffles around it (permutes, copies, and views: a one-row
+batch's (1, T/tp, C) stream is gathered as (T/tp, C)) and what is computed from
+it alone as must-recompute makes the partitioner save the shard instead; the
+backward gathers it again (Megatron-SP does the same).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dpar.core.torch_internals import C10D_FUNCTIONAL
 aten = torch.ops.aten
 c10d = C10D_FUNCTIONAL
 
-_RESHUFFLES = (aten.permute.default, aten.clone.default)
+_RESHUFFLES = (aten.permute.default, aten.clone.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:

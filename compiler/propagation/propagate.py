@@ -94,9 +94,9 @@ def _choose(node: fx.Node, candidates: list[Candidate], mesh: MeshDim, wanted: P
         return gathered_bytes(value) if mesh.period and want == Replicate() else nbytes_of(value)
 
     def reach(value: fx.Node, want: Placement) -> float:
-        source = relaid_partial(value) if want == Replicate() else None
+        source = relaid_source(value, mesh.period) if want == Replicate() else None
         while source is not None and (value, want) not in made and (value.name, want) not in foreseen:
-            value, source = source, relaid_partial(source)  # a view of a sum reduced already is free
+            value, source = source, relaid_source(source, mesh.period)  # a view of a value made whole already is free
         if (value, want) in made or (value.name, want) in foreseen:
             return 0.0
         here = value.meta.get("placement", Replicate())
@@ -131,10 +131,14 @@ def _choose(node: fx.Node, candidates: list[Candidate], mesh: MeshDim, wanted: P
 # gradient twice, the first reader carried it on as a partial sum, the second reduced it, and the first's result was
 # reduced again downstream. So the sweep runs twice: a rehearsal on a copy of the graph, then the real one, which
 # prices every conversion the rehearsal made as free (``foreseen``, by value name). And a view or transpose of a
-# partial sum that must be reduced is reduced at the sum and viewed after (``relaid_partial``), so the sum's readers
+# partial sum that must be reduced is reduced at the sum and viewed after (``relaid_source``), so the sum's readers
 # share one reduction; not for the graph's outputs, whose reductions (cp's parameter gradients) the gradient
 # passes find as the outputs' producers and bucket. On the tests' HF Llama under tp the backward's all-reduces fell
 # from 8 to Megatron's 5 (two a layer and the head's), with sequence parallel its reduce-scatters from 10 to 6.
+# A split value's view or transpose wanted whole is gathered at its source the same way (over tp; cp's gathers
+# reorder chunks and are left as they are): under sequence parallel a row-parallel layer's backward gathered the
+# incoming gradient once for the input's gradient and once more, transposed, for the weight's (Llama-3-8B cut to
+# 2 layers on 8 x 8: 112 gathers a backward where Megatron-SP runs 80).
 
 
 _CONTRACTIONS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
@@ -170,11 +174,16 @@ def _relaid(node: fx.Node) -> fx.Node | None:
     return inputs[0] if inputs == [node.args[0]] else None
 
 
-def relaid_partial(value: fx.Node) -> fx.Node | None:
-    """The partial sum ``value`` views or transposes, if it is one (reduced, it is reduced there and relaid)."""
+def relaid_source(value: fx.Node, period: int) -> fx.Node | None:
+    """The value ``value`` views or transposes where both are partial sums, or (off cp: no ``period``) both split:
+    made whole, it is made whole there and relaid. See [Note: a reduction already made is free]."""
     source = _relaid(value)
-    partial = value.meta.get("placement") == Partial() and source is not None and source.meta.get("placement") == Partial()
-    return source if partial else None
+    if source is None:
+        return None
+    here, there = value.meta.get("placement"), source.meta.get("placement")
+    if here == Partial() and there == Partial():
+        return source
+    return source if not period and isinstance(here, Shard) and isinstance(there, Shard) else None
 
 
 class _Redistributor:
@@ -203,7 +212,7 @@ class _Redistributor:
                 repeated = self.graph.node_copy(value, lambda n: whole if n is tensor_inputs(value)[0] else n)
             repeated.meta.update(placement_inputs=(want,), placement=want)
             self.made[key] = repeated
-        source = relaid_partial(value) if consumer.op != "output" else None  # a gradient output: see the Note
+        source = relaid_source(value, self.mesh.period) if consumer.op != "output" else None  # see the Note
         if source is not None and want == Replicate() and key not in self.made:  # reduced once, at its source
             whole = self.to(source, want, consumer)
             with self.graph.inserting_before(consumer):

@@ -86,21 +86,34 @@ def _call(graph: fx.Graph, target: object, args: tuple[object, ...], placement: 
 
 
 def _dim_first(graph: fx.Graph, value: fx.Node, dim: int, ndim: int) -> tuple[fx.Node, list[int]]:
-    """``value`` with ``dim`` moved to the front, contiguous (collectives work on dim 0 of a dense tensor)."""
+    """``value`` with ``dim`` moved to the front, contiguous (collectives work on dim 0 of a dense tensor): a
+    copy, unless the move leaves the memory as it is (``_in_place``)."""
     order = [dim] + [d for d in range(ndim) if d != dim]
+    in_place = _in_place(value.meta["val"], order)
     if dim != 0:
         value = graph.call_function(aten.permute.default, (value, order))
+    if in_place:
+        return value, order
     dense = graph.call_function(aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
     return dense, order
 
 
-def _dim_back(graph: fx.Graph, value: fx.Node, order: list[int], layout: list[int] | None) -> fx.Node:
-    """Undo ``_dim_first``, dense again, with the dimensions in memory in ``layout``'s order (outermost first;
-    ``None``: contiguous): consumers were traced with the value's own strides (a view after a transpose needs them)."""
+def _in_place(val: torch.Tensor, order: list[int]) -> bool:
+    """Whether ``val`` is contiguous and stays so permuted by ``order``: the permutation moves only dimensions of
+    size 1 past the others (a one-row batch's (1, T, C) token stream split along T), so no copy is needed."""
+    shape = val.shape
+    return val.is_contiguous() and [d for d in order if shape[d] != 1] == [d for d in range(len(shape)) if shape[d] != 1]
+
+
+def _dim_back(graph: fx.Graph, value: fx.Node, order: list[int], val: torch.Tensor) -> fx.Node:
+    """Undo ``_dim_first`` of the value traced as ``val``, dense again, with the dimensions in memory in its own
+    order (``memory_layout``): consumers were traced with the value's own strides (a view after a transpose needs
+    them). No copy where ``_dim_first`` needed none."""
+    layout = memory_layout(val)
     if order == sorted(order) and layout is None:
         return value
     back = graph.call_function(aten.permute.default, (value, _inverse(order)))
-    return dense_in(graph, back, layout)
+    return back if _in_place(val, order) else dense_in(graph, back, layout)
 
 
 def dense_in(graph: fx.Graph, value: fx.Node, layout: list[int] | None) -> fx.Node:
@@ -204,8 +217,7 @@ def _all_to_all(graph: fx.Graph, value: fx.Node, src: int, dst: int, tp: int, gr
     beside = graph.call_function(aten.permute.default, (by_rank, [1, *range(2, at), 0, *range(at, len(dims) + 1)]))
     merged = [rows, *dims[1:]]
     merged[at - 1] *= tp
-    result = _dim_back(graph, graph.call_function(aten.reshape.default, (beside, merged)), order,
-                       memory_layout(value.meta["val"]))
+    result = _dim_back(graph, graph.call_function(aten.reshape.default, (beside, merged)), order, value.meta["val"])
     # Sizes here are local already: an alias keeps localize from dividing them again.
     return _call(graph, aten.alias.default, (result,), Shard(dst))
 
@@ -248,7 +260,7 @@ def _redistribute(
         dense = _padded(graph, dense, ndim, longest * tp - shape[dst.dim])
         scattered = activation_collective(graph, c10d.reduce_scatter_tensor.default, (dense, "sum", tp, group_name))
         waited = graph.call_function(c10d.wait_tensor.default, (scattered,))
-        result = _dim_back(graph, _rows(graph, waited, 0, length, longest), order, layout)
+        result = _dim_back(graph, _rows(graph, waited, 0, length, longest), order, value.meta["val"])
         result.meta["placement"] = dst
         return result
     if isinstance(src, Shard):
@@ -258,7 +270,7 @@ def _redistribute(
             graph, c10d.all_gather_into_tensor.default, (_padded(graph, dense, ndim, longest - length), tp, group_name)
         )
         waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
-        full = _dim_back(graph, _rows(graph, waited, 0, shape[src.dim], longest * tp), order, layout)
+        full = _dim_back(graph, _rows(graph, waited, 0, shape[src.dim], longest * tp), order, value.meta["val"])
         full.meta["placement"] = Replicate()
         if isinstance(dst, Replicate):
             return full
@@ -331,7 +343,7 @@ def _balanced_gather(graph: fx.Graph, value: fx.Node, dim: int, layout: Balanced
     chunks = call(graph, aten.cat.default, [heads, tails], 0)  # (2cp, runs, chunk, ...)
     in_order = call(graph, aten.permute.default, chunks, [1, 0, *range(2, 3 + len(rest))])
     whole = call(graph, aten.reshape.default, in_order, [runs * layout.period, *rest])
-    return _dim_back(graph, whole, order, memory_layout(val))
+    return _dim_back(graph, whole, order, val)
 
 
 def _balanced_scatter(graph: fx.Graph, value: fx.Node, dim: int, layout: BalancedLayout, group_name: str) -> fx.Node:
@@ -349,7 +361,7 @@ def _balanced_scatter(graph: fx.Graph, value: fx.Node, dim: int, layout: Balance
     flat = call(graph, aten.reshape.default, by_rank, [cp * runs * 2 * chunk, *rest])
     scattered = activation_collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", cp, group_name))
     waited = call(graph, c10d.wait_tensor.default, scattered)
-    return _dim_back(graph, waited, order, memory_layout(val))
+    return _dim_back(graph, waited, order, val)
 
 
 def _balanced(

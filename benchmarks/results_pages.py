@@ -50,6 +50,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan_choice": ("python benchmarks/plan_choice.py --configs gpt-0.8m@4,gpt-0.8m@8,llama-4m@4,llama-4m@8 --steps 8 "
                     "--rounds 2", "2 CPU cores, 4 and 8 gloo ranks"),
     "plan_sweep": ("python benchmarks/plan_sweep.py", "modelled (h100 preset), not measured"),
+    "plan_against_graphs": ("python benchmarks/plan_against_graphs.py",
+                            "modelled (h100 preset) twice: by the search, and on the compiled graphs"),
     "sharded_step_time": ("python benchmarks/sharded_step_time.py", "2 CPU cores, 2 gloo ranks"),
     "step_breakdown": ("python benchmarks/step_breakdown.py --config llama-25m@8x128", "2 CPU cores, 2 gloo ranks"),
     "step_time_sweep": ("python benchmarks/step_time_sweep.py", ""),

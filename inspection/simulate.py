@@ -8,7 +8,8 @@ every rank has issued it and every rank's stream for the group is free (a ring n
 all of them), and lasts its α-β time. Collectives of different groups run side by
 side, as NCCL runs each communicator on its own stream (and gloo each group on its
 own threads): a tensor-parallel all-reduce over NVLink does not queue behind a
-data-parallel reduce-scatter over the NICs. Their sharing of a link is not modelled. A wait blocks the compute stream until its collective has finished:
+data-parallel reduce-scatter over the NICs. Their sharing of a link is not
+modelled. A wait blocks the compute stream until its collective has finished:
 the time blocked is exposed communication.
 
 Times are floats, or ``PathTime``s that also carry, as a sympy expression in

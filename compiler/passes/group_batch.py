@@ -231,8 +231,8 @@ def unroll_group_batch(joint: fx.GraphModule, group: GroupBatch) -> fx.GraphModu
     for node in tangents:
         for j, value in enumerate(_gathered(graph, shared[node], group)):
             copies[j][node] = value
-    unrolled = [n for n in old.nodes if n in varying and n.op == "call_function" and n.target is not OWN_ROWS]
-    for run in _block_runs(unrolled):
+    per_copy = [n for n in old.nodes if n in varying and n.op == "call_function" and n.target is not OWN_ROWS]
+    for run in _block_runs(per_copy):
         for env in copies:
             for node in run:
                 if node.target is OWN_ROWS_GRAD:

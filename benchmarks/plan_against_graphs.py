@@ -3,7 +3,8 @@
     python benchmarks/plan_against_graphs.py        # about 2 minutes on 2 cores; no GPU, nothing is trained
 
 Hugging Face's Llama at Llama-3-8B's sizes, cut to a few layers (examples/llama3_on_paper.py, built on meta, one
-2,048-token row a rank), is planned by ``dpar.plan`` on a fixed mesh (h100 preset, 80 GB); then ``dpar.explain``
+2,048-token row a rank), is planned by ``dpar.plan`` on a fixed mesh (h100 preset, 80 GB, or a budget that makes
+it recompute activations); then ``dpar.explain``
 compiles that plan's step for every rank of the mesh (fake process group) and counts it on the graphs with the
 same device description: memory at the step's peak, compute, communication, the simulated step and what of the
 communication it leaves exposed. A ratio is the graphs' figure over the search's (1: they agree). Tensor-parallel
@@ -30,22 +31,23 @@ import torch  # noqa: E402
 from dpar.planning import global_batch  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-CASES = (  # layers, mesh, the mesh's roles
-    (2, (8, 8), ("dp", "tp")),
-    (8, (8, 8), ("dp", "tp")),
-    (8, (64,), ("dp",)),
+CASES = (  # layers, mesh, the mesh's roles, the memory budget (GB a rank)
+    (2, (8, 8), ("dp", "tp"), 80.0),
+    (8, (8, 8), ("dp", "tp"), 80.0),
+    (4, (8, 8), ("dp", "tp"), 4.2),  # a budget that makes the search recompute
+    (8, (64,), ("dp",), 80.0),
 )
 FIGURES = ("memory_gb", "compute_ms", "comm_ms", "exposed_ms", "step_ms")
 
 
-def case(layers: int, mesh: tuple[int, ...], roles: tuple[str, ...]) -> dict:
+def case(layers: int, mesh: tuple[int, ...], roles: tuple[str, ...], budget_gb: float) -> dict:
     model, rank_inputs = llama3("8b", rows=1, num_hidden_layers=layers)
     world = 1
     for size in mesh:
         world *= size
     start = time.perf_counter()
     plan = dpar.plan(model, global_batch(rank_inputs, world), mesh_shape=mesh, mesh_dim_names=roles,
-                     memory_budget_gb=80)
+                     memory_budget_gb=budget_gb)
     planned_s = time.perf_counter() - start
     c = plan.cost
     search = dict(memory_gb=c.memory_bytes_per_rank / 1e9, compute_ms=(c.compute_s + c.recompute_s) * 1e3,
@@ -58,6 +60,7 @@ def case(layers: int, mesh: tuple[int, ...], roles: tuple[str, ...]) -> dict:
                   exposed_ms=t.exposed_comm * 1e3, step_ms=t.step_time * 1e3)
     return {
         "model": f"Llama-3-8B, {layers} layers", "mesh": " x ".join(f"{n} {r}" for n, r in zip(mesh, roles)),
+        "budget_gb": budget_gb,
         "plan": plan.strategy + (" SP" if plan.sequence_parallel else "") + f", {plan.activations}",
         "search": search, "graphs": graphs, "ratio": {k: graphs[k] / search[k] for k in FIGURES},
         "planned_s": planned_s, "counted_s": counted_s,

@@ -246,9 +246,9 @@ def _redistribute(
     ndim = len(shape)
     if isinstance(src, Shard) and isinstance(dst, Shard) and shape[src.dim] % tp == 0 and shape[dst.dim] % tp == 0:
         return _all_to_all(graph, value, src.dim, dst.dim, tp, group_name)
-    layout = memory_layout(value.meta["val"])
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         # The reduced value comes back contiguous: reduced in its memory order, it keeps its strides.
+        layout = memory_layout(value.meta["val"])
         if layout is not None:
             value = graph.call_function(aten.permute.default, (value, layout))
         reduced = activation_collective(graph, c10d.all_reduce.default, (value, "sum", group_name))

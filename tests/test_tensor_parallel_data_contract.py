@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpar
+from dpar.compiler.registry import CompiledGraph
 from distributed import RankFailed, run_ranks
 from models import ConvBN
 
@@ -150,25 +151,34 @@ def test_unrolled_gradients_are_added_in_as_each_copy_computes_them() -> None:
     assert _most_copy_gradients_alive(backward.graph.graph) <= 2 * parameters
 
 
-def test_copies_run_block_by_block_so_gradient_reductions_overlap_the_backward() -> None:
-    """zero2+tp on 2 x 2 (fake world): the copies run each block's backward in turn, so the last block's gradients
-    are complete, and reduce-scattered, before any copy runs the first block's backward; each bucket's reduction
-    overlaps compute, and the copies' shards are not summed with zeros after it (which pinned its wait there)."""
+def _gpt_backward_under_copies(world: int, n_layer: int, strategy: str, **options: object) -> CompiledGraph:
+    """The backward graph of the example GPT (``n_layer`` blocks) under ``strategy`` on a fake world of ``world``
+    ranks, each rank fed its own rows (so a tp group runs copies); a 2-D strategy on a (world / 2, 2) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dpar.compiler.passes.recompute import block_path
-    from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
     from fake_world import fake_world
     from gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, n_layer=3, n_head=2, n_embd=32))
+    model = GPT(GPTConfig(block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
     x = torch.randint(0, 256, (2, 16))
-    with fake_world(4) as graphs:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        dpar.parallelize(model, strategy="zero2+tp", mesh=mesh, example_inputs=(x, x))
+    with fake_world(world) as graphs:
+        if "+" in strategy:
+            options["mesh"] = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        dpar.parallelize(model, strategy=strategy, example_inputs=(x, x), **options)
         torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(x, x).backward()
     (backward,) = (c for c in graphs if c.label.startswith("backward"))
+    return backward
+
+
+def test_copies_run_block_by_block_so_gradient_reductions_overlap_the_backward() -> None:
+    """zero2+tp on 2 x 2 (fake world): the copies run each block's backward in turn, so the last block's gradients
+    are complete, and reduce-scattered, before any copy runs the first block's backward; each bucket's reduction
+    overlaps compute, and the copies' shards are not summed with zeros after it (which pinned its wait there)."""
+    from dpar.compiler.passes.recompute import block_path
+    from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
+
+    backward = _gpt_backward_under_copies(4, 3, "zero2+tp")
     nodes = list(backward.graph.graph.nodes)
     first_block = min(i for i, n in enumerate(nodes)  # the first block's first matmul of a backward
                       if n.target is torch.ops.aten.mm.default and block_path(n, "fwd_nn_module_stack") == "blocks.0")
@@ -185,17 +195,7 @@ def test_copies_gather_the_token_stream_again_where_the_backward_needs_it() -> N
     """tp + sequence parallel, each rank's own rows (copies): the backward gathers each block's token stream again
     right before the matmuls that read it ([Note: recomputation where it is needed]), not every copy's at the top
     of the backward, where all of them lived through it."""
-    from fake_world import fake_world
-    from gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32))
-    x = torch.randint(0, 256, (2, 16))
-    with fake_world(2) as graphs:
-        dpar.parallelize(model, strategy="tp", example_inputs=(x, x), sequence_parallel=True)
-        torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(x, x).backward()
-    (backward,) = (c for c in graphs if c.label.startswith("backward"))
-    nodes = list(backward.graph.graph.nodes)
+    nodes = list(_gpt_backward_under_copies(2, 2, "tp", sequence_parallel=True).graph.graph.nodes)
     gathers = [i for i, n in enumerate(nodes)
                if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default and n.meta["val"].dim() >= 2]
     matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
@@ -208,17 +208,8 @@ def test_copies_recompute_each_checkpointed_block_where_its_backward_runs() -> N
     has run the last block's gradients, not all blocks at its top (where every recomputed block lived through the
     backward: Llama-3-8B cut to 4 layers, zero2+tp on 8 x 8, held 7.89 GB on its graphs, now 2.96)."""
     from dpar.compiler.passes.recompute import BLOCK_KEY, block_path
-    from fake_world import fake_world
-    from gpt import GPT, GPTConfig
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, n_layer=3, n_head=2, n_embd=32))
-    x = torch.randint(0, 256, (2, 16))
-    with fake_world(2) as graphs:
-        dpar.parallelize(model, strategy="tp", example_inputs=(x, x), activation_checkpointing="full")
-        torch.compile(model, backend="dpar", options={"compiler": "aot_eager"})(x, x).backward()
-    (backward,) = (c for c in graphs if c.label.startswith("backward"))
-    nodes = list(backward.graph.graph.nodes)
+    nodes = list(_gpt_backward_under_copies(2, 3, "tp", activation_checkpointing="full").graph.graph.nodes)
     recomputed = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.meta.get(BLOCK_KEY) == "blocks.0"]
     last_block_gradient = min(i for i, n in enumerate(nodes)
                               if n.target is torch.ops.aten.mm.default and block_path(n, "fwd_nn_module_stack") == "blocks.2")

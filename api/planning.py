@@ -6,14 +6,12 @@ repeated blocks).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,12 +24,13 @@ from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.activations import POLICIES
 from dpar.planner.pipeline import PipelineCandidate, PipelinePlan
-from dpar.planner.plan import ON_GRAPHS, CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
+from dpar.graph_pricing import priced_on_graphs
+from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
 from dpar.planner.rules import candidates
 from dpar.planner.strategies import compare_strategies
 from dpar.compiler.memory import OPTIMIZER_STATES
 from dpar.core.errors import OptionsError, PipelineMemoryError, PlanMemoryError
-from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy, Recompute
+from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.core.torch_internals import pytree
 
 __all__ = ["CostBreakdown", "DeviceSpec", "ParameterPlan", "Plan", "global_batch", "plan", "priced_on_graphs"]
@@ -70,8 +69,9 @@ def plan(
     last mesh dimension is node-local (NVLink) when it fits in a node, the others cross nodes.
     ``on_graphs``: the chosen plan priced by ``dpar inspect`` itself (compute, recomputation, the simulated step,
     the memory at the step's peak), at the price of compiling its step for the mesh's ranks on a meta copy
-    (``dpar plan`` does it unless ``--op-graph``); see [Note: the planner searches on its op graph and reports
-    as inspect]. By default the search's own (op-graph) figures.
+    (``dpar plan`` does it unless ``--op-graph``; a plan with a tp or cp axis on copies cut to a few blocks): see the
+    Notes in api/graph_pricing.py, [Note: the planner searches on its op graph and reports as inspect] first. By
+    default the search's own (op-graph) figures.
     ``pipelines`` (unless ``mesh_dim_names`` fixes the roles): the pipeline search (``dpar.planner.plan_pipeline``:
     pp x tp x dp, the schedule 1F1B, ZB-H1 or ZBV, each block's policy) runs too, on the same ranks, batch, budget
     and device, and the plan is the faster of the two searches' answers: see [Note: one answer over placements and
@@ -107,33 +107,25 @@ def plan(
     compared = time.perf_counter()
     seconds = (("capture", captured - start), ("search", searched - captured),
                ("the named strategies priced", compared - searched))
+    piped: Plan | str = ""
     if pipelines:
-        chosen = _with_pipelines(chosen, model, inputs, math.prod(shape), budget, device, graph.batch_size)
+        piped = _best_pipeline(model, inputs, math.prod(shape), budget, device, graph.batch_size)
+        chosen = _faster(chosen, piped)
         seconds += (("the pipeline search", time.perf_counter() - compared),)
         compared = time.perf_counter()
     assert isinstance(chosen, Plan)
     if on_graphs:
-        chosen = _fitting_on_graphs(chosen, graph, found, device, budget, model, inputs)
-        if chosen.priced_on == ON_GRAPHS:
+        try:
+            chosen = _fitting_on_graphs(chosen, graph, found, device, budget, model, inputs)
+        except PlanMemoryError as unfit:  # no placement fits on its graphs; a pipeline that fits is the answer
+            if not isinstance(piped, Plan):
+                raise
+            return dataclasses.replace(_faster(unfit, piped), seconds=seconds)
+        if chosen.counted_on_graphs:
             seconds += (("pricing on the compiled graphs", time.perf_counter() - compared),)
+            if isinstance(piped, Plan):  # both sides now priced on graphs: see [Note: one answer over placements and pipelines]
+                chosen = _faster(chosen, piped)
     return dataclasses.replace(chosen, seconds=seconds)
-
-
-# [Note: the planner searches on its op graph and reports as inspect]
-# The search prices every layout and candidate per op (planner/costs.py): fast, and good enough to rank plans.
-# The plan it chooses is then, with ``on_graphs``, priced by ``dpar.explain`` on the plan itself: the step dpar
-# compiles for each rank of the mesh (a fake world), with its collectives, joint passes and partitioner, on a
-# meta copy of the model (nothing computed, the user's model untouched). Compute and recomputation are the
-# graphs' node costs, the step is the simulated streams', memory is the state a rank holds plus the live bytes
-# at the step's peak (gathered parameters and activations, ``Memory.total``): the figures ``dpar inspect``
-# prints for the same model, plan and device, to the byte and the nanosecond, because they are its figures. A
-# plan that recomputes is priced again keeping every activation, for the before/after table. The search's
-# op-graph figures differ where the graphs do (the min-cut partitioner recomputes pointwise ops the op graph
-# counts as saved; Hugging Face's GQA copies K and V under torch.compile only); the tp/dp split of the
-# communication stays the search's, which the report does not keep. Plans with a tensor- or context-parallel axis
-# keep the search's figures: compiling their propagation for every rank's graphs costs minutes at real sizes
-# (Llama-3-8B, ddp+tp on 8 x 8: 611 s of CPU, where the search took 18 s); ``dpar.explain(model, inputs, plan=plan)``
-# prices one when asked.
 
 
 # [Note: a plan that fits on its graphs]
@@ -142,8 +134,8 @@ def plan(
 # than the budget is not the answer: the search runs again under the budget scaled down by how far its count fell
 # short (search budget x budget / what the graphs held), up to ``GRAPH_ROUNDS`` times, and the first plan whose graphs
 # fit is the answer; where none does, ``PlanMemoryError`` names the least the graphs held. The plan's
-# ``memory_budget_bytes`` stays the user's; its policy table is the last search's. Plans the graphs do not price
-# (a tp or cp axis, a pipeline: see the Note above) keep the search's count. The searches after the first compare
+# ``memory_budget_bytes`` stays the user's; its policy table is the last search's. A pipeline plan keeps its stage
+# graphs' count (api/graph_pricing.py). The searches after the first compare
 # placements only: a pipeline the first comparison found slower is not weighed again.
 
 GRAPH_ROUNDS = 3
@@ -155,7 +147,7 @@ def _fitting_on_graphs(chosen: Plan, graph: OpGraph, found: list[Layout], device
     priced = priced_on_graphs(chosen, model, inputs, device)
     search_budget, held = budget, []
     for searched in range(GRAPH_ROUNDS + 1):
-        if budget is None or priced.priced_on != ON_GRAPHS or priced.cost.memory_bytes_per_rank <= budget:
+        if budget is None or not priced.counted_on_graphs or priced.cost.memory_bytes_per_rank <= budget:
             return priced
         held.append(f"{priced.strategy} ({policy_label(priced.activations)}) {priced.cost.memory_bytes_per_rank / 1e9:.4g} GB")
         if searched == GRAPH_ROUNDS:
@@ -172,61 +164,6 @@ def _fitting_on_graphs(chosen: Plan, graph: OpGraph, found: list[Layout], device
         f"no plan fits memory_budget_gb={budget / 1e9:.4g} counted on its compiled graphs: the search's plans held "
         f"{'; '.join(held)} there; raise memory_budget_gb, plan for more ranks, or plan on the op graph alone "
         "(on_graphs=False, dpar plan --op-graph), whose count is lower than the graphs'")
-
-
-def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[object] | torch.Tensor,
-                     device: str | DeviceSpec = "h100") -> Plan:
-    """``chosen`` with the figures ``dpar.explain`` reports for it on ``model`` fed ``example_inputs`` (the global
-    batch the plan was priced at): see the Note above."""
-    if chosen.pipeline is not None or "tp" in chosen.mesh_dim_names or "cp" in chosen.mesh_dim_names:  # see the Notes
-        return chosen
-    device = device_spec(device)
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    report = _inspected(chosen, model, inputs, device)
-    timeline, memory = report.timeline, report.memory
-    cost = dataclasses.replace(
-        chosen.cost, compute_s=timeline.compute_time - report.recompute_time, recompute_s=report.recompute_time,
-        comm_s=timeline.comm_time, exposed_comm_s=timeline.exposed_comm, step_s=timeline.step_time,
-        memory_bytes_per_rank=memory.total, activation_bytes_per_rank=memory.activations,
-    )
-    if chosen.activations.recomputes:
-        kept = _inspected(dataclasses.replace(chosen, activations=KEEP_ACTIVATIONS), model, inputs, device)
-        cost = dataclasses.replace(cost, memory_bytes_keep=kept.memory.total, activation_bytes_keep=kept.memory.activations)
-    return dataclasses.replace(chosen, cost=cost, priced_on=ON_GRAPHS)
-
-
-def _inspected(plan: Plan, model: nn.Module, inputs: tuple[object, ...], device: DeviceSpec) -> Any:
-    """``dpar.explain``'s report of ``plan`` on a meta copy of ``model``, each rank fed its slice of the batch."""
-    from dpar.explaining import explain
-
-    world, batch_size = math.prod(plan.mesh_shape), plan.batch_size
-    if batch_size % world:
-        raise OptionsError(f"on_graphs: the global batch of {batch_size} rows does not split over {world} ranks; "
-                           "plan for a multiple of the world size")
-    work, rank_inputs = _meta_copy(model, _first_rows(inputs, batch_size, batch_size // world))
-    return explain(work, rank_inputs, plan=plan, device=device)
-
-
-def _first_rows(inputs: tuple[object, ...], batch_size: int, rows: int) -> tuple[object, ...]:
-    """One rank's rows of the global batch: the first ``rows`` of every tensor whose dim 0 is the batch."""
-    def first(x: object) -> object:
-        return x[:rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch_size else x
-
-    return tuple(pytree.tree_map(first, inputs))
-
-
-def _meta_copy(model: nn.Module, inputs: tuple[object, ...]) -> tuple[nn.Module, tuple[object, ...]]:
-    """A copy of ``model`` whose parameters and buffers are meta tensors shaped as its own (no data copied, ties
-    kept), and the inputs on meta: pricing runs the forward, which on shapes alone (the planner's contract: the
-    global batch may be uninitialised) must compute nothing, and must not touch the user's model."""
-    memo: dict[int, object] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    moved = pytree.tree_map(
-        lambda x: x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x, inputs)
-    return copy.deepcopy(model, memo), tuple(moved)
 
 
 def _fastest(graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None) -> Plan:
@@ -379,7 +316,9 @@ def _splits_a_parameter(graph: OpGraph, tp: int) -> bool:
 # (pp x tp x dp, ddp or fsdp across pipelines, 1F1B, ZB-H1 or ZBV, each policy: planner/pipeline.py). A pipeline
 # of one stage is a placement, which the placement search prices with every data-parallel mode, so only pipelines of
 # two stages or more compete; both price collectives on the same links (``DeviceSpec.sharing_cores``: the world's
-# processes on a CPU's cores). The plan is the faster answer that fits; the other side's best is a row of ``plan.strategies``. A
+# processes on a CPU's cores). The plan is the faster answer that fits; the other side's best is a row of ``plan.strategies``.
+# Under ``on_graphs`` the placement answer is counted on its graphs and compared again with the pipeline's (priced on
+# its stage graphs): the pipeline wins where the graphs' step of the placements is the longer. A
 # pipeline answer is a ``Plan`` with ``pipeline`` set, mesh ``("dp", "pp", "tp")`` and the pipeline search's
 # figures (``cost.bubble_s``: the span beyond the busiest rank's compute), which ``dpar.pipeline(plan=...)`` runs.
 # Where no placement fits the budget, a pipeline that fits is the answer; where neither does, the error says both.
@@ -397,19 +336,14 @@ def _splits_a_parameter(graph: OpGraph, tp: int) -> bool:
 # not the mesh they describe. ``pipelines=True`` searches them there anyway (on the device's inter-node link).
 
 
-def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tuple[object, ...], world: int,
-                    budget: float | None, device: DeviceSpec, batch_size: int) -> Plan:
-    """The faster of ``chosen`` (or, where no placement fits, the error saying so) and the pipeline search's best
-    pipeline of two stages or more on the same ranks: see the Note above."""
+def _best_pipeline(model: nn.Module, inputs: tuple[object, ...], world: int, budget: float | None, device: DeviceSpec,
+                   batch_size: int) -> Plan | str:
+    """The pipeline search's best pipeline of two stages or more on ``world`` ranks as a plan (its own row in
+    ``strategies``), or why there is none: see the Note above."""
     from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
     from dpar.inspect.pipeline import block_collectives
     from dpar.pipelining import pipeline
     from dpar.planner.pipeline import SEARCHED_SCHEDULES, fastest, layout_of, plan_pipeline
-
-    def placements(why: str) -> Plan:
-        if isinstance(chosen, PlanMemoryError):
-            raise PlanMemoryError(f"{chosen}. Nor does a pipeline: {why}") from None
-        return dataclasses.replace(chosen, pipeline_search=why)
 
     # The stage graphs are read in a fake world of their own, which a live process group rules out (parallelize's
     # "auto" under torchrun): there tp's collectives are Megatron's, and the plan says so.
@@ -423,21 +357,14 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
             found = plan_pipeline(model, inputs, world_size=world, memory_budget_gb=None if budget is None else budget / 1e9,
                                   device=device, read_tp_collectives=read, schedule=SEARCHED_SCHEDULES)
     except PipelineMemoryError as error:
-        return placements(f"no pipeline layout fits either: {error}")
+        return f"no pipeline layout fits either: {error}"
     except Exception as error:  # noqa: BLE001 - a model it cannot cut is planned by placements, and the plan says why
-        return placements(f"pipelines not searched: {type(error).__name__}: {error}")
+        return f"pipelines not searched: {type(error).__name__}: {error}"
     pipelined = [c for c in found.candidates if c.pp > 1 and c.fits]  # one stage is a placement: see the Note
     if not pipelined:
-        return placements(f"no pipeline of two stages or more fits on {world} ranks")
+        return f"no pipeline of two stages or more fits on {world} ranks"
     best = fastest(pipelined)
     row = PolicyOption(best.activations, f"pipeline {best.layout}", best.step_s, best.recompute_s, best.memory_bytes, True)
-    if isinstance(chosen, Plan) and chosen.cost.step_s <= best.step_s:
-        return dataclasses.replace(chosen, strategies=(*chosen.strategies, row), pipeline_search=remark)
-    rows: tuple[PolicyOption, ...] = (row,)
-    if isinstance(chosen, Plan):
-        cost = chosen.cost
-        rows = (*chosen.strategies, PolicyOption(policy_label(chosen.activations), f"placements: {chosen.strategy}",
-                                                 cost.step_s, cost.recompute_s, cost.memory_bytes_per_rank, True), row)
     layout = layout_of(best, found.micro_batch_rows)
     return Plan(
         mesh_shape=(best.dp, best.pp, best.tp), mesh_dim_names=("dp", "pp", "tp"),
@@ -448,9 +375,27 @@ def _with_pipelines(chosen: Plan | PlanMemoryError, model: nn.Module, inputs: tu
             exposed_comm_s=best.tp_s + best.dp_comm_s, step_s=best.step_s, memory_bytes_per_rank=best.memory_bytes,
             tp_comm_s=best.tp_s, dp_comm_s=best.dp_comm_s, activation_bytes_per_rank=best.activation_bytes,
             recompute_s=best.recompute_s, bubble_s=best.pipeline_s - best.compute_s),
-        batch_size=batch_size, activations=ActivationPolicy(Recompute.parse(best.activations)), strategies=rows,
+        batch_size=batch_size, activations=ActivationPolicy(Recompute.parse(best.activations)), strategies=(row,),
         memory_budget_bytes=budget, priced_on="pipeline stage graphs", pipeline=layout, pipeline_search=remark,
     )
+
+
+def _faster(chosen: Plan | PlanMemoryError, piped: Plan | str) -> Plan:
+    """The faster of the placement plan (or, where none fits, the error saying so) and the best pipeline (or why
+    there is none), the other's figures a row of ``strategies``: see the Note above."""
+    if isinstance(piped, str):
+        if isinstance(chosen, PlanMemoryError):
+            raise PlanMemoryError(f"{chosen}. Nor does a pipeline: {piped}") from None
+        return dataclasses.replace(chosen, pipeline_search=piped)
+    (row,) = piped.strategies
+    if isinstance(chosen, PlanMemoryError):
+        return piped
+    others = tuple(o for o in chosen.strategies if o != row)
+    if chosen.cost.step_s <= piped.cost.step_s:
+        return dataclasses.replace(chosen, strategies=(*others, row), pipeline_search=piped.pipeline_search)
+    placements = PolicyOption(policy_label(chosen.activations), f"placements: {chosen.strategy}", chosen.cost.step_s,
+                              chosen.cost.recompute_s, chosen.cost.memory_bytes_per_rank, True)
+    return dataclasses.replace(piped, strategies=(*others, placements, row))
 
 
 def _pipeline_parameters(model: nn.Module, found: PipelinePlan, chosen: PipelineCandidate,

@@ -83,6 +83,10 @@ class Live:
     the backward has produced by then included (see [Note: gradients live to the optimizer])."""
     timeline: tuple[MemoryPoint, ...] = ()
     """Set by ``step_peak`` only: what ``step`` is the most of, after each node of the step."""
+    phases: tuple[tuple[int, int], ...] = ()
+    """Set by ``step_peak`` only: (gathered, activations) at the forward graphs' peak and at the backward graphs'
+    (the higher is this peak): each grows with the model's depth at its own rate, so a count extrapolated by
+    block extrapolates each (api/graph_pricing.py)."""
 
     @property
     def total(self) -> int:
@@ -285,6 +289,7 @@ def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]], sta
         timeline += [MemoryPoint(g, "forward", name, saved.total + nbytes) for name, nbytes in fw.after_node]
         saved += fw.live_at_end
         forwards.append(fw)
+    forward_peak, backward_peak = peak, Live()
     step, produced = peak.total, 0  # see [Note: gradients live to the optimizer]
     for g, ((forward, backward), fw) in reversed(list(enumerate(zip(pairs, forwards)))):
         saved -= fw.live_at_end
@@ -293,10 +298,12 @@ def step_peak(pairs: Sequence[tuple[fx.GraphModule, fx.GraphModule | None]], sta
         inputs = _saved_inputs(forward, fw, backward)
         bw = liveness(backward, inputs.same_as, inputs.counted, inputs.gathered, exclude_outputs=True,
                       staged_collectives=staged_collectives)
-        peak = _higher(peak, saved + bw.peak)
+        backward_peak = _higher(backward_peak, saved + bw.peak)
+        peak = _higher(peak, backward_peak)
         held = liveness(backward, inputs.same_as, inputs.counted, inputs.gathered, exclude_outputs=False,
                         staged_collectives=staged_collectives)
         step = max(step, saved.total + produced + held.peak.total)
         timeline += [MemoryPoint(g, "backward", name, saved.total + produced + nbytes) for name, nbytes in held.after_node]
         produced += held.live_at_end.total
-    return dataclasses.replace(peak, step=max(step, peak.total), timeline=tuple(timeline))
+    phases = tuple((p.gathered, p.activations) for p in (forward_peak, backward_peak))
+    return dataclasses.replace(peak, step=max(step, peak.total), timeline=tuple(timeline), phases=phases)

@@ -49,6 +49,8 @@ class Memory:
     """The most bytes the step's graphs hold at once above the state a rank keeps between steps:
     gathered parameters, activations and the gradients produced by then ([Note: gradients live to
     the optimizer] in compiler/memory.py). What a rank measures above its bytes at the step's start."""
+    phase_peaks: tuple[tuple[int, int], ...] = ()
+    """(gathered, activations) at the forward graphs' peak and at the backward graphs' (``Live.phases``)."""
 
     @property
     def total(self) -> int:
@@ -107,4 +109,5 @@ def per_rank_memory(
         formula=formula,
         symbolic=symbolic,
         step_peak=max(peak.step, peak.total),
+        phase_peaks=peak.phases,
     )

@@ -26,6 +26,8 @@ class ParameterPlan:
 
 
 ON_GRAPHS = "compiled graphs"  # Plan.priced_on of a plan priced by dpar inspect (``dpar.plan(on_graphs=True)``)
+# ... of a plan priced by dpar inspect on copies cut to a few blocks, extrapolated to every block (api/graph_pricing.py)
+ON_BLOCK_GRAPHS = "compiled graphs of copies cut to one and two blocks, extrapolated to every block"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,11 +161,16 @@ class Plan:
     policies: tuple[PolicyOption, ...] = ()  # each policy's best, as the solver compared them
     strategies: tuple[PolicyOption, ...] = ()  # the named strategies on the same mesh, priced alike (side by side)
     memory_budget_bytes: float | None = None  # the budget it was planned under
-    priced_on: str = "op graph"  # or ON_GRAPHS: priced by dpar inspect (api/planning.py, ``on_graphs``)
+    priced_on: str = "op graph"  # or ON_GRAPHS / ON_BLOCK_GRAPHS: priced by dpar inspect (api/graph_pricing.py)
     pipeline: PipelineLayout | None = None  # the answer is a pipeline: dpar.pipeline(..., plan=plan) runs it
     pipeline_search: str = ""  # what the pipeline search, where it ran, said beside its answer (or why it gave none)
     # Wall time planning took, by phase (capture, search, pricing): not part of what the plan is.
     seconds: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
+
+    @property
+    def counted_on_graphs(self) -> bool:
+        """Its cost is ``dpar inspect``'s count on the compiled graphs (``dpar.plan(on_graphs=True)``)."""
+        return self.priced_on in (ON_GRAPHS, ON_BLOCK_GRAPHS)
 
     @property
     def data_axes(self) -> tuple[int, ...]:
@@ -340,7 +347,7 @@ def render(plan: Plan, console: Any) -> None:
     cost = Table(title=f"modelled cost per step, per rank (compute and activations counted on the {plan.priced_on})")
     cost.add_column("term")
     cost.add_column("value", justify="right")
-    inspected = plan.priced_on == ON_GRAPHS
+    inspected = plan.counted_on_graphs
     comm = ((("comm (every collective, simulated)", _seconds(c.comm_s)),) if inspected else
             (("tp comm (critical path)", _seconds(c.tp_comm_s)),
              *((("ep all-to-alls (critical path)", _seconds(c.ep_comm_s)),) if c.ep_comm_s else ()),
@@ -447,7 +454,7 @@ def _render_activations(plan: Plan, console: Any) -> None:
         for column in ("", "keep", "chosen policy"):
             table.add_column(column, justify="right" if column else "left")
         state = c.memory_bytes_per_rank - c.activation_bytes_per_rank
-        table.add_row("state" + (" and gathered parameters" if plan.priced_on == ON_GRAPHS else ""), _bytes(state), _bytes(state))
+        table.add_row("state" + (" and gathered parameters" if plan.counted_on_graphs else ""), _bytes(state), _bytes(state))
         table.add_row("activations", _bytes(c.activation_bytes_keep or 0), _bytes(c.activation_bytes_per_rank))
         table.add_row("total", _bytes(c.memory_bytes_keep), _bytes(c.memory_bytes_per_rank))
         table.add_row("recompute added to the step", "0", _seconds(c.recompute_s))

@@ -7,16 +7,19 @@ compiling a 3-layer Llama at 1 and 8 simulated ranks per case.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import dpar
 from dpar.compiler.costs import PRESETS, DeviceSpec
 from dpar.planner.capture import build_op_graph
-from dpar.core.plan import Recompute
+from dpar.core.plan import ActivationPolicy, Recompute
+from dpar.graph_pricing import block_cut
 from dpar.planner.activations import with_policy
 from dpar.planner.evaluate import evaluate
-from dpar.planner.plan import ON_GRAPHS
+from dpar.planner.plan import ON_BLOCK_GRAPHS, ON_GRAPHS
 from dpar.planner.strategies import strategy_assignment
 from dpar.planning import global_batch, priced_on_graphs
 from planner_models import mlp
@@ -154,15 +157,49 @@ def test_the_plan_dpar_plan_chooses_reports_inspects_figures(small_llama):
     assert as_planned.memory.total == report.memory.total
 
 
-def test_a_tensor_parallel_plan_keeps_the_searchs_figures(small_llama):
-    """A plan with a tp axis keeps the search's figures under ``on_graphs`` (compiling tp's propagation at real sizes
-    costs minutes); ``dpar.explain(plan=...)`` takes the strategy and world from the plan."""
+def test_a_tensor_parallel_plan_is_counted_on_its_graphs(small_llama):
+    """A plan with a tp axis is counted on its compiled graphs under ``on_graphs``: the 3-layer Llama whole (copies cut
+    to one and two blocks would cost as much); ``dpar.explain(plan=...)`` takes the strategy and world from the plan."""
     model, rank_inputs, _ = small_llama
     chosen = dpar.plan(model, global_batch(rank_inputs, WORLD), mesh_shape=(4, 2), mesh_dim_names=("dp", "tp"),
                        device="h100", on_graphs=True)
-    assert chosen.priced_on != ON_GRAPHS and "tp" in chosen.strategy
+    assert chosen.priced_on == ON_GRAPHS and "tp" in chosen.strategy
+    report = dpar.explain(model, rank_inputs, plan=chosen, device="h100")
+    assert chosen.cost.memory_bytes_per_rank == report.memory.total
+    assert chosen.cost.step_s == pytest.approx(report.timeline.step_time, rel=1e-12)
     with pytest.raises(dpar.OptionsError, match="plan= gives the strategy"):
         dpar.explain(model, rank_inputs, plan=chosen, strategy="fsdp")
+
+
+def test_a_deep_tensor_parallel_plan_is_counted_on_copies_cut_to_one_and_two_blocks():
+    """[Note: a plan counted on copies cut to one and two blocks]: a 5-layer Llama (128 tokens a rank), zero2+tp (SP) on 2 x 4 (h100
+    preset), one policy in every block and then two (full recomputation in the first two, selective in the rest):
+    the figures extrapolated from the cut copies against the whole model's count: the memory at the step's peak to the
+    byte (each phase's peak extrapolated on its own), the recomputation to 1e-9, compute, the step and the exposed
+    communication within 0.5 % (a few small kernels and waits fall differently at this size; at Llama-3-8B's width
+    compute agrees to 1e-12 and the step to 2e-4)."""
+    transformers = pytest.importorskip("transformers")
+    from llama3_on_paper import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "num_hidden_layers": 5})))
+    rank_inputs = (torch.zeros(1, 128, dtype=torch.long, device="meta"),)
+    chosen = dpar.plan(model, global_batch(rank_inputs, WORLD), mesh_shape=(2, 4), mesh_dim_names=("dp", "tp"),
+                       device="h100")
+    mixed = ActivationPolicy(Recompute.SELECTIVE, tuple((f"inner.model.layers.{i}", Recompute.FULL) for i in range(2)))
+    for plan, kinds in ((chosen, 1), (dataclasses.replace(chosen, activations=mixed), 2)):
+        cut = block_cut(model, plan)
+        assert cut is not None and cut.path == "inner.model.layers" and len(cut.kinds) == kinds
+        priced = priced_on_graphs(plan, model, global_batch(rank_inputs, WORLD), "h100")
+        report = dpar.explain(model, rank_inputs, plan=plan, device="h100")
+        assert priced.priced_on == ON_BLOCK_GRAPHS and priced.counted_on_graphs
+        assert priced.cost.memory_bytes_per_rank == report.memory.total
+        assert priced.cost.activation_bytes_per_rank == report.memory.activations
+        assert priced.cost.compute_s + priced.cost.recompute_s == pytest.approx(report.timeline.compute_time, rel=5e-3)
+        assert priced.cost.recompute_s == pytest.approx(report.recompute_time, rel=1e-9)
+        assert (priced.cost.recompute_s > 0) == plan.activations.recomputes
+        assert priced.cost.step_s == pytest.approx(report.timeline.step_time, rel=5e-3)
+        assert priced.cost.exposed_comm_s == pytest.approx(report.timeline.exposed_comm, rel=5e-3)
 
 
 def test_a_tensor_parallel_plans_graphs_hold_about_what_the_search_counts():

@@ -9,7 +9,7 @@ compiles that plan's step for every rank of the mesh (fake process group) and co
 same device description: memory at the step's peak, compute, communication, the simulated step and what of the
 communication it leaves exposed. A ratio is the graphs' figure over the search's (1: they agree): how far the
 search's own prices, which rank the plans, are from what the chosen plan's graphs hold and run. ``dpar plan`` reports
-the graphs' count (``priced_on_graphs``: a tp plan on copies cut to one and two blocks, extrapolated): the last
+the graphs' count (``priced_on_graphs``: a tp plan on copies cut to two and three blocks, extrapolated): the last
 column is that count over the whole model's. Writes benchmarks/results/plan_against_graphs.json (its
 page: ``python benchmarks/results_pages.py``) and prints the table.
 """

@@ -27,7 +27,7 @@ class ParameterPlan:
 
 ON_GRAPHS = "compiled graphs"  # Plan.priced_on of a plan priced by dpar inspect (``dpar.plan(on_graphs=True)``)
 # ... of a plan priced by dpar inspect on copies cut to a few blocks, extrapolated to every block (api/graph_pricing.py)
-ON_BLOCK_GRAPHS = "compiled graphs of copies cut to one and two blocks, extrapolated to every block"
+ON_BLOCK_GRAPHS = "compiled graphs of copies cut to two and three blocks, extrapolated to every block"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,12 @@ rows run as copies of the program: [Note: the data contract under tensor paralle
 recomputation, communication, the simulated step and the communication it leaves exposed grow by the same amount
 with each block of the same kind, and so does each phase's peak (the forward's, at its end, holds every block's
 saved activations; the backward's, early in it, most of them). So such a plan is counted on meta copies of the
-model whose block list (``model_blocks``) is cut to two and to three blocks of the commonest kind M (a kind: the
-blocks' parameters, their placements and the block's activation policy), giving c + 2m and c + 3m (c: what lies
-outside the blocks), and to one block of each other kind X followed by one of M (c + x + m); each figure is then
+model whose block list (``model_blocks``) is cut to two and to three consecutive blocks of the commonest kind M
+with such a run (a kind: the blocks' parameters, their placements and the block's activation policy), giving c + 2m
+and c + 3m (c: what lies outside the blocks), and for each other kind X to a block of X next to one of M, as the
+model has them (c + x + m). The copies keep blocks that follow each other in the model, so what passes from block to
+block is what passes in the model: blocks placed alternately (column- then row-split) are counted whole. Each
+figure is then
 ``c + n_M m + sum_X n_X x``, and the memory the state plus the higher of the two phases' extrapolated peaks
 (``Memory.phase_peaks``: the peak moves from the backward to the forward's end as blocks are added, so
 extrapolating the peak itself falls short). One block alone is not a base: its backward peaks where a deeper
@@ -62,10 +65,12 @@ Figures = dict[str, float]  # what a count reports that grows with the blocks (`
 
 @dataclasses.dataclass(frozen=True)
 class BlockCut:
-    """Where a model's blocks are and which of them are alike under a plan (see the Note)."""
+    """Which of a model's blocks the cut copies keep, under a plan (see the Note)."""
 
     path: str  # the block list's module path (``inner.model.layers``)
-    kinds: tuple[tuple[int, ...], ...]  # the blocks' indices, one tuple per kind, the commonest first
+    counts: tuple[int, ...]  # how many blocks of each kind, the base kind first
+    run: tuple[int, int, int]  # three consecutive blocks of the base kind
+    pairs: tuple[tuple[int, int], ...]  # for each other kind, two consecutive blocks: one of it, one of the base kind
 
 
 def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[object] | torch.Tensor,
@@ -81,7 +86,7 @@ def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[ob
     if cut is not None:
         try:
             figures = _extrapolated(chosen, model, inputs, device, cut)
-        except Exception as error:  # noqa: BLE001 - a forward that needs all its blocks: the whole count says
+        except Exception as error:  # noqa: BLE001 - a forward that runs only its whole block list: counted whole below
             warnings.warn(f"on_graphs: the copies of {type(model).__name__} cut to a few blocks could not be counted "
                           f"({type(error).__name__}: {error}); counting the whole model instead", stacklevel=2)
         else:
@@ -106,10 +111,22 @@ def block_cut(model: nn.Module, plan: Plan) -> BlockCut | None:
     for i, block in enumerate(blocks):
         own = tuple((p.name[len(block):], p.shape, p.placements) for p in plan.parameters if p.name.startswith(block + "."))
         kinds.setdefault((own, plan.activations.of_block(block)), []).append(i)
-    ordered = sorted(kinds.values(), key=len, reverse=True)
-    if len(ordered[0]) < 3 or 5 + 2 * (len(ordered) - 1) >= len(blocks):  # the cut copies' blocks against the model's
+    members = list(kinds.values())
+    kind_of = {i: k for k, of_kind in enumerate(members) for i in of_kind}
+    # The copies keep blocks that follow each other in the model, so what passes between blocks is what the model
+    # passes (two column-split layers never meet where the model alternates them with row-split ones).
+    runs = [(kind_of[i], (i, i + 1, i + 2)) for i in range(len(blocks) - 2) if kind_of[i] == kind_of[i + 1] == kind_of[i + 2]]
+    if not runs or 5 + 2 * (len(members) - 1) >= len(blocks):  # the cut copies' blocks against the model's
         return None
-    return BlockCut(path, tuple(tuple(k) for k in ordered))
+    base, run = max(runs, key=lambda r: len(members[r[0]]))
+    pairs = []
+    for kind in (k for k in range(len(members)) if k != base):
+        pair = next(((i, i + 1) for i in range(len(blocks) - 1) if {kind_of[i], kind_of[i + 1]} == {kind, base}), None)
+        if pair is None:
+            return None
+        pairs.append(pair)
+    counts = (len(members[base]), *(len(m) for k, m in enumerate(members) if k != base))
+    return BlockCut(path, counts, run, tuple(pairs))
 
 
 def _extrapolated(plan: Plan, model: nn.Module, inputs: tuple[object, ...], device: DeviceSpec, cut: BlockCut) -> Figures:
@@ -117,14 +134,14 @@ def _extrapolated(plan: Plan, model: nn.Module, inputs: tuple[object, ...], devi
     def counted(kept: tuple[int, ...]) -> Figures:
         return _figures(_inspected(_cut_plan(plan, cut.path, kept), model, inputs, device, (cut.path, kept)))
 
-    commonest, *others = cut.kinds
-    two, three = counted(commonest[:2]), counted(commonest[:3])  # c + 2 m, c + 3 m
+    two, three = counted(cut.run[:2]), counted(cut.run)  # c + 2 m, c + 3 m
     per_block = {f: three[f] - two[f] for f in two}
     outside = {f: two[f] - 2 * per_block[f] for f in two}
-    total = {f: outside[f] + len(commonest) * per_block[f] for f in two}
-    for kind in others:
-        with_kind = counted((kind[0], commonest[0]))  # c + x + m
-        total = {f: v + len(kind) * (with_kind[f] - outside[f] - per_block[f]) for f, v in total.items()}
+    base, *others = cut.counts
+    total = {f: outside[f] + base * per_block[f] for f in two}
+    for count, pair in zip(others, cut.pairs):
+        with_kind = counted(pair)  # c + x + m
+        total = {f: v + count * (with_kind[f] - outside[f] - per_block[f]) for f, v in total.items()}
     return total
 
 

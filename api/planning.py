@@ -135,8 +135,9 @@ def plan(
 # short (search budget x budget / what the graphs held), up to ``GRAPH_ROUNDS`` times, and the first plan whose graphs
 # fit is the answer; where none does, ``PlanMemoryError`` names the least the graphs held. The plan's
 # ``memory_budget_bytes`` stays the user's; its policy table is the last search's. A pipeline plan keeps its stage
-# graphs' count (api/graph_pricing.py). The searches after the first compare
-# placements only: a pipeline the first comparison found slower is not weighed again.
+# graphs' count (api/graph_pricing.py). The searches after the first compare placements only; their answer, counted on
+# its graphs, is weighed against the pipeline search's best once more (and where no placement's graphs fit, a
+# pipeline that fits is the answer): [Note: one answer over placements and pipelines].
 
 GRAPH_ROUNDS = 3
 

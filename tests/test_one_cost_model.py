@@ -260,7 +260,8 @@ def test_a_plan_over_the_budget_on_its_graphs_is_searched_again_until_they_fit()
     """[Note: a plan that fits on its graphs]: the tests' 2-block GPT on 4 ranks (cpu preset) at 70 % of ddp's
     footprint. The search's answer (zero2, keeping every activation) holds more than the budget on its compiled graphs;
     with ``on_graphs`` the search runs again under a budget scaled by its shortfall and the answer's graphs fit. At 55 %
-    no plan's graphs fit: a PlanMemoryError says what each held there."""
+    no plan's graphs fit: a PlanMemoryError says what each held there, or, with pipelines searched, a pipeline that
+    fits is the answer."""
     from planner_models import gpt
 
     model, inputs = gpt(n_layer=2, n_embd=128, n_head=4, block=64, vocab=2048, batch=8)
@@ -272,5 +273,9 @@ def test_a_plan_over_the_budget_on_its_graphs_is_searched_again_until_they_fit()
     fitting = dpar.plan(model, inputs, mesh_shape=(4,), device="cpu", memory_budget_gb=budget / 1e9, on_graphs=True)
     assert fitting.priced_on == ON_GRAPHS and fitting.cost.memory_bytes_per_rank <= budget
     assert fitting.memory_budget_bytes == budget and fitting.activations != searched.activations
+    tight = budget / 0.7 * 0.55 / 1e9
     with pytest.raises(dpar.PlanMemoryError, match=r"counted on its compiled graphs: the search's plans held .* GB"):
-        dpar.plan(model, inputs, mesh_shape=(4,), device="cpu", memory_budget_gb=budget / 0.7 * 0.55 / 1e9, on_graphs=True)
+        dpar.plan(model, inputs, mesh_shape=(4,), device="cpu", memory_budget_gb=tight, on_graphs=True)
+    # Where no placement's graphs fit, a pipeline that fits (by its stage graphs) is the answer.
+    piped = dpar.plan(model, inputs, mesh_shape=(4,), device="cpu", memory_budget_gb=tight, on_graphs=True, pipelines=True)
+    assert piped.pipeline is not None and piped.cost.memory_bytes_per_rank <= tight * 1e9

@@ -16,29 +16,28 @@ is counted on copies of the model cut to a few blocks (the Note below); a pipeli
 its stage graphs (``dpar.planner.plan_pipeline``).
 
 [Note: a plan counted on copies cut to a few blocks]
-Compiling a tensor-parallel plan's step costs about 5 s a block on 2 cores at Llama-3-8B's width (each rank's
-rows run as copies of the program: [Note: the data contract under tensor parallel]), minutes for a real model's
-32 to 126 blocks. Every figure the count reports is a sum over the blocks plus what lies outside them: compute,
-recomputation, communication, the simulated step and the communication it leaves exposed grow by the same amount
-with each block of the same kind, and so does each phase's peak (the forward's, at its end, holds every block's
-saved activations; the backward's, early in it, most of them). So such a plan is counted on meta copies of the
-model whose block list (``model_blocks``) is cut to two and to three consecutive blocks of the commonest kind M
-with such a run (a kind: the blocks' parameters, their placements and the block's activation policy), giving c + 2m
-and c + 3m (c: what lies outside the blocks), and for each other kind X to a block of X next to one of M, as the
-model has them (c + x + m). The copies keep blocks that follow each other in the model, so what passes from block to
-block is what passes in the model: blocks placed alternately (column- then row-split) are counted whole. Each
-figure is then
-``c + n_M m + sum_X n_X x``, and the memory the state plus the higher of the two phases' extrapolated peaks
-(``Memory.phase_peaks``: the peak moves from the backward to the forward's end as blocks are added, so
-extrapolating the peak itself falls short). One block alone is not a base: its backward peaks where a deeper
-model's does not (the tests' GPT under ddp+cp: 837 bytes a block from one block to two, 1,586 from two on; the
-5-block count extrapolated from one and two fell 8 % short). Measured on Hugging Face's Llama at Llama-3-8B's width
-cut to 8 layers, zero2+tp (SP) on 8 x 8 (2026-11-30): the extrapolation gives the 8-block count's memory at the
-step's peak to the byte, its compute, step and exposed communication to 1e-12, keeping every activation and with
-full recomputation in 7 blocks and selective in the last (from one and two blocks the step was 2e-4 off). A model whose blocks are not one numbered ``nn.ModuleList`` or
-``nn.Sequential``, one with fewer than three blocks of its commonest kind, a policy given as a budget of saved bytes,
-or so few blocks that the cut copies would cost as much, is counted whole. A plan priced so prints no
-keep-every-activation column (counting it would cost the copies again).
+Compiling a tensor-parallel plan's step costs about 5 s a block on 2 cores at Llama-3-8B's width (each rank's rows
+run as copies of the program: [Note: the data contract under tensor parallel]), minutes for a real model's 32 to 126
+blocks. Every figure the count reports is a sum over the blocks plus what lies outside them: compute, recomputation,
+communication, the simulated step and the communication it leaves exposed grow by the same amount with each block of
+the same kind, and so does each phase's peak (the forward's, at its end, holds every block's saved activations; the
+backward's, early in it, most of them). So such a plan is counted on meta copies of the model whose block list
+(``model_blocks``) is cut to two and to three consecutive blocks of the commonest kind M with such a run (a kind:
+the blocks' parameters, their placements and the block's activation policy), giving c + 2m and c + 3m (c: what lies
+outside the blocks), and for each other kind X to a block of X next to one of M, as the model has them (c + x + m).
+The copies keep blocks that follow each other in the model, so what passes from block to block is what passes in the
+model: blocks placed alternately (column- then row-split) are counted whole. Each figure is then ``c + n_M m + sum_X
+n_X x``, and the memory the state plus the higher of the two phases' extrapolated peaks (``Memory.phase_peaks``: the
+peak moves from the backward to the forward's end as blocks are added, so extrapolating the peak itself falls
+short). One block alone is not a base: its backward peaks where a deeper model's does not (the tests' GPT under
+ddp+cp: its backward's peak grew 837 kB from one block to two, 1,586 kB a block from two on; the 5-block count extrapolated from one and two
+fell 8 % short). Measured on Hugging Face's Llama at Llama-3-8B's width cut to 8 layers, zero2+tp (SP) on 8 x 8
+(2026-11-30): the extrapolation gives the 8-block count's memory at the step's peak to the byte, its compute, step
+and exposed communication to 1e-12, keeping every activation and with full recomputation in 7 blocks and selective
+in the last (from one and two blocks the step was 2e-4 off). A model whose blocks are not one numbered
+``nn.ModuleList`` or ``nn.Sequential``, one without three consecutive blocks of one kind, a policy given as a
+budget of saved bytes, or so few blocks that the cut copies would cost as much, is counted whole. A plan priced so
+prints no keep-every-activation column (counting it would cost the copies again).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ page: ``python benchmarks/results_pages.py``) and prints the table.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from llama3_on_paper import llama3  # noqa: E402
 
 import dpar  # noqa: E402
 import torch  # noqa: E402
-from dpar.planning import global_batch, priced_on_graphs  # noqa: E402
+from dpar.planning import CostBreakdown, global_batch, priced_on_graphs  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 CASES = (  # layers, mesh, the mesh's roles, the memory budget (GB a rank)
@@ -41,18 +42,20 @@ CASES = (  # layers, mesh, the mesh's roles, the memory budget (GB a rank)
 FIGURES = ("memory_gb", "compute_ms", "comm_ms", "exposed_ms", "step_ms")
 
 
+def _figures(c: CostBreakdown) -> dict[str, float]:
+    """A plan's cost in the table's units."""
+    return dict(memory_gb=c.memory_bytes_per_rank / 1e9, compute_ms=(c.compute_s + c.recompute_s) * 1e3,
+                comm_ms=c.comm_s * 1e3, exposed_ms=c.exposed_comm_s * 1e3, step_ms=c.step_s * 1e3)
+
+
 def case(layers: int, mesh: tuple[int, ...], roles: tuple[str, ...], budget_gb: float) -> dict:
     model, rank_inputs = llama3("8b", rows=1, num_hidden_layers=layers)
-    world = 1
-    for size in mesh:
-        world *= size
+    world = math.prod(mesh)
     start = time.perf_counter()
     plan = dpar.plan(model, global_batch(rank_inputs, world), mesh_shape=mesh, mesh_dim_names=roles,
                      memory_budget_gb=budget_gb)
     planned_s = time.perf_counter() - start
-    c = plan.cost
-    search = dict(memory_gb=c.memory_bytes_per_rank / 1e9, compute_ms=(c.compute_s + c.recompute_s) * 1e3,
-                  comm_ms=c.comm_s * 1e3, exposed_ms=c.exposed_comm_s * 1e3, step_ms=c.step_s * 1e3)
+    search = _figures(plan.cost)
     start = time.perf_counter()
     report = dpar.explain(model, rank_inputs, plan=plan, device="h100")
     counted_s = time.perf_counter() - start
@@ -60,10 +63,8 @@ def case(layers: int, mesh: tuple[int, ...], roles: tuple[str, ...], budget_gb: 
     graphs = dict(memory_gb=report.memory.total / 1e9, compute_ms=t.compute_time * 1e3, comm_ms=t.comm_time * 1e3,
                   exposed_ms=t.exposed_comm * 1e3, step_ms=t.step_time * 1e3)
     start = time.perf_counter()
-    priced = priced_on_graphs(plan, model, global_batch(rank_inputs, world), "h100").cost  # dpar plan's own count
+    dpar_plan = _figures(priced_on_graphs(plan, model, global_batch(rank_inputs, world), "h100").cost)  # dpar plan's own
     priced_s = time.perf_counter() - start
-    dpar_plan = dict(memory_gb=priced.memory_bytes_per_rank / 1e9, compute_ms=(priced.compute_s + priced.recompute_s) * 1e3,
-                     comm_ms=priced.comm_s * 1e3, exposed_ms=priced.exposed_comm_s * 1e3, step_ms=priced.step_s * 1e3)
     return {
         "model": f"Llama-3-8B, {layers} layers", "mesh": " x ".join(f"{n} {r}" for n, r in zip(mesh, roles)),
         "budget_gb": budget_gb,

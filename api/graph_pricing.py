@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -58,6 +59,7 @@ from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy
 from dpar.core.torch_internals import pytree
 from dpar.placement import model_blocks
 from dpar.planner.plan import ON_BLOCK_GRAPHS, ON_GRAPHS, CostBreakdown, Plan
+from dpar.side_processes import Job, SideProcesses
 
 Figures = dict[str, float]  # what a count reports that grows with the blocks (``_figures``)
 
@@ -76,25 +78,93 @@ def priced_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[ob
                      device: str | DeviceSpec = "h100") -> Plan:
     """``chosen`` with the figures ``dpar.explain`` reports for it on ``model`` fed ``example_inputs`` (the global
     batch the plan was priced at); a plan with a tensor- or context-parallel axis counted on copies cut to a few
-    blocks. See the Notes above."""
+    blocks, the copies compiled side by side (api/side_processes.py). See the Notes above."""
+    with SideProcesses() as side:
+        counting = count_on_graphs(chosen, model, example_inputs, device, side)
+        return chosen if counting is None else counting.priced(chosen)
+
+
+@dataclasses.dataclass
+class Counting:
+    """A plan's count on its compiled graphs under way: one job a compiled copy of the model (see the Notes)."""
+
+    side: SideProcesses
+    plan: Plan
+    model: nn.Module
+    inputs: tuple[object, ...]
+    device: DeviceSpec
+    cut: BlockCut | None  # None: the whole model, kept: the jobs' copies (the base kind's three, two, then the pairs)
+    jobs: tuple[Job[Figures], ...]
+
+    def priced(self, plan: Plan) -> Plan:
+        """``plan`` (the counted plan, its rows of other strategies as they stand now) with the count's figures."""
+        figures = self._collected()
+        if self.cut is not None and figures is not None:
+            three, two, *pairs = figures
+            return dataclasses.replace(plan, cost=_cost(plan.cost, _extrapolated(self.cut, two, three, pairs)),
+                                       priced_on=ON_BLOCK_GRAPHS)
+        if figures is None:  # the cut copies failed: the whole model, in the caller's process
+            self.cut, self.jobs = None, _whole_jobs(self.plan, self.model, self.inputs, self.device, self.side)
+            figures = self._collected()
+            assert figures is not None
+        cost = _cost(plan.cost, figures[0])
+        if len(figures) > 1:
+            kept = figures[1]
+            cost = dataclasses.replace(cost, memory_bytes_keep=round(kept["memory"]),
+                                       activation_bytes_keep=round(kept["activations"]))
+        return dataclasses.replace(plan, cost=cost, priced_on=ON_GRAPHS)
+
+    def cancel(self) -> None:
+        """The count dropped (the plan it was for is not the answer)."""
+        self.side.cancel(*self.jobs)
+
+    def _collected(self) -> list[Figures] | None:
+        """Each job's figures; None where a cut copy could not be counted (warned: the whole model is counted)."""
+        try:
+            return [self.side.result(job) for job in self.jobs]
+        except Exception as error:  # noqa: BLE001 - a forward that runs only its whole block list: counted whole
+            if self.cut is None:
+                raise
+            self.cancel()
+            warnings.warn(f"on_graphs: the copies of {type(self.model).__name__} cut to a few blocks could not be "
+                          f"counted ({type(error).__name__}: {error}); counting the whole model instead", stacklevel=3)
+            return None
+
+
+def count_on_graphs(chosen: Plan, model: nn.Module, example_inputs: Sequence[object] | torch.Tensor,
+                    device: str | DeviceSpec, side: SideProcesses) -> Counting | None:
+    """The count of ``chosen`` on its compiled graphs, started on ``side`` (None for a pipeline plan, which its stage
+    graphs priced): the copies of a plan with a tp or cp axis, else the whole model (and, for a plan that recomputes,
+    the whole model keeping every activation, for the before/after table)."""
     if chosen.pipeline is not None:
-        return chosen
+        return None
     device = device_spec(device)
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     cut = block_cut(model, chosen) if {"tp", "cp"} & set(chosen.mesh_dim_names) else None
-    if cut is not None:
-        try:
-            figures = _extrapolated(chosen, model, inputs, device, cut)
-        except Exception as error:  # noqa: BLE001 - a forward that runs only its whole block list: counted whole below
-            warnings.warn(f"on_graphs: the copies of {type(model).__name__} cut to a few blocks could not be counted "
-                          f"({type(error).__name__}: {error}); counting the whole model instead", stacklevel=2)
-        else:
-            return dataclasses.replace(chosen, cost=_cost(chosen.cost, figures), priced_on=ON_BLOCK_GRAPHS)
-    cost = _cost(chosen.cost, _figures(_inspected(chosen, model, inputs, device)))
-    if chosen.activations.recomputes:
-        kept = _inspected(dataclasses.replace(chosen, activations=KEEP_ACTIVATIONS), model, inputs, device)
-        cost = dataclasses.replace(cost, memory_bytes_keep=kept.memory.total, activation_bytes_keep=kept.memory.activations)
-    return dataclasses.replace(chosen, cost=cost, priced_on=ON_GRAPHS)
+    if cut is None:
+        return Counting(side, chosen, model, inputs, device, None, _whole_jobs(chosen, model, inputs, device, side))
+    jobs = tuple(  # the longest first: the others fill the cores as it runs
+        side.submit(f"the count on a copy of blocks {kept} of {cut.path}",
+                    functools.partial(_count, _cut_plan(chosen, cut.path, kept), model, inputs, device, (cut.path, kept)))
+        for kept in (cut.run, cut.run[:2], *cut.pairs))
+    return Counting(side, chosen, model, inputs, device, cut, jobs)
+
+
+def _whole_jobs(plan: Plan, model: nn.Module, inputs: tuple[object, ...], device: DeviceSpec,
+                side: SideProcesses) -> tuple[Job[Figures], ...]:
+    jobs = [side.submit("the count on the whole model", functools.partial(_count, plan, model, inputs, device))]
+    if plan.activations.recomputes:
+        kept = dataclasses.replace(plan, activations=KEEP_ACTIVATIONS)
+        jobs.append(side.submit("the count on the whole model keeping every activation",
+                                functools.partial(_count, kept, model, inputs, device)))
+    return tuple(jobs)
+
+
+def _count(plan: Plan, model: nn.Module, inputs: tuple[object, ...], device: DeviceSpec,
+           blocks: tuple[str, tuple[int, ...]] | None = None) -> Figures:
+    """The figures of ``plan``'s count on a meta copy of ``model`` (cut to ``blocks``)."""
+    report = _inspected(plan, model, inputs, device, blocks)
+    return dict(_figures(report), memory=report.memory.total, activations=report.memory.activations)
 
 
 def block_cut(model: nn.Module, plan: Plan) -> BlockCut | None:
@@ -128,18 +198,14 @@ def block_cut(model: nn.Module, plan: Plan) -> BlockCut | None:
     return BlockCut(path, counts, run, tuple(pairs))
 
 
-def _extrapolated(plan: Plan, model: nn.Module, inputs: tuple[object, ...], device: DeviceSpec, cut: BlockCut) -> Figures:
-    """Each figure of the whole model from the cut copies' counts (see the Note)."""
-    def counted(kept: tuple[int, ...]) -> Figures:
-        return _figures(_inspected(_cut_plan(plan, cut.path, kept), model, inputs, device, (cut.path, kept)))
-
-    two, three = counted(cut.run[:2]), counted(cut.run)  # c + 2 m, c + 3 m
+def _extrapolated(cut: BlockCut, two: Figures, three: Figures, pairs: list[Figures]) -> Figures:
+    """Each figure of the whole model from the cut copies' counts: c + 2m, c + 3m, and c + x + m for each other kind
+    (see the Note)."""
     per_block = {f: three[f] - two[f] for f in two}
     outside = {f: two[f] - 2 * per_block[f] for f in two}
     base, *others = cut.counts
     total = {f: outside[f] + base * per_block[f] for f in two}
-    for count, pair in zip(others, cut.pairs):
-        with_kind = counted(pair)  # c + x + m
+    for count, with_kind in zip(others, pairs):
         total = {f: v + count * (with_kind[f] - outside[f] - per_block[f]) for f, v in total.items()}
     return total
 
@@ -224,4 +290,4 @@ def _meta_copy(model: nn.Module, inputs: tuple[object, ...]) -> tuple[nn.Module,
     return copy.deepcopy(model, memo), tuple(moved)
 
 
-__all__ = ["BlockCut", "block_cut", "priced_on_graphs"]
+__all__ = ["BlockCut", "Counting", "block_cut", "count_on_graphs", "priced_on_graphs"]

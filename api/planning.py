@@ -24,7 +24,8 @@ from dpar.planner.layout import ROLES, Layout, layouts
 from dpar.planner.opgraph import OpGraph
 from dpar.planner.activations import POLICIES
 from dpar.planner.pipeline import PipelineCandidate, PipelinePlan
-from dpar.graph_pricing import priced_on_graphs
+from dpar.graph_pricing import count_on_graphs, priced_on_graphs
+from dpar.side_processes import SideProcesses
 from dpar.planner.plan import CostBreakdown, ParameterPlan, Plan, PolicyOption, policy_label
 from dpar.planner.rules import candidates
 from dpar.planner.strategies import compare_strategies
@@ -87,45 +88,60 @@ def plan(
     device = device_spec(device)
     device.links(shape)  # refuses hand-given links that do not match the mesh, before capturing
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    start = time.perf_counter()
-    graph = build_op_graph(model, inputs)
-    captured = time.perf_counter()
-    found = _usable_layouts(graph, shape, names)
     budget = device.memory_bytes if memory_budget_gb is None else memory_budget_gb * 1e9
     if pipelines is None:  # see the Note
         pipelines = device.cores is None and device.mesh_links is None
     pipelines = pipelines and names is None and math.prod(shape) > 1
-    try:
-        chosen: Plan | PlanMemoryError = _fastest(graph, found, device, budget)
-    except PlanMemoryError as unfit:
-        if not pipelines:
-            raise
-        chosen = unfit  # a pipeline may fit where no placement does
-    searched = time.perf_counter()
-    if isinstance(chosen, Plan):
-        chosen = dataclasses.replace(chosen, strategies=compare_strategies(graph, shape, device, budget))
-    compared = time.perf_counter()
-    seconds = (("capture", captured - start), ("search", searched - captured),
-               ("the named strategies priced", compared - searched))
-    piped: Plan | str = ""
-    if pipelines:
-        piped = _best_pipeline(model, inputs, math.prod(shape), budget, device, graph.batch_size)
-        chosen = _faster(chosen, piped)
-        seconds += (("the pipeline search", time.perf_counter() - compared),)
-        compared = time.perf_counter()
-    assert isinstance(chosen, Plan)
-    if on_graphs:
+    with SideProcesses() as side:  # see [Note: planning work in processes beside the caller's]
+        start = time.perf_counter()
+        searching = side.submit("the pipeline search", functools.partial(
+            _best_pipeline, model, inputs, math.prod(shape), budget, device)) if pipelines else None
+        graph = build_op_graph(model, inputs)
+        captured = time.perf_counter()
+        found = _usable_layouts(graph, shape, names)
         try:
-            chosen = _fitting_on_graphs(chosen, graph, found, device, budget, model, inputs)
-        except PlanMemoryError as unfit:  # no placement fits on its graphs; a pipeline that fits is the answer
-            if not isinstance(piped, Plan):
+            chosen: Plan | PlanMemoryError = _fastest(graph, found, device, budget)
+        except PlanMemoryError as unfit:
+            if not pipelines:
                 raise
-            return dataclasses.replace(_faster(unfit, piped), seconds=seconds)
-        if chosen.counted_on_graphs:
-            seconds += (("pricing on the compiled graphs", time.perf_counter() - compared),)
-            if isinstance(piped, Plan):  # both sides now priced on graphs: see [Note: one answer over placements and pipelines]
-                chosen = _faster(chosen, piped)
-    return dataclasses.replace(chosen, seconds=seconds)
+            chosen = unfit  # a pipeline may fit where no placement does
+        searched = time.perf_counter()
+        if isinstance(chosen, Plan):
+            chosen = dataclasses.replace(chosen, strategies=compare_strategies(graph, shape, device, budget))
+        compared = time.perf_counter()
+        seconds = (("capture", captured - start), ("search", searched - captured),
+                   ("the named strategies priced", compared - searched))
+        # The count starts before the pipeline search's answer is known, and is dropped if the pipeline wins.
+        counting = count_on_graphs(chosen, model, inputs, device, side) if on_graphs and isinstance(chosen, Plan) else None
+        piped: Plan | str = ""
+        if searching is not None:
+            piped = side.result(searching)
+            if isinstance(piped, Plan):
+                piped = dataclasses.replace(piped, batch_size=graph.batch_size)
+            chosen = _faster(chosen, piped)
+            seconds += (("the pipeline search", time.perf_counter() - compared),)
+            compared = time.perf_counter()
+            if counting is not None and chosen.pipeline is not None:
+                counting.cancel()
+                counting = None
+        assert isinstance(chosen, Plan)
+        if counting is not None:
+            try:
+                chosen = _fitting_on_graphs(counting.priced(chosen), graph, found, device, budget, model, inputs)
+            except PlanMemoryError as unfit:  # no placement fits on its graphs; a pipeline that fits is the answer
+                if not isinstance(piped, Plan):
+                    raise
+                return dataclasses.replace(_faster(unfit, piped), seconds=seconds, beside=_beside(side))
+            if chosen.counted_on_graphs:
+                seconds += (("pricing on the compiled graphs", time.perf_counter() - compared),)
+                if isinstance(piped, Plan):  # both sides now priced on graphs: see [Note: one answer over placements and pipelines]
+                    chosen = _faster(chosen, piped)
+        return dataclasses.replace(chosen, seconds=seconds, beside=_beside(side))
+
+
+def _beside(side: SideProcesses) -> tuple[tuple[str, float], ...]:
+    """Each job that ran in a process beside this one and how long it took there (empty where none forked)."""
+    return tuple((job.name, job.seconds) for job in side.finished) if side.forks else ()
 
 
 # [Note: a plan that fits on its graphs]
@@ -142,11 +158,11 @@ def plan(
 GRAPH_ROUNDS = 3
 
 
-def _fitting_on_graphs(chosen: Plan, graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None,
+def _fitting_on_graphs(priced: Plan, graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None,
                        model: nn.Module, inputs: tuple[object, ...]) -> Plan:
-    """``chosen`` priced on its compiled graphs, or the plan searched again until its graphs fit: see the Note."""
-    priced = priced_on_graphs(chosen, model, inputs, device)
-    search_budget, held = budget, []
+    """``priced`` (the search's answer, priced on its compiled graphs), or the plan searched again until its graphs
+    fit: see the Note."""
+    chosen, search_budget, held = priced, budget, []
     for searched in range(GRAPH_ROUNDS + 1):
         if budget is None or not priced.counted_on_graphs or priced.cost.memory_bytes_per_rank <= budget:
             return priced
@@ -337,10 +353,11 @@ def _splits_a_parameter(graph: OpGraph, tp: int) -> bool:
 # not the mesh they describe. ``pipelines=True`` searches them there anyway (on the device's inter-node link).
 
 
-def _best_pipeline(model: nn.Module, inputs: tuple[object, ...], world: int, budget: float | None, device: DeviceSpec,
-                   batch_size: int) -> Plan | str:
+def _best_pipeline(model: nn.Module, inputs: tuple[object, ...], world: int, budget: float | None,
+                   device: DeviceSpec) -> Plan | str:
     """The pipeline search's best pipeline of two stages or more on ``world`` ranks as a plan (its own row in
-    ``strategies``), or why there is none: see the Note above."""
+    ``strategies``; its ``batch_size``, which the op graph's capture counts, left for the caller), or why there is
+    none: see the Note above."""
     from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
     from dpar.inspect.pipeline import block_collectives
     from dpar.pipelining import pipeline
@@ -376,7 +393,7 @@ def _best_pipeline(model: nn.Module, inputs: tuple[object, ...], world: int, bud
             exposed_comm_s=best.tp_s + best.dp_comm_s, step_s=best.step_s, memory_bytes_per_rank=best.memory_bytes,
             tp_comm_s=best.tp_s, dp_comm_s=best.dp_comm_s, activation_bytes_per_rank=best.activation_bytes,
             recompute_s=best.recompute_s, bubble_s=best.pipeline_s - best.compute_s),
-        batch_size=batch_size, activations=ActivationPolicy(Recompute.parse(best.activations)), strategies=(row,),
+        batch_size=0, activations=ActivationPolicy(Recompute.parse(best.activations)), strategies=(row,),
         memory_budget_bytes=budget, priced_on="pipeline stage graphs", pipeline=layout, pipeline_search=remark,
     )
 

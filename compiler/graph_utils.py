@@ -53,6 +53,20 @@ def refresh_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*example_inputs)
 
 
+def fill_fake_values(gm: fx.GraphModule) -> None:
+    """Give only the nodes without a ``meta['val']`` one, computed from their inputs' values.
+
+    For a pass whose next pass reads shapes alone and ends in ``refresh_fake_values``: a node copied with its
+    metadata shares its original's value (the same storage), which a count of memory would take for one tensor.
+    """
+    mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and "val" in n.meta])
+    with mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "val" not in node.meta:
+                args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+                node.meta["val"] = node.target(*args, **kwargs)
+
+
 def fake_like(val: torch.Tensor) -> torch.Tensor:
     """A fresh contiguous tensor in the same fake mode as ``val``."""
     mode = detect_fake_mode([val])

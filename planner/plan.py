@@ -164,8 +164,10 @@ class Plan:
     priced_on: str = "op graph"  # or ON_GRAPHS / ON_BLOCK_GRAPHS: priced by dpar inspect (api/graph_pricing.py)
     pipeline: PipelineLayout | None = None  # the answer is a pipeline: dpar.pipeline(..., plan=plan) runs it
     pipeline_search: str = ""  # what the pipeline search, where it ran, said beside its answer (or why it gave none)
-    # Wall time planning took, by phase (capture, search, pricing): not part of what the plan is.
+    # Wall time planning took, by phase (capture, search, pricing; where work ran in processes beside the caller's,
+    # the wait for it): not part of what the plan is. ``beside``: each job such a process ran, and its own time.
     seconds: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
+    beside: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def counted_on_graphs(self) -> bool:
@@ -242,6 +244,7 @@ class Plan:
             pipeline=PipelineLayout(**raw["pipeline"]) if raw.get("pipeline") else None,
             pipeline_search=raw.get("pipeline_search", ""),
             seconds=tuple((phase, s) for phase, s in raw.get("seconds", ())),
+            beside=tuple((job, s) for job, s in raw.get("beside", ())),
         )
 
     def __str__(self) -> str:
@@ -372,6 +375,10 @@ def render(plan: Plan, console: Any) -> None:
     if plan.seconds:
         phases = ", ".join(f"{phase} {s:.1f} s" for phase, s in plan.seconds)
         console.print(f"planned in {sum(s for _, s in plan.seconds):.1f} s: {phases}")
+    if plan.beside:
+        jobs = ", ".join(f"{job} {s:.1f} s" for job, s in plan.beside)
+        console.print(f"run in {len(plan.beside)} forked processes, at most one a core, the phases after the search "
+                      f"waiting on them: {jobs}")
     if plan.memory_budget_bytes is not None and c.memory_bytes_per_rank > plan.memory_budget_bytes:
         console.print(f"warning: counted on the {plan.priced_on}, this plan holds {_bytes(c.memory_bytes_per_rank)} per rank, "
                       f"over the budget of {_bytes(plan.memory_budget_bytes)} that the search's op-graph count met")

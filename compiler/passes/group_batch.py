@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from dpar.compiler.graph_utils import refresh_fake_values
+from dpar.compiler.graph_utils import fill_fake_values
 from dpar.compiler.lowering import JOINT_INPUTS_KEY
 from dpar.compiler.passes.recompute import block_path
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
@@ -250,5 +250,5 @@ def unroll_group_batch(joint: fx.GraphModule, group: GroupBatch) -> fx.GraphModu
     graph.eliminate_dead_code()
     unrolled = fx.GraphModule(joint, graph)
     unrolled.meta.update(joint.meta)
-    refresh_fake_values(unrolled, [n.meta["val"] for n in unrolled.graph.nodes if n.op == "placeholder"])
+    fill_fake_values(unrolled)  # the tensor-parallel pass reads shapes, and refreshes every value after it
     return unrolled

@@ -1,0 +1,110 @@
+"""Planning work in forked processes beside the caller's (api/side_processes.py): values, errors, warnings, a child
+that dies or deadlocks, at most one job a core, and the same values in one process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+
+import pytest
+
+import dpar.side_processes as side_processes
+from dpar.side_processes import SideProcesses, forking_allowed
+
+pytestmark = pytest.mark.skipif(not forking_allowed(), reason="forks only on Linux, with two cores or more")
+
+
+class Refused(ValueError):
+    pass
+
+
+def _refuse() -> None:
+    raise Refused("the count refused this copy")
+
+
+def _warn_and_answer() -> tuple[int, int]:
+    warnings.warn("a copy's forward warned", UserWarning)
+    return os.getpid(), 42
+
+
+def test_a_job_runs_in_a_child_and_its_value_warnings_and_error_come_back() -> None:
+    with SideProcesses(2) as side:
+        answered, refused = side.submit("answer", _warn_and_answer), side.submit("refuse", _refuse)
+        with pytest.warns(UserWarning, match="a copy's forward warned"):
+            pid, value = side.result(answered)
+        assert value == 42 and pid != os.getpid()
+        with pytest.raises(Refused, match="refused this copy") as raised:
+            side.result(refused)
+        assert "_refuse" in str(raised.value.__cause__)  # the child's traceback
+        assert {job.name for job in side.finished} == {"answer", "refuse"}
+        assert all(job.seconds > 0 for job in side.finished)
+
+
+def test_one_process_gives_the_same_values_in_the_callers_process_when_asked() -> None:
+    ran = []
+    with SideProcesses(1) as side:
+        job = side.submit("here", lambda: ran.append(os.getpid()) or len(ran))
+        assert not side.forks and ran == []  # nothing runs before its result is asked for
+        assert side.result(job) == 1 and ran == [os.getpid()]
+        with pytest.raises(Refused):
+            side.result(side.submit("refuse", _refuse))
+
+
+def test_a_child_killed_by_a_signal_is_an_error_naming_it() -> None:
+    with SideProcesses(2) as side:
+        job = side.submit("killed", lambda: os.kill(os.getpid(), signal.SIGKILL))
+        with pytest.raises(RuntimeError, match=r"killed: the forked process computing it ended without a result "
+                                               r"\(killed by signal 9"):
+            side.result(job)
+
+
+def test_a_child_whose_cpu_time_stands_still_is_stopped_and_its_job_run_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(side_processes, "STALLED_S", 1.0)
+    parent = os.getpid()
+
+    def deadlocks_in_a_child() -> int:
+        if os.getpid() != parent:
+            time.sleep(600)  # no CPU time: what a deadlock looks like from outside
+        return os.getpid()
+
+    start = time.monotonic()
+    with SideProcesses(2) as side:
+        job = side.submit("stalls", deadlocks_in_a_child)
+        with pytest.warns(RuntimeWarning, match="stalls: the forked process computing it made no progress"):
+            assert side.result(job) == parent
+    assert time.monotonic() - start < 30
+
+
+def test_at_most_one_job_a_core_runs_at_once_and_a_cancelled_one_never_runs(tmp_path) -> None:
+    def spell(i: int) -> tuple[float, float]:
+        start = time.monotonic()
+        while time.monotonic() - start < 0.4:  # busy: its CPU time moves
+            pass
+        (tmp_path / f"ran{i}").touch()
+        return start, time.monotonic()
+
+    with SideProcesses(2) as side:
+        jobs = [side.submit(f"spell {i}", lambda i=i: spell(i)) for i in range(4)]
+        side.cancel(jobs[3])
+        spans = [side.result(job) for job in jobs[:3]]
+    assert not (tmp_path / "ran3").exists()
+    for start, _ in spans:
+        assert sum(s <= start < e for s, e in spans) <= 2  # at any job's start, at most two run
+    assert spans[2][0] >= min(spans[0][1], spans[1][1]) - 0.05  # the third waited for a core
+
+
+def test_a_plan_is_the_same_planned_in_one_process_or_beside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dpar.plan(on_graphs=True)`` on the tests' GPT over 8 H100s (ddp+tp, 4 blocks: counted whole; the pipeline
+    search and the count forked), against the same call with one core (everything in this process): the same plan,
+    its figures to the bit; only the forked call lists the jobs it ran beside."""
+    import dpar
+    from planner_models import gpt
+
+    model, inputs = gpt(n_layer=4, n_embd=256, n_head=4, block=64, vocab=512, batch=8)
+    beside = dpar.plan(model, inputs, mesh_shape=(2, 4), on_graphs=True)
+    monkeypatch.setattr(side_processes, "cores", lambda: 1)
+    here = dpar.plan(model, inputs, mesh_shape=(2, 4), on_graphs=True)
+    assert beside == here and beside.cost == here.cost and beside.counted_on_graphs
+    assert here.beside == () and {name for name, _ in beside.beside} == {"the pipeline search", "the count on the whole model"}

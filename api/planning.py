@@ -127,7 +127,7 @@ def plan(
         assert isinstance(chosen, Plan)
         if counting is not None:
             try:
-                chosen = _fitting_on_graphs(counting.priced(chosen), graph, found, device, budget, model, inputs)
+                chosen = _fitting_on_graphs(chosen, counting.priced(chosen), graph, found, device, budget, model, inputs)
             except PlanMemoryError as unfit:  # no placement fits on its graphs; a pipeline that fits is the answer
                 if not isinstance(piped, Plan):
                     raise
@@ -148,7 +148,8 @@ def _beside(side: SideProcesses) -> tuple[tuple[str, float], ...]:
 # The search counts memory on its op graph; the compiled graphs can hold more (the partitioner's saved values, gathered
 # parameters live together, gloo's staging buffers). Under ``on_graphs`` and a budget, a plan whose graphs hold more
 # than the budget is not the answer: the search runs again under the budget scaled down by how far its count fell
-# short (search budget x budget / what the graphs held), up to ``GRAPH_ROUNDS`` times, and the first plan whose graphs
+# short (budget x the search's count of that plan / what its graphs held; lower still, x budget / what they held, where
+# the last search's budget was), up to ``GRAPH_ROUNDS`` times, and the first plan whose graphs
 # fit is the answer; where none does, ``PlanMemoryError`` names the least the graphs held. The plan's
 # ``memory_budget_bytes`` stays the user's; its policy table is the last search's. A pipeline plan keeps its stage
 # graphs' count (api/graph_pricing.py). The searches after the first compare placements only; their answer, counted on
@@ -158,25 +159,26 @@ def _beside(side: SideProcesses) -> tuple[tuple[str, float], ...]:
 GRAPH_ROUNDS = 3
 
 
-def _fitting_on_graphs(priced: Plan, graph: OpGraph, found: list[Layout], device: DeviceSpec, budget: float | None,
-                       model: nn.Module, inputs: tuple[object, ...]) -> Plan:
-    """``priced`` (the search's answer, priced on its compiled graphs), or the plan searched again until its graphs
-    fit: see the Note."""
-    chosen, search_budget, held = priced, budget, []
-    for searched in range(GRAPH_ROUNDS + 1):
+def _fitting_on_graphs(searched: Plan, priced: Plan, graph: OpGraph, found: list[Layout], device: DeviceSpec,
+                       budget: float | None, model: nn.Module, inputs: tuple[object, ...]) -> Plan:
+    """``priced`` (``searched``, the search's answer, priced on its compiled graphs), or the plan searched again until
+    its graphs fit: see the Note."""
+    search_budget, held = budget, []
+    for rounds in range(GRAPH_ROUNDS + 1):
         if budget is None or not priced.counted_on_graphs or priced.cost.memory_bytes_per_rank <= budget:
             return priced
-        held.append(f"{priced.strategy} ({policy_label(priced.activations)}) {priced.cost.memory_bytes_per_rank / 1e9:.4g} GB")
-        if searched == GRAPH_ROUNDS:
+        on_graphs = priced.cost.memory_bytes_per_rank
+        held.append(f"{priced.strategy} ({policy_label(priced.activations)}) {on_graphs / 1e9:.4g} GB")
+        if rounds == GRAPH_ROUNDS:
             break
-        search_budget *= budget / priced.cost.memory_bytes_per_rank
+        search_budget = min(search_budget * budget / on_graphs, budget * searched.cost.memory_bytes_per_rank / on_graphs)
         try:
             again = _fastest(graph, found, device, search_budget)
         except PlanMemoryError:
             break
-        again = dataclasses.replace(again, strategies=chosen.strategies, pipeline_search=chosen.pipeline_search,
-                                    memory_budget_bytes=budget)
-        priced = priced_on_graphs(again, model, inputs, device)
+        searched = dataclasses.replace(again, strategies=searched.strategies, pipeline_search=searched.pipeline_search,
+                                       memory_budget_bytes=budget)
+        priced = priced_on_graphs(searched, model, inputs, device)
     raise PlanMemoryError(
         f"no plan fits memory_budget_gb={budget / 1e9:.4g} counted on its compiled graphs: the search's plans held "
         f"{'; '.join(held)} there; raise memory_budget_gb, plan for more ranks, or plan on the op graph alone "

@@ -172,11 +172,7 @@ def price(graph: OpGraph, model: CostModel, picked: list[Candidate], recompute: 
     costs = [model.op_cost(o, c) for o, c in enumerate(picked)]
     memory, saved = acts.total(picked, costs)
     recompute_s = sum(acts.seconds(o, cost) for o, cost in enumerate(costs))
-    latency = model.dp_latency()
-    fwd, bwd = sum(c.compute_fwd for c in costs), sum(c.compute_bwd for c in costs)
-    dp_fwd = sum(c.dp_fwd for c in costs) + latency["forward"]
-    dp_bwd = sum(c.dp_bwd for c in costs) + latency["backward"]
-    exposed = critical_comm_s + max(0.0, dp_fwd - fwd) + max(0.0, dp_bwd - bwd - recompute_s)
+    exposed = critical_comm_s + model.exposed_dp(costs, recompute_s)
     return Priced(memory, saved, recompute_s, exposed, compute_s + recompute_s + exposed)
 
 
@@ -285,10 +281,7 @@ def _with_totals(
     c = plan.cost
     state = sum(cost.memory for cost in costs) - sum(
         ActivationModel(model.graph, model, Recompute.KEEP, found).kept(o, cand) for o, cand in enumerate(picked))
-    latency = model.dp_latency()
-    fwd, bwd = sum(x.compute_fwd for x in costs), sum(x.compute_bwd for x in costs)
-    dp_fwd, dp_bwd = sum(x.dp_fwd for x in costs) + latency["forward"], sum(x.dp_bwd for x in costs) + latency["backward"]
-    exposed = c.critical_comm_s + max(0.0, dp_fwd - fwd) + max(0.0, dp_bwd - bwd - recompute_s)
+    exposed = c.critical_comm_s + model.exposed_dp(costs, recompute_s)
     keep_memory = c.memory_bytes_keep if c.memory_bytes_keep is not None else c.memory_bytes_per_rank
     keep_acts = c.activation_bytes_keep if c.activation_bytes_keep is not None else c.activation_bytes_per_rank
     cost = dataclasses.replace(

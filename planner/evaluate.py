@@ -94,7 +94,7 @@ def evaluate(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> Plan
     cp_comm = model.context_exchange_seconds()
     latency = model.dp_latency()
     dp_fwd, dp_bwd = total.dp_fwd + latency["forward"], total.dp_bwd + latency["backward"]
-    exposed = tp_comm + ep_comm + cp_comm + max(0.0, dp_fwd - total.compute_fwd) + max(0.0, dp_bwd - total.compute_bwd)
+    exposed = tp_comm + ep_comm + cp_comm + model.exposed_dp(costs)
     compute = total.compute_fwd + total.compute_bwd
     activations = sum(op.count * model.saved_bytes(i, c) for i, (op, c) in enumerate(zip(graph.ops, picked)) if op.kind != "output")
     cost = CostBreakdown(

@@ -8,7 +8,8 @@ by ``sum_c2 y = x[u,c1]`` and ``sum_c1 y = x[v,c2]`` (with one-hot x this forces
 product; y is continuous). Gradients of a tensor read by several ops are summed per
 placement before one conversion, so ``a[u,c1,q] >= sum of y`` over consumers that hand back
 a gradient in placement q, for each consumer. The data-parallel overlap is
-``e_phase >= dp_comm_phase - compute_phase``, e >= 0. A parameter read by two ops (tied
+``e_phase >= dp_comm_phase - compute_phase`` and ``e_phase >= root_phase`` (the root bucket's collectives, which
+nothing hides: [Note: the root bucket is never hidden] in ``costs.py``). A parameter read by two ops (tied
 embedding and LM head) gets equal placements from both. The memory budget is one row.
 
 Objective: compute + tp comm (a tp layout's batch gather priced on z[L]) + exposed dp comm,
@@ -171,6 +172,7 @@ def _build(
     problem = _Problem()
     exposed = {phase: problem.var(1.0, False, math.inf) for phase in ("forward", "backward")}
     overlap: dict[str, dict[int, float]] = {phase: {v: 1.0} for phase, v in exposed.items()}
+    root: dict[str, dict[int, float]] = {phase: {v: 1.0} for phase, v in exposed.items()}  # [Note: the root bucket is never hidden]
     memory: dict[int, float] = {}
     live = problem.var(0.0, False, math.inf)  # the recomputed block's GB (see [Note: pricing recomputation])
     memory[live] = GB  # in GB, not bytes: a cost of 1e-9 a byte would be below HiGHS's tolerances
@@ -182,6 +184,9 @@ def _build(
         z = problem.var(TIE_LAYOUT * rank + critical / scale, True)
         for phase, seconds in model.dp_latency().items():
             overlap[phase][z] = -seconds / scale
+        for phase, seconds in model.root_latency().items():
+            if seconds:
+                root[phase][z] = -seconds / scale
         cands = [candidates(op, layout.tp_degree, layout.sequence_parallel) for op in graph.ops]
         x = []
         instance_live: dict[str, dict[int, float]] = defaultdict(dict)
@@ -196,6 +201,9 @@ def _build(
                 x[-1].append(v)
                 overlap["forward"][v] = -(cost.dp_fwd - cost.compute_fwd) / scale
                 overlap["backward"][v] = -(cost.dp_bwd - cost.compute_bwd - again) / scale
+                for phase, seconds in (("forward", cost.dp_root_fwd), ("backward", cost.dp_root_bwd)):
+                    if seconds:
+                        root[phase][v] = -seconds / scale
                 memory[v] = acts.memory(o, cand, cost)
                 if found.of_op[o] is not None and acts.live(o, cand):
                     instance_live[found.of_op[o]][v] = acts.live(o, cand)
@@ -213,6 +221,7 @@ def _build(
     problem.row({z: 1.0 for z, _ in chosen.values()}, 1.0, 1.0)
     for phase in exposed:
         problem.row(overlap[phase], 0.0, math.inf)
+        problem.row(root[phase], 0.0, math.inf)
     return problem, memory, chosen
 
 

@@ -72,7 +72,9 @@ def plan(
     the memory at the step's peak), at the price of compiling its step for the mesh's ranks on a meta copy
     (``dpar plan`` does it unless ``--op-graph``; a plan with a tp or cp axis on copies cut to a few blocks): see the
     Notes in api/graph_pricing.py, [Note: the planner searches on its op graph and reports as inspect] first. By
-    default the search's own (op-graph) figures.
+    default the search's own (op-graph) figures. The pipeline search and each compiled copy run in forked processes
+    beside the caller's, at most one a core, where that is safe (``plan.beside`` lists them and their times):
+    [Note: planning work in processes beside the caller's].
     ``pipelines`` (unless ``mesh_dim_names`` fixes the roles): the pipeline search (``dpar.planner.plan_pipeline``:
     pp x tp x dp, the schedule 1F1B, ZB-H1 or ZBV, each block's policy) runs too, on the same ranks, batch, budget
     and device, and the plan is the faster of the two searches' answers: see [Note: one answer over placements and
@@ -337,7 +339,10 @@ def _splits_a_parameter(graph: OpGraph, tp: int) -> bool:
 # two stages or more compete; both price collectives on the same links (``DeviceSpec.sharing_cores``: the world's
 # processes on a CPU's cores). The plan is the faster answer that fits; the other side's best is a row of ``plan.strategies``.
 # Under ``on_graphs`` the placement answer is counted on its graphs and compared again with the pipeline's (priced on
-# its stage graphs): the pipeline wins where the graphs' step of the placements is the longer. A
+# its stage graphs): the pipeline wins where the graphs' step of the placements is the longer. The pipeline search
+# runs beside the capture and the placement search, and the count beside it, in forked processes ([Note: planning work
+# in processes beside the caller's]): the count starts before the pipeline's answer is known and is dropped where the
+# pipeline wins on the searches' prices. A
 # pipeline answer is a ``Plan`` with ``pipeline`` set, mesh ``("dp", "pp", "tp")`` and the pipeline search's
 # figures (``cost.bubble_s``: the span beyond the busiest rank's compute), which ``dpar.pipeline(plan=...)`` runs.
 # Where no placement fits the budget, a pipeline that fits is the answer; where neither does, the error says both.

@@ -197,12 +197,14 @@ class SideProcesses:
 
 
 def _run_here(job: Job[T]) -> tuple[str, Any, list[Any]]:
+    """``job`` run in this process: its outcome, its error kept for whoever asks for its result."""
     start = time.perf_counter()
     try:
-        value = job.work()
+        return ("value", job.work(), [])
+    except Exception as error:  # noqa: BLE001 - raised by ``result`` for this job, not for whichever was awaited
+        return ("error", error, [])
     finally:
         job.seconds = time.perf_counter() - start
-    return ("value", value, [])
 
 
 def _child(job: Job[Any], writer: Connection) -> None:

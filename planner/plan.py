@@ -377,7 +377,7 @@ def render(plan: Plan, console: Any) -> None:
         console.print(f"planned in {sum(s for _, s in plan.seconds):.1f} s: {phases}")
     if plan.beside:
         jobs = ", ".join(f"{job} {s:.1f} s" for job, s in plan.beside)
-        console.print(f"run in {len(plan.beside)} forked processes, at most one a core, the phases after the search "
+        console.print(f"run in {len(plan.beside)} forked processes beside this one, the phases after the search "
                       f"waiting on them: {jobs}")
     if plan.memory_budget_bytes is not None and c.memory_bytes_per_rank > plan.memory_budget_bytes:
         console.print(f"warning: counted on the {plan.priced_on}, this plan holds {_bytes(c.memory_bytes_per_rank)} per rank, "

@@ -1,5 +1,5 @@
 """Planning work in forked processes beside the caller's (api/side_processes.py): values, errors, warnings, a child
-that dies or deadlocks, at most one job a core, and the same values in one process."""
+that dies or deadlocks, at most `processes` jobs at once, and the same values in one process."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_a_child_whose_cpu_time_stands_still_is_stopped_and_its_job_run_here(mon
     assert time.monotonic() - start < 30
 
 
-def test_at_most_one_job_a_core_runs_at_once_and_a_cancelled_one_never_runs(tmp_path) -> None:
+def test_at_most_processes_jobs_run_at_once_and_a_cancelled_one_never_runs(tmp_path) -> None:
     def spell(i: int) -> tuple[float, float]:
         start = time.monotonic()
         while time.monotonic() - start < 0.4:  # busy: its CPU time moves

@@ -55,6 +55,7 @@ class Job(Generic[T]):
 
     name: str
     work: Callable[[], T]
+    nice: int = 0  # added to the child's niceness: a job that may turn out unneeded yields the cores to the others
     pid: int | None = None
     reader: Connection | None = None
     cpu: tuple[float, float] = (-1.0, 0.0)  # the child's CPU seconds last seen, and when they last moved
@@ -86,9 +87,10 @@ class SideProcesses:
         self._running: list[Job[Any]] = []
         self.finished: list[Job[Any]] = []  # the jobs a child ran to the end, in the order they ended
 
-    def submit(self, name: str, work: Callable[[], T]) -> Job[T]:
-        """``work`` queued, and started now if fewer than ``processes`` jobs run."""
-        job: Job[T] = Job(name, work)
+    def submit(self, name: str, work: Callable[[], T], nice: int = 0) -> Job[T]:
+        """``work`` queued, and started now if fewer than ``processes`` jobs run (``nice``: its child's niceness
+        raised by that much)."""
+        job: Job[T] = Job(name, work, nice)
         self._queue.append(job)
         self._start_queued()
         return job
@@ -216,6 +218,8 @@ def _child(job: Job[Any], writer: Connection) -> None:
     code = 0
     try:
         torch.set_num_threads(1)
+        if job.nice:
+            os.nice(job.nice)
         start = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # the caller's filters decide when it re-issues them

@@ -40,6 +40,7 @@ def test_a_job_runs_in_a_child_and_its_value_warnings_and_error_come_back() -> N
         assert "_refuse" in str(raised.value.__cause__)  # the child's traceback
         assert {job.name for job in side.finished} == {"answer", "refuse"}
         assert all(job.seconds > 0 for job in side.finished)
+        assert side.result(side.submit("yields", lambda: os.nice(0), nice=5)) == min(os.nice(0) + 5, 19)
 
 
 def test_one_process_gives_the_same_values_in_the_callers_process_when_asked() -> None:

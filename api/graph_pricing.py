@@ -107,7 +107,7 @@ class Counting:
             three, two, *pairs = figures
             return dataclasses.replace(plan, cost=_cost(plan.cost, _extrapolated(self.cut, two, three, pairs)),
                                        priced_on=ON_BLOCK_GRAPHS)
-        if figures is None:  # the cut copies failed: the whole model, in the caller's process
+        if figures is None:  # the cut copies could not be counted: the whole model instead
             self.cut, self.jobs = None, _whole_jobs(self.plan, self.model, self.inputs, self.device, self.side)
             figures = self._collected()
             assert figures is not None

@@ -73,8 +73,8 @@ def plan(
     (``dpar plan`` does it unless ``--op-graph``; a plan with a tp or cp axis on copies cut to a few blocks): see the
     Notes in api/graph_pricing.py, [Note: the planner searches on its op graph and reports as inspect] first. By
     default the search's own (op-graph) figures. The pipeline search and each compiled copy run in forked processes
-    beside the caller's, as many at once as cores and one more, where that is safe (``plan.beside`` lists them and their times):
-    [Note: planning work in processes beside the caller's].
+    beside the caller's, as many at once as cores and one more, where that is safe (``plan.beside`` lists them and
+    their times): [Note: planning work in processes beside the caller's].
     ``pipelines`` (unless ``mesh_dim_names`` fixes the roles): the pipeline search (``dpar.planner.plan_pipeline``:
     pp x tp x dp, the schedule 1F1B, ZB-H1 or ZBV, each block's policy) runs too, on the same ranks, batch, budget
     and device, and the plan is the faster of the two searches' answers: see [Note: one answer over placements and

@@ -140,7 +140,9 @@ class SideProcesses:
             job = self._queue.pop(0)
             job.reader, writer = Pipe(duplex=False)
             gc.freeze()  # the child's collector then leaves the inherited objects, and their pages, untouched
-            pid = os.fork()
+            with warnings.catch_warnings():  # Python 3.12+ warns of a deadlock in the child: handled (see the Note)
+                warnings.filterwarnings("ignore", r"This process .* is multi-threaded", DeprecationWarning)
+                pid = os.fork()
             if pid == 0:  # the child: never returns
                 job.reader.close()
                 _child(job, writer)

@@ -143,7 +143,7 @@ def plan(
 
 def _beside(side: SideProcesses) -> tuple[tuple[str, float], ...]:
     """Each job that ran in a process beside this one and how long it took there (empty where none forked)."""
-    return tuple((job.name, job.seconds) for job in side.finished) if side.forks else ()
+    return tuple((job.name, job.seconds) for job in side.finished)
 
 
 # [Note: a plan that fits on its graphs]

@@ -250,7 +250,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--tp-max", type=int, default=8, help="largest tensor-parallel degree searched (a power of two); "
                    "1: pipeline and data parallelism only, what dpar.pipeline runs today")
     g.add_argument("--dp-strategy", default=None, choices=DP_STRATEGIES, help="across pipelines; default: search both")
-    g.add_argument("--micro-batch-rows", type=int, default=None, help="default: global rows / ranks")
+    g.add_argument("--micro-batch-rows", type=int, default=None, help="default: searched from global rows / ranks down")
     g.add_argument("--loss", metavar="FILE.py:fn", help="loss_fn(output, target), the target the last input; "
                    "default: next-token cross-entropy against targets shaped like the first input")
     p.set_defaults(run=_plan)

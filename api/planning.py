@@ -368,7 +368,7 @@ def _best_pipeline(model: nn.Module, inputs: tuple[object, ...], world: int, bud
     from dpar.compiler.pipeline_parallel.schedules import PipelineBubbleWarning
     from dpar.inspect.pipeline import block_collectives
     from dpar.pipelining import pipeline
-    from dpar.planner.pipeline import SEARCHED_SCHEDULES, fastest, layout_of, plan_pipeline
+    from dpar.planner.pipeline import SEARCHED_SCHEDULES, layout_of, plan_pipeline
 
     # The stage graphs are read in a fake world of their own, which a live process group rules out (parallelize's
     # "auto" under torchrun): there tp's collectives are Megatron's, and the plan says so.
@@ -380,17 +380,15 @@ def _best_pipeline(model: nn.Module, inputs: tuple[object, ...], world: int, bud
         with warnings.catch_warnings():  # the pipelines built to read tp's collectives are not the user's to tune
             warnings.simplefilter("ignore", PipelineBubbleWarning)
             found = plan_pipeline(model, inputs, world_size=world, memory_budget_gb=None if budget is None else budget / 1e9,
-                                  device=device, read_tp_collectives=read, schedule=SEARCHED_SCHEDULES)
+                                  device=device, read_tp_collectives=read, schedule=SEARCHED_SCHEDULES, min_pp=2,
+                                  bounded=True)
     except PipelineMemoryError as error:
         return f"no pipeline layout fits either: {error}"
     except Exception as error:  # noqa: BLE001 - a model it cannot cut is planned by placements, and the plan says why
         return f"pipelines not searched: {type(error).__name__}: {error}"
-    pipelined = [c for c in found.candidates if c.pp > 1 and c.fits]  # one stage is a placement: see the Note
-    if not pipelined:
-        return f"no pipeline of two stages or more fits on {world} ranks"
-    best = fastest(pipelined)
+    best = found.choice  # of two stages or more: one stage is a placement (see the Note)
     row = PolicyOption(best.activations, f"pipeline {best.layout}", best.step_s, best.recompute_s, best.memory_bytes, True)
-    layout = layout_of(best, found.micro_batch_rows)
+    layout = layout_of(best)
     return Plan(
         mesh_shape=(best.dp, best.pp, best.tp), mesh_dim_names=("dp", "pp", "tp"),
         data_parallel="fsdp" if best.dp_strategy == "fsdp" else "replicate", strategy="pipeline",

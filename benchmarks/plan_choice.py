@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dpar
 from dpar.inspect.pipeline import block_collectives
-from dpar.planner.pipeline import SEARCHED_SCHEDULES, PipelineCandidate, fastest, layout_of, plan_pipeline
+from dpar.planner.pipeline import SEARCHED_SCHEDULES, PipelineCandidate, layout_of, plan_pipeline
 from dpar.planner.plan import PipelineLayout
 
 HERE = Path(__file__).resolve().parent
@@ -89,10 +89,9 @@ def _best_pipeline(model_name: str, world: int) -> tuple[PipelineCandidate, Pipe
     ids, labels = batches(spec, ROWS * world, _seq(model_name), 1, seed=0)[0]
     model = BUILD[model_name]()
     found = plan_pipeline(model, (ids, labels), world_size=world, memory_budget_gb=None, device="cpu",
-                          schedule=SEARCHED_SCHEDULES,
+                          schedule=SEARCHED_SCHEDULES, min_pp=2, bounded=True,
                           read_tp_collectives=partial(block_collectives, model, pipeline=dpar.pipeline))
-    best = fastest([c for c in found.candidates if c.pp > 1])
-    return best, layout_of(best, found.micro_batch_rows)
+    return found.choice, layout_of(found.choice)
 
 
 def _pipeline_step(model: torch.nn.Module, pipelined: tuple[PipelineCandidate, PipelineLayout],

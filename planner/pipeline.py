@@ -8,9 +8,10 @@ and key/value heads, a fused projection's q/k/v parts: ``megatron_plan``, as ``d
 of ``dp_strategies`` (fsdp only where dp > 1: with one pipeline it is ddp plus a copy), under each
 activation policy (``keep``, ``selective``, ``full``, the same for every block). The
 global batch is cut into micro-batches of ``micro_batch_rows`` rows; the ``tp`` ranks of a stage
-share a micro-batch, so a pipeline runs ``m = rows / (dp x micro_batch_rows)`` of them.
+share a micro-batch, so a pipeline runs ``m = rows / (dp x micro_batch_rows)`` of them. The micro-batch's rows
+are one more dimension ([Note: searching the micro-batch]).
 
-Costs come from one capture at the micro-batch's shape: the model is cut into one stage per block
+Costs come from one capture at each micro-batch's shape: the model is cut into one stage per block
 and each block priced as ``dpar inspect`` prices a stage ([Note: the pipeline cost model]; the
 middle blocks of a deep model share one trace). A candidate's stage of consecutive blocks
 (``balanced_cuts`` over the blocks' FLOPs, as ``split_stages`` cuts) costs the sum of its blocks:
@@ -65,6 +66,20 @@ takes there (recomputing only adds time). An activation policy is priced as ``dp
 (``trace_stage``'s recomputing cut), so a stage saves what its forward then returns for the backward
 and its B, I and W also cost the forward ops they compute again ([Note: the pipeline cost model]).
 
+[Note: searching the micro-batch]
+Without ``micro_batch_rows``, the micro-batch is searched from one rank's share of the batch (``rows / world``,
+the largest every layout's pipelines can each take whole) down, halving while it is even, then one row: each size
+is captured and priced as above, and every layout is a candidate at each. A smaller micro-batch means more of
+them: a smaller bubble and fewer activations held, against more tp collectives and sends (their latency) and,
+where an op is bound by reading its weights, more reads. Each node's FLOPs and bytes are affine in the rows with
+an intercept of zero or more (weights, constants), so at ``r' < r`` rows each node costs at least ``r' / r`` of
+its cost at ``r``, and so does each tp collective: a layout's busiest rank computes at least as long over its
+``m r / r'`` micro-batches as over its ``m``. The next size is captured only where some layout's busiest rank's
+compute plus its dp collectives (which no schedule undercuts: ``_Unit.least_s``) is below the fastest step found
+that fits; without a budget a model with no bubble to shrink is captured once. ``bounded=True`` (``dpar.plan``)
+also replays a size's layouts least bound first and stops where the bound reaches that step: the exhaustive
+search's choice, with fewer schedules replayed (``unreplayed``).
+
 Not modelled: the vocabulary-parallel embedding and loss, overlap of
 the tp, dp or send collectives with compute, a dp or pp group that fits in one node (NVLink),
 mixed precision (state is the model's own dtype: 4 bytes a parameter per tensor in fp32, 2 in bf16),
@@ -86,11 +101,13 @@ from dpar.compiler.pipeline_parallel.costs import (
     BlockCollectives, LossFn, StageCost, TensorParallelCost, action_cost, cut_and_price_under, megatron_collectives,
     micro_batch_of, parameter_sizes, tensor_parallel_cost, with_loss,
 )
-from dpar.compiler.pipeline_parallel.schedules import bubble_formula, build_schedule, execution_order, stages_per_rank
+from dpar.compiler.pipeline_parallel.schedules import (
+    ZERO_BUBBLE, bubble_formula, build_schedule, execution_order, stage_placement, stages_per_rank,
+)
 from dpar.compiler.pipeline_parallel.simulate import SimulatedTimeline, simulate
 from dpar.compiler.pipeline_parallel.split import balanced_cuts, capture, find_blocks, split_stages
 from dpar.core.errors import OptionsError, PipelineMemoryError
-from dpar.core.pipeline_program import Op, PipelineSchedule
+from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.planner.plan import PipelineLayout
 
@@ -116,6 +133,7 @@ class PipelineCandidate:
     dp: int
     dp_strategy: str
     micro_batches: int
+    micro_batch_rows: int
     compute_s: float  # the busiest rank's compute, its tp collectives included
     tp_s: float  # of which the tp collectives
     bubble: float  # the schedule's formula
@@ -146,13 +164,14 @@ class PipelineCandidate:
 class PipelinePlan:
     world_size: int
     schedules: tuple[str, ...]  # searched
-    micro_batch_rows: int
+    micro_batch_sizes: tuple[int, ...]  # the micro-batch rows searched, largest first
     memory_budget_bytes: float | None
     device: str
     optimizer: str
     candidates: tuple[PipelineCandidate, ...]
     choice: PipelineCandidate
     tp_read_off_graphs: bool  # tp collectives counted in graphs dpar.pipeline built, else the Megatron model
+    unreplayed: int = 0  # layouts whose bound ruled them out before their schedule was replayed (``bounded``)
     block_parameters: tuple[tuple[str, ...], ...] = ()  # what each block's stage reads (the first and last: the root's too)
     block_flops: tuple[float, ...] = ()  # each block's forward, which the stage cuts balance
     tp_dims: tuple[tuple[str, int | None], ...] = ()  # parameter -> the dim tp splits (None: replicated), Megatron's
@@ -171,6 +190,10 @@ class PipelinePlan:
     @property
     def schedule(self) -> str:
         return self.choice.schedule
+
+    @property
+    def micro_batch_rows(self) -> int:
+        return self.choice.micro_batch_rows
 
     @property
     def pp(self) -> int:
@@ -192,8 +215,10 @@ class PipelinePlan:
         budget = "no memory budget" if self.memory_budget_bytes is None else f"{self.memory_budget_bytes / 1e9:g} GB per rank"
         lines = [
             f"pipeline plan: {self.choice.layout} on {self.world_size} ranks ({self.schedule}, micro-batches of "
-            f"{self.micro_batch_rows} rows, {budget}, {self.device}, {self.optimizer})",
-            f"{'pp':>3} {'tp':>3} {'dp':>4} {'dp by':>5} {'schedule':>8} {'m':>4} {'compute':>11} {'of it tp':>11} "
+            f"{self.micro_batch_rows} rows of {'/'.join(map(str, self.micro_batch_sizes))} searched, {budget}, "
+            f"{self.device}, {self.optimizer})",
+            f"{'pp':>3} {'tp':>3} {'dp':>4} {'dp by':>5} {'schedule':>8} {'rows':>4} {'m':>4} {'compute':>11} "
+            f"{'of it tp':>11} "
             f"{'bubble':>17} "
             f"{'send':>10} {'span':>11} {'dp comm':>11} {'step':>11} {'state GB':>9} {'act. GB':>9} "
             f"{'activations':>11} {'recompute':>11} fits",
@@ -201,12 +226,16 @@ class PipelinePlan:
         for c in self.candidates:
             mark = " <- chosen" if c is self.choice else ""
             lines.append(
-                f"{c.pp:>3} {c.tp:>3} {c.dp:>4} {c.dp_strategy:>5} {c.schedule:>8} {c.micro_batches:>4} "
+                f"{c.pp:>3} {c.tp:>3} {c.dp:>4} {c.dp_strategy:>5} {c.schedule:>8} {c.micro_batch_rows:>4} "
+                f"{c.micro_batches:>4} "
                 f"{_ms(c.compute_s)} {_ms(c.tp_s)} "
                 f"{c.bubble:>5.1%} {_ms(c.bubble_s)} {_ms(c.send_s, 10)} {_ms(c.pipeline_s)} {_ms(c.dp_comm_s)} "
                 f"{_ms(c.step_s)} {c.state_bytes / 1e9:>9.4f} {c.activation_bytes / 1e9:>9.4f} "
                 f"{c.activations:>11} {_ms(c.recompute_s)} {'yes' if c.fits else 'no'}{mark}"
             )
+        if self.unreplayed:
+            lines.append(f"{self.unreplayed} more layouts not replayed: their busiest rank's compute and dp "
+                         "collectives alone step slower than the choice")
         if self.how_to_run:
             lines.append(f"note: {self.how_to_run}")
         return "\n".join(lines)
@@ -250,14 +279,18 @@ def plan_pipeline(
     tp_max: int = 8,
     dp_strategies: Sequence[str] = DP_STRATEGIES,
     read_tp_collectives: Callable[[str, Sequence[torch.Tensor], LossFn], BlockCollectives] | None = None,
+    min_pp: int = 1,
+    bounded: bool = False,
 ) -> PipelinePlan:
-    """The (pp, tp, dp, dp strategy) with the least modelled step that fits the budget.
+    """The (pp, tp, dp, dp strategy, micro-batch rows) with the least modelled step that fits the budget.
 
     ``example_inputs`` is the **global** batch, as ``dpar.plan`` takes it (``loss_fn`` and the
     target as in ``dpar.explain(strategy="pipeline")``: with a loss the last input is the target,
-    without one next-token cross-entropy is priced). ``micro_batch_rows`` defaults to one rank's
-    share of the batch (``rows / world_size``). ``tp_max=1`` and ``dp_strategies=("ddp",)`` search
-    pp alone, what ``dpar.pipeline`` runs today. Raises ``PipelineMemoryError`` when nothing fits.
+    without one next-token cross-entropy is priced). ``micro_batch_rows``: the micro-batch's rows; by default
+    searched from one rank's share of the batch (``rows / world_size``) down ([Note: searching the micro-batch]).
+    ``tp_max=1`` and ``dp_strategies=("ddp",)`` search pp alone, what ``dpar.pipeline`` runs today. ``min_pp=2``
+    searches pipelines of two stages or more only. ``bounded``: replay only the layouts that could beat the best
+    found (the same choice; the table lists fewer rows). Raises ``PipelineMemoryError`` when nothing fits.
     ``read_tp_collectives(prefix, micro_batch, loss)`` (``dpar.inspect.pipeline.block_collectives`` with
     ``dpar.pipeline``, which the api hands down) gives each block's tp collectives as the pipeline's graphs hold
     them; without it they are modelled as Megatron's (two per block in F and in B).
@@ -279,63 +312,35 @@ def plan_pipeline(
         raise OptionsError(f"plan_pipeline: dp_strategies {list(dp_strategies)} must be some of {list(DP_STRATEGIES)}")
     inputs, loss = with_loss(example_inputs, loss_fn)
     rows = inputs[0].shape[0]
-    mbr = micro_batch_rows or rows // world_size
-    if mbr < 1 or rows % mbr:
+    largest = micro_batch_rows or rows // world_size
+    if largest < 1 or rows % largest:
         raise OptionsError(f"plan_pipeline: micro_batch_rows={micro_batch_rows} does not divide the global batch of "
                            f"{rows} rows; use a divisor of {rows} (default: rows / world_size, {rows // world_size})")
     spec = device_spec(device).sharing_cores(world_size)  # the placement search's links for the same world
-    micro_batch = micro_batch_of(inputs, mbr)
-    graph = capture(model, loss, micro_batch)
-    prefix, blocks = find_blocks(graph)
-    split = split_stages(graph, model, len(blocks))
-    priced = cut_and_price_under(split, model, micro_batch, spec, [ActivationPolicy(r) for r in ACTIVATION_POLICIES])
-    per_block = {policy.default: costs for policy, costs in priced.items()}
-    block_bytes = max((c.send_bytes for c in per_block[Recompute.KEEP]), default=0)
-    megatron = megatron_plan(model, micro_batch[:-1])
+    megatron = megatron_plan(model, micro_batch_of(inputs, largest)[:-1])
     divides = _tp_must_divide(megatron)
     tp_degrees = [tp for tp in (2 ** k for k in range(tp_max.bit_length()) if 2 ** k <= tp_max)
                   if world_size % tp == 0 and not any(size % tp for size in divides.values())]
     # Read only where a tp degree is searched: the pipeline refuses tp 2 where it does not divide the units.
-    read = read_tp_collectives(prefix, micro_batch, loss) \
-        if read_tp_collectives is not None and max(tp_degrees) > 1 else None
-    candidates = []
-    layouts = [(name, pp) for name in schedules
-               for pp in range(1, len(blocks) // stages_per_rank(name) + 1) if world_size % pp == 0]
-    staged_by_count: dict[int, dict[Recompute, tuple[StageCost, ...]]] = {}
-    for schedule_name, pp in layouts:
-        stages = pp * stages_per_rank(schedule_name)
-        staged = staged_by_count.setdefault(
-            stages, {policy: _stages(per_block[policy], stages, model) for policy in ACTIVATION_POLICIES})
-        for tp in tp_degrees:
-            if world_size % (pp * tp):
-                continue
-            dp = world_size // (pp * tp)
-            if rows % (dp * mbr):
-                continue  # the dp pipelines cannot each take whole micro-batches
-            m = rows // (dp * mbr)
-            plan = build_schedule(schedule_name, num_ranks=pp, micro_batches=m, checked=False)
-            order = execution_order(plan)  # checks it; one order serves every policy's costs
-            kept: list[PipelineCandidate] = []
-            for policy, costs in staged.items():
-                if kept and memory_budget_gb is not None and _cannot_win(kept, candidates):
-                    break
-                collectives = megatron_collectives(costs, block_bytes) if read is None \
-                    else read.of_stages([len(c.blocks) for c in costs])
-                tp_cost = tensor_parallel_cost(collectives, tp, spec, read_off_graphs=read is not None)
-                latency = max((spec.alpha + c.send_bytes / tp * spec.beta for c in costs if c.send_bytes), default=0.0)
-                timeline = simulate(plan, action_cost(costs, tp_cost), latency=latency, order=order)
-                priced = [_price(plan, timeline, costs, tp_cost, dp, strategy, latency, spec, optimizer,
-                                 memory_budget_gb, policy)
-                          for strategy in dp_strategies if strategy == "ddp" or dp > 1]  # fsdp of one: ddp + a copy
-                kept = kept or priced
-                candidates.extend(priced)
+    read = read_tp_collectives if max(tp_degrees) > 1 else None
+    candidates: list[PipelineCandidate] = []
+    priced_at: dict[int, _BlockPrices] = {}
+    unreplayed, blocks = 0, 0
+    for size in (largest,) if micro_batch_rows else micro_batch_sizes(largest):
+        if candidates and not _smaller_could_win(candidates, units):
+            break
+        prices = priced_at[size] = _price_blocks(model, inputs, loss, size, spec, read)
+        blocks = len(prices.per_block[Recompute.KEEP])
+        units = _units(prices, model, schedules, range(min_pp, blocks + 1), tp_degrees, world_size, rows,
+                       dp_strategies, spec)
+        unreplayed += _replay(units, candidates, dp_strategies, spec, optimizer, memory_budget_gb, bounded)
     candidates = _worth_recomputing(candidates)
     if not candidates:
         raise OptionsError(
-            f"plan_pipeline: no pp x tp x dp = {world_size} (tp up to {tp_max} dividing {_sizes(divides)}, "
-            f"{max(stages_per_rank(name) for name in schedules)} stage(s) per rank over {len(blocks)} blocks) splits "
-            f"the batch of {rows} rows into micro-batches of "
-            f"{mbr} per pipeline; use a batch that is a multiple of world_size x micro_batch_rows"
+            f"plan_pipeline: no pp x tp x dp = {world_size} (pp {min_pp} or more, tp up to {tp_max} dividing "
+            f"{_sizes(divides)}, {max(stages_per_rank(name) for name in schedules)} stage(s) per rank over {blocks} "
+            f"blocks) splits the batch of {rows} rows into micro-batches of "
+            f"{largest} per pipeline; use a batch that is a multiple of world_size x micro_batch_rows"
         )
     fitting = [c for c in candidates if c.fits]
     if not fitting:
@@ -349,22 +354,148 @@ def plan_pipeline(
             f"fsdp, an optimizer with less state)"
         )
     choice = fastest(fitting)
+    keep = priced_at[choice.micro_batch_rows].per_block[Recompute.KEEP]  # its stage cuts balance these flops
     return PipelinePlan(
-        world_size=world_size, schedules=schedules, micro_batch_rows=mbr,
+        world_size=world_size, schedules=schedules, micro_batch_sizes=tuple(priced_at),
         memory_budget_bytes=None if memory_budget_gb is None else memory_budget_gb * 1e9,
         device=spec.name, optimizer=optimizer, candidates=tuple(candidates), choice=choice,
-        tp_read_off_graphs=read is not None,
-        block_parameters=tuple(c.parameters for c in per_block[Recompute.KEEP]),
-        block_flops=tuple(c.flops for c in per_block[Recompute.KEEP]), tp_dims=tuple(megatron.dims.items()),
+        tp_read_off_graphs=read is not None, unreplayed=unreplayed,
+        block_parameters=tuple(c.parameters for c in keep), block_flops=tuple(c.flops for c in keep),
+        tp_dims=tuple(megatron.dims.items()),
     )
 
 
-def layout_of(candidate: PipelineCandidate, micro_batch_rows: int) -> PipelineLayout:
-    """What ``dpar.pipeline(plan=...)`` runs for ``candidate`` (its micro-batches of ``micro_batch_rows`` rows)."""
+def micro_batch_sizes(largest: int) -> tuple[int, ...]:
+    """The micro-batch rows searched from ``largest`` down: halved while it is even, then one row. Each divides
+    ``largest``, so every layout's pipelines take whole micro-batches of each."""
+    sizes = [largest]
+    while sizes[-1] % 2 == 0:
+        sizes.append(sizes[-1] // 2)
+    return tuple(sizes) if sizes[-1] == 1 else (*sizes, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockPrices:
+    """Every block priced as a stage of its own under each activation policy, at micro-batches of ``rows``."""
+
+    rows: int
+    per_block: dict[Recompute, tuple[StageCost, ...]]
+    block_bytes: int  # the largest activation a block hands on
+    read: BlockCollectives | None  # tp's collectives off the stage graphs, or None: Megatron's model
+
+
+def _price_blocks(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss: LossFn, rows: int, spec: DeviceSpec,
+                  read_tp_collectives: Callable[[str, Sequence[torch.Tensor], LossFn], BlockCollectives] | None,
+                  ) -> _BlockPrices:
+    micro_batch = micro_batch_of(inputs, rows)
+    graph = capture(model, loss, micro_batch)
+    prefix, blocks = find_blocks(graph)
+    split = split_stages(graph, model, len(blocks))
+    priced = cut_and_price_under(split, model, micro_batch, spec, [ActivationPolicy(r) for r in ACTIVATION_POLICIES])
+    per_block = {policy.default: costs for policy, costs in priced.items()}
+    return _BlockPrices(
+        rows=rows, per_block=per_block,
+        block_bytes=max((c.send_bytes for c in per_block[Recompute.KEEP]), default=0),
+        read=None if read_tp_collectives is None else read_tp_collectives(prefix, micro_batch, loss))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """One layout under one activation policy at one micro-batch size, before its schedule is replayed."""
+
+    schedule: str
+    pp: int
+    tp: int
+    dp: int
+    micro_batches: int
+    rows: int
+    policy: Recompute
+    costs: tuple[StageCost, ...]
+    tp_cost: TensorParallelCost
+    latency: float
+    least_s: float  # its busiest rank's compute plus its least dp comm: no dp strategy steps faster
+
+
+def _units(prices: _BlockPrices, model: nn.Module, schedules: Sequence[str], pps: range, tp_degrees: Sequence[int],
+           world_size: int, rows: int, dp_strategies: Sequence[str], spec: DeviceSpec) -> list[_Unit]:
+    """Every layout the micro-batch of ``prices.rows`` allows, in the order the table lists them."""
+    units, staged_by_count = [], {}
+    for name in schedules:
+        for pp in pps:
+            stages = pp * stages_per_rank(name)
+            if world_size % pp or stages > len(prices.per_block[Recompute.KEEP]):
+                continue
+            staged = staged_by_count.setdefault(stages, {
+                policy: _stages(prices.per_block[policy], stages, model) for policy in ACTIVATION_POLICIES})
+            on_rank = [[s for s, r in enumerate(stage_placement(name, pp, stages)) if r == rank] for rank in range(pp)]
+            for tp in tp_degrees:
+                if world_size % (pp * tp) or rows % (world_size // (pp * tp) * prices.rows):
+                    continue  # the dp pipelines cannot each take whole micro-batches
+                dp = world_size // (pp * tp)
+                m = rows // (dp * prices.rows)
+                keep = staged[Recompute.KEEP]
+                collectives = megatron_collectives(keep, prices.block_bytes) if prices.read is None \
+                    else prices.read.of_stages([len(c.blocks) for c in keep])
+                tp_cost = tensor_parallel_cost(collectives, tp, spec, read_off_graphs=prices.read is not None)
+                dp_comm = min(_dp_comm_s(keep, on_rank, tp, dp, strategy, spec)
+                              for strategy in dp_strategies if strategy == "ddp" or dp > 1)
+                for policy, costs in staged.items():
+                    cost = action_cost(costs, tp_cost)
+                    ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if name in ZERO_BUBBLE \
+                        else (Op.FORWARD, Op.BACKWARD)
+                    busiest = max(m * sum(cost(Action(op, s, 0)) for s in mine for op in ops) for mine in on_rank)
+                    units.append(_Unit(
+                        schedule=name, pp=pp, tp=tp, dp=dp, micro_batches=m, rows=prices.rows, policy=policy,
+                        costs=costs, tp_cost=tp_cost, least_s=busiest + dp_comm,
+                        latency=max((spec.alpha + c.send_bytes / tp * spec.beta for c in costs if c.send_bytes),
+                                    default=0.0)))
+    return units
+
+
+_ROUNDING = 1e-9
+"""Relative slack on a bound compared with a replayed step (the two sum the same terms in different orders)."""
+
+
+def _replay(units: Sequence[_Unit], candidates: list[PipelineCandidate], dp_strategies: Sequence[str],
+            spec: DeviceSpec, optimizer: str, memory_budget_gb: float | None, bounded: bool) -> int:
+    """Replay each unit's schedule and price it into ``candidates``; ``bounded``: least bound first, stopping where
+    none left could beat the fastest that fits. Returns how many were not replayed."""
+    order = sorted(range(len(units)), key=lambda i: units[i].least_s) if bounded else range(len(units))
+    kept: dict[tuple, list[PipelineCandidate]] = {}  # each layout's candidates keeping every activation
+    schedules: dict[tuple[str, int, int], tuple[PipelineSchedule, tuple]] = {}
+    for done, i in enumerate(order):
+        unit = units[i]
+        best = min((c.step_s for c in candidates if c.fits), default=float("inf"))
+        if bounded and unit.least_s > best * (1 + _ROUNDING):
+            return len(units) - done
+        layout = (unit.schedule, unit.pp, unit.tp, unit.micro_batches)
+        if unit.policy is not Recompute.KEEP and memory_budget_gb is not None and _cannot_win(kept[layout], candidates):
+            continue
+        if (unit.schedule, unit.pp, unit.micro_batches) not in schedules:
+            plan = build_schedule(unit.schedule, num_ranks=unit.pp, micro_batches=unit.micro_batches, checked=False)
+            schedules[unit.schedule, unit.pp, unit.micro_batches] = plan, execution_order(plan)  # checks it
+        plan, executed = schedules[unit.schedule, unit.pp, unit.micro_batches]
+        timeline = simulate(plan, action_cost(unit.costs, unit.tp_cost), latency=unit.latency, order=executed)
+        priced = [_price(plan, timeline, unit, strategy, spec, optimizer, memory_budget_gb)
+                  for strategy in dp_strategies if strategy == "ddp" or unit.dp > 1]  # fsdp of one: ddp + a copy
+        kept.setdefault(layout, priced)
+        candidates.extend(priced)
+    return 0
+
+
+def _smaller_could_win(candidates: Sequence[PipelineCandidate], units: Sequence[_Unit]) -> bool:
+    """Whether a smaller micro-batch could step faster than the fastest that fits: only where some layout's
+    bound at this size is below it (see [Note: searching the micro-batch])."""
+    best = min((c.step_s for c in candidates if c.fits), default=float("inf"))
+    return any(unit.least_s < best * (1 - _ROUNDING) for unit in units)
+
+
+def layout_of(candidate: PipelineCandidate) -> PipelineLayout:
+    """What ``dpar.pipeline(plan=...)`` runs for ``candidate``."""
     return PipelineLayout(
         pp=candidate.pp, tp=candidate.tp, dp=candidate.dp, dp_strategy=candidate.dp_strategy,
         schedule=candidate.schedule, stages=candidate.pp * stages_per_rank(candidate.schedule),
-        micro_batches=candidate.micro_batches, micro_batch_rows=micro_batch_rows)
+        micro_batches=candidate.micro_batches, micro_batch_rows=candidate.micro_batch_rows)
 
 
 def fastest(candidates: Sequence[PipelineCandidate]) -> PipelineCandidate:
@@ -431,32 +562,39 @@ def _sizes(divides: dict[str, int]) -> str:
     return ", ".join(f"{size} {what}" for what, size in divides.items()) or "anything"
 
 
-def _price(
-    plan: PipelineSchedule, timeline: SimulatedTimeline, costs: Sequence[StageCost], tp_cost: TensorParallelCost,
-    dp: int, strategy: str, latency: float, spec: DeviceSpec, optimizer: str, memory_budget_gb: float | None,
-    policy: Recompute,
-) -> PipelineCandidate:
-    pp, m, fsdp, tp = plan.num_ranks, plan.micro_batches, strategy == "fsdp", tp_cost.degree
+def _dp_comm_s(costs: Sequence[StageCost], on_rank: Sequence[Sequence[int]], tp: int, dp: int, strategy: str,
+               spec: DeviceSpec) -> float:
+    """The fullest rank's dp collectives: ddp's all-reduce of its gradients (/ tp), or fsdp's all-gather and
+    reduce-scatter of them."""
+    kinds = ("all_gather", "reduce_scatter") if strategy == "fsdp" else ("all_reduce",)
+    return max(sum(comm_time(kind, sum(costs[s].parameter_bytes for s in stages) / tp, dp, spec) for kind in kinds)
+               for stages in on_rank)
+
+
+def _price(plan: PipelineSchedule, timeline: SimulatedTimeline, unit: _Unit, strategy: str, spec: DeviceSpec,
+           optimizer: str, memory_budget_gb: float | None) -> PipelineCandidate:
+    pp, m, fsdp, tp, dp, costs = plan.num_ranks, plan.micro_batches, strategy == "fsdp", unit.tp, unit.dp, unit.costs
     compute = max(timeline.busy)
     b = bubble_formula(plan.name, pp, m)
-    state, activations, dp_comm = [], [], []
+    state, activations = [], []
     for rank in range(pp):
         stages = plan.stages_of(rank)
         params = sum(costs[s].parameter_bytes for s in stages) / tp
         factor = 2 + OPTIMIZER_STATES[optimizer]
         state.append(params * factor / dp + 2 * params if fsdp else params * factor)
         activations.append(sum(timeline.peak_in_flight[s] * costs[s].activation_bytes for s in stages) / tp)
-        kinds = ("all_gather", "reduce_scatter") if fsdp else ("all_reduce",)
-        dp_comm.append(sum(comm_time(kind, params, dp, spec) for kind in kinds))
+    dp_comm = _dp_comm_s(costs, [plan.stages_of(rank) for rank in range(pp)], tp, dp, strategy, spec)
     fullest = max(range(pp), key=lambda r: state[r] + activations[r])
     busiest = max(range(pp), key=lambda r: timeline.busy[r])
     memory = state[fullest] + activations[fullest]
+    tp_seconds = unit.tp_cost.seconds
     return PipelineCandidate(
-        pp=pp, tp=tp, dp=dp, dp_strategy=strategy, micro_batches=m, compute_s=compute,
-        tp_s=m * sum(tp_cost.seconds[s][Op.FORWARD] + tp_cost.seconds[s][Op.BACKWARD] for s in plan.stages_of(busiest)), bubble=b, bubble_s=compute * b / (1 - b),
-        send_s=latency, pipeline_s=timeline.span, dp_comm_s=max(dp_comm), step_s=timeline.span + max(dp_comm),
+        pp=pp, tp=tp, dp=dp, dp_strategy=strategy, micro_batches=m, micro_batch_rows=unit.rows, compute_s=compute,
+        tp_s=m * sum(tp_seconds[s][Op.FORWARD] + tp_seconds[s][Op.BACKWARD] for s in plan.stages_of(busiest)),
+        bubble=b, bubble_s=compute * b / (1 - b),
+        send_s=unit.latency, pipeline_s=timeline.span, dp_comm_s=dp_comm, step_s=timeline.span + dp_comm,
         state_bytes=round(state[fullest]), activation_bytes=round(activations[fullest]),
         fits=memory_budget_gb is None or memory <= memory_budget_gb * 1e9,
-        activations=policy.value, recompute_s=m * sum(costs[s].recompute_s for s in plan.stages_of(busiest)) / tp,
+        activations=unit.policy.value, recompute_s=m * sum(costs[s].recompute_s for s in plan.stages_of(busiest)) / tp,
         schedule=plan.name,
     )

@@ -156,7 +156,7 @@ def _planned(budget_bytes: float | None, world_size: int = 1):
     x, y = batch(0, 4)
     return plan_pipeline(build("llama", 4), (x, y), world_size=world_size, loss_fn=token_loss, device="cpu",
                          memory_budget_gb=None if budget_bytes is None else budget_bytes / 1e9, tp_max=1,
-                         dp_strategies=("ddp",))
+                         dp_strategies=("ddp",), micro_batch_rows=4 // world_size)
 
 
 def test_the_pipeline_planner_recomputes_only_what_the_budget_needs() -> None:

@@ -1,7 +1,7 @@
 """``plan_pipeline`` / ``dpar plan --pipeline``: the pipeline degree under a memory budget, worked by hand.
 
 ``pipeline_models.Stack`` (4 x Linear(16, 16), no bias, MSE), a global batch of 8 rows on 4 ranks,
-micro-batches of 2 rows (the default: rows / world), so a pipeline of ``pp`` stages runs
+micro-batches of 2 rows (one rank's rows, pinned: the search over micro-batches is tested below), so a pipeline of ``pp`` stages runs
 ``m = 8 / (dp x 2) = pp`` micro-batches. One block's forward is F = 8.192 us on ``FLOPS_ONLY``;
 backward 2F. Per block: AdamW state 4 x 1,024 bytes; each block but the first saves its 1,024-byte
 input, the loss its 1,024-byte difference.
@@ -26,14 +26,15 @@ from dpar.cli import main
 from dpar.compiler.costs import DeviceSpec
 from dpar import PipelineMemoryError
 from dpar.planner import plan_pipeline
+from dpar.planner.pipeline import PipelinePlan
 
 MODELS = Path(__file__).resolve().parent / "pipeline_models.py"
 F = 8.192e-6
 
 
-def plan(budget_bytes: float | None, device=FLOPS_ONLY, **kwargs):
-    model, batch = stack(rows=8)
-    kwargs = {"tp_max": 1, "dp_strategies": ("ddp",), **kwargs}  # pp alone: the worked table above
+def plan(budget_bytes: float | None, device=FLOPS_ONLY, rows: int = 8, **kwargs):
+    model, batch = stack(rows=rows)
+    kwargs = {"tp_max": 1, "dp_strategies": ("ddp",), "micro_batch_rows": 2, **kwargs}  # pp alone: the worked table above
     return plan_pipeline(model, batch, world_size=4, loss_fn=mse, device=device,
                          memory_budget_gb=None if budget_bytes is None else budget_bytes / 1e9, **kwargs)
 
@@ -64,6 +65,31 @@ def test_a_budget_that_fits_half_the_model_picks_two_stages():
     p = plan(15_000)  # below pp=1's 20,480 bytes, above pp=2's 11,264
     assert (p.pp, p.dp) == (2, 2)  # 18F beats pp=4's 21F
     assert [c.fits for c in p.candidates] == [False, True, True]
+
+
+def test_the_micro_batch_is_searched_down_from_one_ranks_rows():
+    """[Note: searching the micro-batch]: 16 rows on 4 ranks, micro-batches of 4, 2 and 1 rows (a block's forward
+    F_r = r / 2 x F). Without a budget pp=1 steps 24F with no bubble, which no smaller micro-batch beats: nothing more
+    is captured. Under 12,000 bytes pp=1 (24,576 bytes at 4 rows) does not fit: at 4 rows pp=4 (10,240) steps
+    (4 + 3) x 3 x 2F = 42F, at 2 rows pp=2 (11,264) (4 + 1) x 3 x 2F = 30F, at 1 row pp=2 (9,728) (8 + 1) x 3 x F = 27F,
+    the choice. Under 8,000 bytes nothing fits at 4 rows; pp=4 at one row (5,632 bytes) does."""
+    def searched(budget: float | None) -> PipelinePlan:
+        return plan(budget, rows=16, micro_batch_rows=None)
+
+    free = searched(None)
+    assert free.micro_batch_sizes == (4,) and (free.pp, free.micro_batch_rows, free.choice.step_s) == (
+        1, 4, pytest.approx(24 * F))
+    tight = searched(12_000)
+    assert tight.micro_batch_sizes == (4, 2, 1)
+    each = [plan(12_000, rows=16, micro_batch_rows=r).choice for r in (4, 2, 1)]
+    assert [(c.pp, c.micro_batches, c.memory_bytes) for c in each] == [(4, 4, 10_240), (2, 4, 11_264), (2, 8, 9_728)]
+    assert [c.step_s for c in each] == pytest.approx([42 * F, 30 * F, 27 * F])
+    assert tight.choice == each[-1] and tight.micro_batch_rows == 1
+    assert "micro-batches of 1 rows of 4/2/1 searched" in str(tight)
+    small = searched(8_000)
+    assert (small.pp, small.micro_batch_rows, small.choice.memory_bytes) == (4, 1, 5_632)
+    with pytest.raises(PipelineMemoryError, match="least memory is pp=4"):
+        plan(8_000, rows=16, micro_batch_rows=4)
 
 
 def test_zero_bubble_schedule_changes_the_spans_and_the_memory_held():

@@ -142,6 +142,25 @@ def test_a_stage_of_several_blocks_costs_the_sum_of_its_blocks_less_the_batch_va
     assert (c.state_bytes, c.activation_bytes) == fullest
 
 
+def test_a_bounded_search_replays_fewer_layouts_for_the_same_choice():
+    """``bounded=True`` (what ``dpar.plan`` runs): layouts replayed least bound first (the busiest rank's compute
+    and dp collectives, which its step cannot undercut), stopping where none left could beat the fastest that fits.
+    On 8 ranks, 32 rows, over the searched schedules, tp, ddp / fsdp and micro-batches of 4, 2 and 1 rows: the
+    exhaustive search's choice, to the bit, under each budget, with fewer schedules replayed."""
+    from dpar.planner.pipeline import SEARCHED_SCHEDULES
+
+    model, batch = stack(rows=32)
+    for budget in (None, 10e-6, 6e-6, 4e-6):
+        kwargs = dict(world_size=8, loss_fn=mse, device=LINKS, memory_budget_gb=budget, schedule=SEARCHED_SCHEDULES,
+                      min_pp=2)
+        every = plan_pipeline(model, batch, **kwargs)
+        bounded = plan_pipeline(model, batch, bounded=True, **kwargs)
+        assert bounded.choice == every.choice and bounded.micro_batch_sizes == every.micro_batch_sizes == (4, 2, 1)
+        assert bounded.unreplayed > 0 and len(bounded.candidates) < len(every.candidates)
+        assert all(c.pp > 1 for c in every.candidates) and every.unreplayed == 0
+        assert f"{bounded.unreplayed} more layouts not replayed" in str(bounded)
+
+
 def test_llama3_70b_at_512_ranks_fits_80_gb_with_tp_in_under_a_minute():
     """Llama-3-70B in bf16 on meta, 512 rows of 4096 tokens, 80 GB per rank: no layout without tp
     fits keeping activations (1F1B holds a whole model's activations per micro-batch row on rank 0: 500 GB at

@@ -514,11 +514,12 @@ def _cannot_win(kept: list[PipelineCandidate], found: list[PipelineCandidate]) -
 
 def _worth_recomputing(candidates: list[PipelineCandidate]) -> list[PipelineCandidate]:
     """Every candidate keeping activations, and one recomputing only where it holds less memory than each
-    policy recomputing less on the same layout (a stack of Linears saves the same under every policy)."""
+    policy recomputing less on the same layout and micro-batch (a stack of Linears saves the same under every
+    policy)."""
     held: dict[tuple, list[int]] = {}
     kept = []
     for c in sorted(candidates, key=lambda c: _RECOMPUTES_LESS[c.activations]):
-        before = held.setdefault((c.pp, c.tp, c.dp, c.dp_strategy, c.schedule), [])
+        before = held.setdefault((c.pp, c.tp, c.dp, c.dp_strategy, c.schedule, c.micro_batch_rows), [])
         if all(c.memory_bytes < m for m in before):
             kept.append(c)
         before.append(c.memory_bytes)

@@ -202,6 +202,43 @@ def test_a_deep_tensor_parallel_plan_is_counted_on_copies_cut_to_a_few_blocks():
     assert priced.cost.exposed_comm_s == pytest.approx(report.timeline.exposed_comm, rel=1e-2)
 
 
+def test_a_zero2_plan_is_counted_on_cut_copies_and_a_ddp_plan_whole():
+    """``CUT_DATA_PARALLEL``: an 8-layer Llama (2 rows of 128 tokens a rank, 8 ranks, h100 preset) under zero2 with
+    selective recomputation is counted on copies cut to two and three blocks, every figure the whole count's to
+    1e-9; under ddp, whose gradient buckets a cut copy packs otherwise, the count is of the whole model."""
+    transformers = pytest.importorskip("transformers")
+    from llama3_on_paper import CausalLM
+
+    from dpar.graph_pricing import count_on_graphs
+    from dpar.side_processes import SideProcesses
+
+    with torch.device("meta"):
+        model = CausalLM(transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "num_hidden_layers": 8})))
+    rank_inputs = (torch.zeros(2, 128, dtype=torch.long, device="meta"),)
+    inputs = global_batch(rank_inputs, WORLD)
+    graph = build_op_graph(model, inputs)
+
+    def planned(strategy: str) -> Plan:
+        assignment = strategy_assignment(graph, strategy, (WORLD,))
+        return with_policy(evaluate(graph, assignment, PRESETS["h100"]), graph, assignment, PRESETS["h100"],
+                           Recompute.SELECTIVE)
+
+    zero2 = planned("zero2")
+    priced = priced_on_graphs(zero2, model, inputs, "h100")
+    report = dpar.explain(model, rank_inputs, plan=zero2, device="h100")
+    assert priced.priced_on == ON_BLOCK_GRAPHS and block_cut(model, zero2) == BlockCut("inner.model.layers", (8,),
+                                                                                         (0, 1, 2), ())
+    assert priced.cost.memory_bytes_per_rank == report.memory.total
+    assert priced.cost.compute_s + priced.cost.recompute_s == pytest.approx(report.timeline.compute_time, rel=1e-9)
+    assert priced.cost.recompute_s == pytest.approx(report.recompute_time, rel=1e-9) and priced.cost.recompute_s > 0
+    assert priced.cost.step_s == pytest.approx(report.timeline.step_time, rel=1e-9)
+    assert priced.cost.exposed_comm_s == pytest.approx(report.timeline.exposed_comm, rel=1e-9)
+    with SideProcesses(processes=1) as side:  # one process: a job runs only when its result is asked for
+        counting = count_on_graphs(planned("ddp"), model, inputs, "h100", side)
+        assert counting.cut is None
+        counting.cancel()
+
+
 def test_a_model_whose_forward_needs_every_block_is_counted_whole():
     """Blocks placed alike three in a row are cut; a forward that refuses the cut copy: the count says so (a warning)
     and counts the whole model."""

@@ -92,6 +92,24 @@ def test_the_micro_batch_is_searched_down_from_one_ranks_rows():
         plan(8_000, rows=16, micro_batch_rows=4)
 
 
+def test_a_policy_is_weighed_against_the_policies_of_its_own_micro_batch():
+    """A candidate recomputing is dropped where a policy recomputing less holds no more memory on the same layout;
+    at another micro-batch it is another candidate: selective recomputation at 4 rows, holding more than keeping
+    everything at one row, may still step faster (fewer micro-batches, less latency), so it stays."""
+    from dpar.planner.pipeline import PipelineCandidate, _worth_recomputing
+
+    def candidate(rows: int, policy: str, memory: int) -> PipelineCandidate:
+        return PipelineCandidate(pp=2, tp=1, dp=2, dp_strategy="ddp", micro_batches=8 // rows, micro_batch_rows=rows,
+                                 compute_s=1.0, tp_s=0.0, bubble=0.0, bubble_s=0.0, send_s=0.0, pipeline_s=1.0,
+                                 dp_comm_s=0.0, step_s=1.0, state_bytes=0, activation_bytes=memory, fits=True,
+                                 activations=policy)
+
+    keep_1, selective_4 = candidate(1, "keep", 10), candidate(4, "selective", 12)
+    assert _worth_recomputing([candidate(4, "keep", 16), selective_4, keep_1]) == [
+        candidate(4, "keep", 16), selective_4, keep_1]
+    assert _worth_recomputing([candidate(4, "keep", 12), selective_4]) == [candidate(4, "keep", 12)]
+
+
 def test_zero_bubble_schedule_changes_the_spans_and_the_memory_held():
     p = plan(None, schedule="zb_h1")
     got = {c.pp: c for c in p.candidates}

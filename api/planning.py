@@ -387,8 +387,10 @@ def _best_pipeline(model: nn.Module, inputs: tuple[object, ...], world: int, bud
     except Exception as error:  # noqa: BLE001 - a model it cannot cut is planned by placements, and the plan says why
         return f"pipelines not searched: {type(error).__name__}: {error}"
     best = found.choice  # of two stages or more: one stage is a placement (see the Note)
-    row = PolicyOption(best.activations, f"pipeline {best.layout}", best.step_s, best.recompute_s, best.memory_bytes, True)
     layout = layout_of(best)
+    rows = f"{layout.micro_batch_rows} row" + ("s" if layout.micro_batch_rows > 1 else "")
+    row = PolicyOption(best.activations, f"pipeline {best.layout}, {layout.micro_batches} micro-batches of {rows}",
+                       best.step_s, best.recompute_s, best.memory_bytes, True)
     return Plan(
         mesh_shape=(best.dp, best.pp, best.tp), mesh_dim_names=("dp", "pp", "tp"),
         data_parallel="fsdp" if best.dp_strategy == "fsdp" else "replicate", strategy="pipeline",

@@ -190,7 +190,8 @@ def test_one_plan_call_answers_for_placements_and_pipelines(capsys):
     assert c.memory_bytes_per_rank == best.memory_bytes <= 80e9
     rows = {o.strategy: o for o in both.strategies}
     assert rows[f"placements: {placements.strategy}"].step_s == placements.cost.step_s
-    assert rows[f"pipeline {best.layout}"].step_s == best.step_s
+    assert best.micro_batch_rows == 1  # 16 rows on 16 ranks: one micro-batch size to search
+    assert rows[f"pipeline {best.layout}, {best.micro_batches} micro-batches of 1 row"].step_s == best.step_s
     assert not any(o.strategy.startswith("pipeline") for o in placements.strategies) and placements.pipeline is None
     assert Plan.from_json(both.to_json()) == both
     with pytest.raises(dpar.OptionsError, match=r"is a pipeline \(pp=.*dpar\.pipeline\(model, loss_fn"):

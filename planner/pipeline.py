@@ -465,7 +465,7 @@ def _replay(units: Sequence[_Unit], candidates: list[PipelineCandidate], dp_stra
     schedules: dict[tuple[str, int, int], tuple[PipelineSchedule, tuple]] = {}
     for done, i in enumerate(order):
         unit = units[i]
-        best = min((c.step_s for c in candidates if c.fits), default=float("inf"))
+        best = _fastest_fitting_s(candidates)
         if bounded and unit.least_s > best * (1 + _ROUNDING):
             return len(units) - done
         layout = (unit.schedule, unit.pp, unit.tp, unit.micro_batches)
@@ -486,7 +486,7 @@ def _replay(units: Sequence[_Unit], candidates: list[PipelineCandidate], dp_stra
 def _smaller_could_win(candidates: Sequence[PipelineCandidate], units: Sequence[_Unit]) -> bool:
     """Whether a smaller micro-batch could step faster than the fastest that fits: only where some layout's
     bound at this size is below it (see [Note: searching the micro-batch])."""
-    best = min((c.step_s for c in candidates if c.fits), default=float("inf"))
+    best = _fastest_fitting_s(candidates)
     return any(unit.least_s < best * (1 - _ROUNDING) for unit in units)
 
 
@@ -505,10 +505,15 @@ def fastest(candidates: Sequence[PipelineCandidate]) -> PipelineCandidate:
                                           DP_STRATEGIES.index(c.dp_strategy), _RECOMPUTES_LESS[c.activations]))
 
 
+def _fastest_fitting_s(candidates: Sequence[PipelineCandidate]) -> float:
+    """The least step of the candidates that fit (infinite where none does)."""
+    return min((c.step_s for c in candidates if c.fits), default=float("inf"))
+
+
 def _cannot_win(kept: list[PipelineCandidate], found: list[PipelineCandidate]) -> bool:
     """Whether recomputing on the layout of ``kept`` (its candidates keeping everything) is only slower: each
     fits already, or a candidate found before fits in less time than any of them (recomputing adds time)."""
-    fastest = min((c.step_s for c in found if c.fits), default=float("inf"))
+    fastest = _fastest_fitting_s(found)
     return all(c.fits for c in kept) or fastest <= min(c.step_s for c in kept)
 
 

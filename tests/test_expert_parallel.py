@@ -14,31 +14,20 @@ import pytest
 
 from distributed import run_ranks
 
-NUDGE = 1e-7
-
-
-def _nudge(model) -> None:
-    import torch
-
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * NUDGE)
-
 
 def _against_torch_ddp(rank: int, world_size: int, cases: tuple[tuple[str, str, tuple[int, ...] | None], ...]) -> dict | None:
     import torch
     import torch._dynamo
 
     from dpar.compiler import registry
-    from third_party import Run, max_abs_diff, train
+    from third_party import Run, max_abs_diff, nudge, train
 
     found, references = {}, {}
     for name, strategy, mesh_shape in cases:
         optimizer = _optimizer(name)
         if name not in references:
             references[name] = (train(rank, world_size, Run(name, "torch_ddp", optimizer=optimizer)),
-                                train(rank, world_size, Run(name, "torch_ddp", optimizer=optimizer), prepare=_nudge))
+                                train(rank, world_size, Run(name, "torch_ddp", optimizer=optimizer), prepare=nudge))
         reference, control = references[name]
         torch._dynamo.reset()
         with registry.recording() as graphs:
@@ -107,10 +96,11 @@ CASES = {
               ("titan_qwen3_moe", "tp", None)),
     # On ("dp", "ep") meshes: the experts' blocks replicated (ddp+ep) or sharded (zero2+ep, fsdp+ep) over "dp";
     # on a ("dp", "tp") mesh spread over "tp" and sharded over "dp".
-    4: (("own_moe", "ddp+ep", (2, 2)), ("own_moe", "fsdp+ep", (2, 2)), ("qwen3_moe", "fsdp+ep", (2, 2)),
-        ("qwen3_moe", "fsdp+tp", (2, 2))),
-    # The same paths again: a 1-D ep axis of 4, zero2 between ddp's and fsdp's handling of the experts' blocks.
-    "4 more": (("own_moe", "ep", None), ("mixtral", "zero2+ep", (2, 2))),
+    4: (("own_moe", "ddp+ep", (2, 2)), ("qwen3_moe", "fsdp+ep", (2, 2))),
+    # The same paths again: a 1-D ep axis of 4, zero2 between ddp's and fsdp's handling of the experts' blocks, fsdp+ep
+    # on the own MoE (Qwen3's above), Qwen3's experts over tp sharded over dp (tp's spread: case 2; fsdp's shards: above).
+    "4 more": (("own_moe", "ep", None), ("mixtral", "zero2+ep", (2, 2)), ("own_moe", "fsdp+ep", (2, 2)),
+               ("qwen3_moe", "fsdp+tp", (2, 2))),
 }
 
 

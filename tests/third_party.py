@@ -298,6 +298,15 @@ def _optimizer(name: str, params, lr: float | None = None) -> torch.optim.Optimi
     return torch.optim.AdamW(params, lr=lr or 1e-3)
 
 
+def nudge(model: nn.Module) -> None:
+    """Every parameter moved by 1e-7 (random, seeded): torch DDP trained from these weights is the rounding
+    control. Its gap from DDP is what fp32 rounding alone moves the trained parameters on this host's kernels."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 1e-7)
+
+
 def train(rank: int, world_size: int, run: Run, prepare: Callable[[nn.Module], None] | None = None) -> dict:
     """Train ``run.model`` for STEPS on this rank's slices; the full state dict (rank 0's view)."""
     import dpar

@@ -123,8 +123,7 @@ class _LossAndLogits(nn.Module):
 def _logits_in_global_order(rank: int) -> tuple[float, float]:
     """HF Llama in float64, the cp group fed one batch: (max |logits - one process's|, max |gradient - one
     process's|) for loss + mean(logits^2), the logits coming back whole, in the sequence's order."""
-    torch.set_default_dtype(torch.float64)
-    try:
+    with third_party.float64_by_default():
         one, split = _LossAndLogits(), _LossAndLogits()
         dpar.parallelize(split, strategy="cp", same_batch_in_cp_group=True)
         compiled = torch.compile(split, backend="dpar", options={"compiler": "aot_eager"})
@@ -134,8 +133,6 @@ def _logits_in_global_order(rank: int) -> tuple[float, float]:
         (cp_loss + cp_logits.square().mean()).backward()
         grads = max((a.grad - b.grad).abs().max().item() for a, b in zip(one.parameters(), split.parameters()))
         return (logits - cp_logits).abs().max().item(), grads
-    finally:
-        torch.set_default_dtype(torch.float32)
 
 
 def _two_rank_launch(rank: int, world_size: int) -> tuple[dict[str, float | str], tuple[float, float]]:
@@ -160,9 +157,8 @@ PLANNED = [(("dp", "cp"), 2, 2),  # 2 rows for 4 ranks: each cp group fed one
 def _planned(rank: int, world_size: int) -> list[tuple[str, bool, float]]:
     """HF Llama in float64 planned by ``dpar.plan`` on each mesh of PLANNED, applied by ``parallelize(plan=...)``:
     (its strategy, whether it feeds a cp group one batch, max |parameters - torch DDP's|) of each."""
-    torch.set_default_dtype(torch.float64)
     found = []
-    try:
+    with third_party.float64_by_default():
         for names, rows, same in PLANNED:
             torch._dynamo.reset()
             batch = third_party.global_batch(0, rows, 16)
@@ -172,8 +168,6 @@ def _planned(rank: int, world_size: int) -> list[tuple[str, bool, float]]:
             state = third_party.train(rank, world_size, Run("llama", plan.strategy, **run, parallelize_kwargs=(("plan", plan),)))
             found.append((plan.strategy, plan.same_batch_in_cp_group, max_abs_diff(reference, state) if rank == 0 else 0.0))
         return found
-    finally:
-        torch.set_default_dtype(torch.float32)
 
 
 def _four_rank_launch(rank: int, world_size: int) -> tuple[dict[str, float | str], list[tuple[str, bool, float]]]:

@@ -15,6 +15,7 @@ from dpar.compiler.collectives import collectives
 from distributed import run_ranks
 from fake_world import fake_world
 from gpt import GPT, GPTConfig
+from third_party import float64_by_default
 
 STEPS = 3
 
@@ -28,8 +29,7 @@ def _three_models(rank: int, world_size: int) -> dict[str, float]:
     """A local SGD model (replicas averaged every 100 steps), a plain (ddp) one and a cp one of one class, compiled in
     that order and trained in turns; the last two against torch DDP from the same weights on the same rows: max
     |parameter - torch DDP's| after 3 SGD steps."""
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64_by_default():
         reference = DistributedDataParallel(_gpt())
         models = {"local_sgd": _gpt(), "ddp": _gpt(), "cp": _gpt()}
         dpar.parallelize(models["local_sgd"], strategy="local_sgd", sync_every=100)
@@ -46,8 +46,6 @@ def _three_models(rank: int, world_size: int) -> dict[str, float]:
         expected = reference.module.state_dict()
         return {name: max((models[name].state_dict()[n] - expected[n]).abs().max().item() for n in expected)
                 for name in ("ddp", "cp")}
-    finally:
-        torch.set_default_dtype(torch.float32)
 
 
 def test_models_of_one_class_each_train_by_their_own_plan() -> None:

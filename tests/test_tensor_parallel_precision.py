@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from distributed import run_ranks
-from third_party import ROWS_PER_RANK, STEPS, Run, build, global_batch, max_abs_diff, nudge, train
+from third_party import ROWS_PER_RANK, STEPS, Run, build, float64_by_default, global_batch, max_abs_diff, nudge, train
 
 LR = 1e-2
 BF16_TOLERANCE, FLOAT64_TOLERANCE = 5e-2, 1e-9
@@ -57,11 +57,8 @@ def train_cases(rank: int, world_size: int) -> dict[str, float]:
                 diffs[f"{name} one process on the global batch"] = max_abs_diff(reference, one_process(name, world_size))
         else:  # GPT-2's loss averages each rank's unpadded tokens, so one process is no control: DDP nudged is
             nudged = train(rank, world_size, Run(name, "torch_ddp", lr=LR), prepare=nudge)
-            torch.set_default_dtype(torch.float64)  # and in float64, where rounding is ~1e-15 and a bug stays large
-            try:
+            with float64_by_default():  # and in float64, where a bug stays large
                 wide = [train(rank, world_size, Run(name, strategy, lr=LR)) for strategy in ("torch_ddp", "tp")]
-            finally:
-                torch.set_default_dtype(torch.float32)
             if rank == 0:
                 diffs[f"{name} torch DDP nudged by 1e-7"] = max_abs_diff(reference, nudged)
                 diffs[f"{name} tp float64"] = max_abs_diff(*wide)

@@ -7,9 +7,10 @@ is downloaded: the Hugging Face models are built from small random configs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -296,6 +297,17 @@ def _optimizer(name: str, params, lr: float | None = None) -> torch.optim.Optimi
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr or 0.05)
     return torch.optim.AdamW(params, lr=lr or 1e-3)
+
+
+@contextlib.contextmanager
+def float64_by_default() -> Iterator[None]:
+    """Models and tensors built inside are float64, where rounding is ~1e-15 and a real gap between two runs stays
+    large; float32 again after, whatever happens inside."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 def nudge(model: nn.Module) -> None:

@@ -27,14 +27,17 @@ WORLD = 2
 POLICIES = ("keep", "selective", "full")
 BUDGET = 50_000  # bytes per rank the forward may save: HF llama's 2 blocks under fsdp, between selective and full
 
-# (model, strategy, policies trained): every policy against the same strategy's "keep" (zero2 on GPT-2 only,
-# for the suite's time).
+# (model, strategy, policies trained): every policy against the same strategy's "keep".
 TRAINED = (
     ("llama", "fsdp", POLICIES),
     ("llama", "tp", ("keep", "full")),
+    ("resnet", "ddp", ("keep", "full")),
+)
+# Other models on paths the cases above train (fsdp's gathers recomputed: Llama's; GPT-2 checkpointed under fsdp and
+# tp by default in test_buffers_and_checkpointing and test_tensor_parallel_precision): `-m extended`.
+TRAINED_MORE = (
     ("nanogpt", "fsdp", ("keep", "full")),
     ("gpt2", "zero2", ("keep", "selective")),
-    ("resnet", "ddp", ("keep", "full")),
 )
 
 
@@ -81,25 +84,28 @@ def train_dropout(rank: int, strategy: str, policy: str, p: float = 0.25) -> dic
     return dpar.checkpoint.full_state_dict(model)
 
 
-def trained_rank(rank: int, world_size: int) -> dict:
-    """Every case of TRAINED, the dropout model and torch DDP per model, in one process per rank."""
+def trained_rank(rank: int, world_size: int, cases: tuple) -> dict:
+    """Every case of ``cases`` and torch DDP per model, in one process per rank; with TRAINED's, the budget's
+    case and the dropout model."""
     results: dict = {"seconds": {}}
-    for model, strategy, policies in TRAINED:
+    for model, strategy, policies in cases:
         for policy in policies:
             torch._dynamo.reset()
             start = time.perf_counter()
             run = third_party.Run(model, strategy, lr=1e-2, parallelize_kwargs=(("activation_checkpointing", policy),))
             results[(model, strategy, policy)] = third_party.train(rank, world_size, run)
             results["seconds"][(model, strategy, policy)] = time.perf_counter() - start
+    for model in dict.fromkeys(m for m, _, _ in cases):
+        torch._dynamo.reset()
+        results[(model, "torch_ddp")] = third_party.train(rank, world_size, third_party.Run(model, "torch_ddp", lr=1e-2))
+    if cases is not TRAINED:
+        return results
     torch._dynamo.reset()
     start = time.perf_counter()
     budget = (("activation_checkpointing", ActivationPolicy(budget_bytes=BUDGET)),)
     results[("llama", "fsdp", "budget")] = third_party.train(
         rank, world_size, third_party.Run("llama", "fsdp", lr=1e-2, parallelize_kwargs=budget))
     results["seconds"][("llama", "fsdp", "budget")] = time.perf_counter() - start
-    for model in dict.fromkeys(m for m, _, _ in TRAINED):
-        torch._dynamo.reset()
-        results[(model, "torch_ddp")] = third_party.train(rank, world_size, third_party.Run(model, "torch_ddp", lr=1e-2))
     for policy in ("keep", "full"):
         results[("dropout", "fsdp", policy)] = train_dropout(rank, "fsdp", policy)
     results[("dropout off", "fsdp", "full")] = train_dropout(rank, "fsdp", "full", p=0.0)
@@ -107,10 +113,11 @@ def trained_rank(rank: int, world_size: int) -> dict:
 
 
 @functools.cache
-def trained() -> list[dict]:
+def trained(cases: tuple = TRAINED) -> list[dict]:
     start = time.perf_counter()
-    results = run_ranks(trained_rank, WORLD, timeout_s=1200)
-    print(f"trained {sum(len(p) for _, _, p in TRAINED) + 1} checkpointing cases, 4 torch DDP, 3 dropout runs in "
+    results = run_ranks(trained_rank, WORLD, cases, timeout_s=1200)
+    extras = ", the budget's case and 3 dropout runs" if cases is TRAINED else ""
+    print(f"trained {sum(len(p) for _, _, p in cases)} checkpointing cases, {len(cases)} torch DDP{extras} in "
           f"{time.perf_counter() - start:.0f} s")
     return results
 
@@ -119,11 +126,13 @@ def _bit_exact(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("case", [(m, s, p) for m, s, ps in TRAINED for p in ps if p != "keep"] + [("llama", "fsdp", "budget")],
-                         ids=str)
+@pytest.mark.parametrize("case", [(m, s, p) for m, s, ps in TRAINED for p in ps if p != "keep"] + [("llama", "fsdp", "budget")]
+                         + [pytest.param((m, s, p), marks=pytest.mark.extended) for m, s, ps in TRAINED_MORE
+                            for p in ps if p != "keep"], ids=str)
 def test_checkpointed_training_is_bit_exact_and_matches_torch_ddp(case: tuple[str, str, str]) -> None:
     model, strategy, policy = case
-    result = trained()[0]  # the full state dicts, as rank 0 gathers them
+    launch = TRAINED if any(case[:2] == (m, s) for m, s, _ in TRAINED) else TRAINED_MORE
+    result = trained(launch)[0]  # the full state dicts, as rank 0 gathers them
     got, keep = result[case], result[(model, strategy, "keep")]
     diff = third_party.max_abs_diff(got, result[(model, "torch_ddp")])
     print(f"{model} {strategy} {policy}: max |dpar - torch DDP| = {diff:.2e}, {result['seconds'][case]:.1f} s")

@@ -102,9 +102,9 @@ def _born_on_meta(rank: int, world_size: int, checkpoint_dir: str, cases: tuple)
     return found
 
 
-# zero1 and zero2 (replicated and sharded as ddp and fsdp are), ddp+tp and zero2+tp (fsdp+tp's 2-D load, which
-# set_model_state_dict's cases of test_reshard take too) and local SGD: `-m extended`.
-EXTENDED = tuple(c for c in CASES if c[0] in ("zero1", "zero2", "ddp+tp", "zero2+tp", "local_sgd"))
+# ddp, zero1, zero2 and hsdp (replicated and sharded as tp's unsplit parameters and fsdp are), ddp+tp and zero2+tp
+# (fsdp+tp's 2-D load, which set_model_state_dict's cases of test_reshard take too) and local SGD: `-m extended`.
+EXTENDED = tuple(c for c in CASES if c[0] in ("ddp", "zero1", "zero2", "hsdp", "ddp+tp", "zero2+tp", "local_sgd"))
 
 
 @pytest.mark.parametrize("cases", [tuple(c for c in CASES if c not in EXTENDED), pytest.param(EXTENDED, marks=pytest.mark.extended)],

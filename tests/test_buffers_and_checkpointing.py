@@ -141,6 +141,7 @@ def checkpointed_gpt_rank(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.extended  # per-block checkpointing under fsdp: HF GPT-2's gradient checkpointing below
 def test_tiny_gpt_checkpointed_per_block_under_fsdp_matches_torch_ddp() -> None:
     for rank, result in enumerate(run_ranks(checkpointed_gpt_rank, WORLD, timeout_s=240)):
         diff = max_abs_diff(result["fsdp"], result["torch_ddp"])

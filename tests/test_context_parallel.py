@@ -39,9 +39,8 @@ TWO_RANKS = [
     ("llama", "cp", None, 2, 8, 1, False, "inductor"),  # Inductor's decompositions: the loss and embedding forms
     ("titan_llama3", "cp", None, 2, 8, 1, True),
     ("nanogpt_4k", "cp", None, 1, 4096, 1, True),
-    # Ulysses: a padding mask whole beside grouped heads repeated (HF), torchtitan's causal flag, Inductor's lowering
+    # Ulysses: a padding mask whole beside grouped heads repeated (HF)
     ("llama", "cp", None, 2, 8, 1, True, "all_to_all"),
-    ("titan_llama3", "cp", None, 2, 8, 1, True, "all_to_all"),
 ]
 # Paths the cases above and the 4-rank launch cover: fp32 under aot_eager (Inductor's fp32 case), nanoGPT at 8 tokens
 # (at 4,096), a cp group fed one batch (the planned zero2+cp case and the logits check), Inductor's lowering of the
@@ -53,10 +52,10 @@ TWO_RANKS_MORE = [
     ("llama", "cp", None, 2, 8, 2, True),  # same_batch_in_cp_group: one copy, each rank its chunks
     ("nanogpt", "cp", None, 2, 8, 1, True, "all_to_all"),
     ("llama", "cp", None, 2, 8, 1, True, "all_to_all", "full"),  # exchanged tensors saved, collectives not recomputed
+    ("titan_llama3", "cp", None, 2, 8, 1, True, "all_to_all"),  # torchtitan's causal flag: the ring case's
 ]
 FOUR_RANKS = [
     ("llama", "fsdp+cp", (2, 2), 2, 8, 1, True),
-    ("nanogpt", "cp", None, 1, 16, 1, True),  # cp 4: a chunk of 2 tokens
     ("llama", "cp+tp", (2, 2), 2, 8, 1, True, "all_to_all"),  # tp's 2 heads of 4, 1 a rank
 ]
 # Both activation axes beside a sharded data axis: the layout torchtitan trains long sequences with.
@@ -64,6 +63,7 @@ EIGHT_RANKS = [("llama", "fsdp+cp+tp", (2, 2, 2), 2, 8, 1, True)]
 # The other models and data modes under cp and tp, whose paths the cases above cover (HF Llama's cp+tp: the planned
 # cp+tp case of the 4-rank launch).
 FOUR_RANKS_MORE = [
+    ("nanogpt", "cp", None, 1, 16, 1, True),  # cp 4, a chunk of 2 tokens: cp+tp's cp 2 and the cp-4 inspection
     ("llama", "ddp+cp", (2, 2), 2, 8, 1, True),  # replicated over dp: fsdp+cp's data axis, and the planned ddp/zero2+cp
     ("nanogpt", "cp", None, 1, 16, 1, True, "all_to_all"),  # one head a rank: cp+tp's one head a rank above
     ("llama", "cp+tp", (2, 2), 2, 8, 1, True),

@@ -88,8 +88,9 @@ def _train(rank: int, world_size: int, name: str, strategy: str, mesh_shape: tup
 
 CASES = {
     # Under tensor parallel the experts are spread over the tp axis by expert, the tokens staying put.
-    2: (*((name, "ep", None) for name in ("own_moe", "mixtral", "qwen3_moe")), ("own_moe", "tp", None),
-        ("mixtral", "tp", None)),
+    2: (("own_moe", "ep", None), ("mixtral", "ep", None), ("mixtral", "tp", None)),
+    # Qwen3's routed experts under ep (its fsdp+ep below), the own MoE's under tp (Mixtral's above).
+    "2 more": (("qwen3_moe", "ep", None), ("own_moe", "tp", None)),
     # torchtitan's MoE debug models (bf16 grouped matmuls, 5 and 8 MoE layers), trained with SGD: AdamW turns the
     # tiny gradients of barely routed experts into steps of size lr, which a 1e-7 nudge already moves by 4e-3.
     "titan": (("titan_deepseek", "ep", None), ("titan_qwen3_moe", "ep", None), ("titan_deepseek", "tp", None),
@@ -104,13 +105,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [2, 4, *(pytest.param(c, marks=pytest.mark.extended) for c in ("titan", "4 more"))])
+@pytest.mark.parametrize("case", [2, 4, *(pytest.param(c, marks=pytest.mark.extended) for c in ("2 more", "titan", "4 more"))])
 def test_ep_trains_as_torch_ddp(case: int | str) -> None:
     from third_party import needs_torchtitan
 
     for name, _, _ in CASES[case]:
         needs_torchtitan(name)
-    ranks = {"titan": 2, "4 more": 4}.get(case, case)
+    ranks = {"2 more": 2, "titan": 2, "4 more": 4}.get(case, case)
     found = run_ranks(_against_torch_ddp, ranks, CASES[case], timeout_s=1200)[0]
     for name, figures in found.items():
         print(f"{name}: {figures}")

@@ -159,6 +159,7 @@ def test_init_weights_equals_one_device_at_two_ranks() -> None:
     _check(run_ranks(_cases, 2, TWO_RANKS, timeout_s=240)[0], 2)
 
 
+@pytest.mark.extended  # the two-rank case's path on more shards
 def test_init_weights_equals_one_device_at_four_ranks() -> None:
     """The same numbers at 4 ranks as at 2 and on one device: the 2-D meshes, replicated and local-SGD strategies."""
     _check(run_ranks(_cases, 4, FOUR_RANKS, timeout_s=240)[0], 4)

@@ -144,6 +144,7 @@ def test_trainer_trains_as_lightning_ddp() -> None:
                    len(STRATEGIES))
 
 
+@pytest.mark.extended  # the global norm over shards: dpar.clip_grad_norm_'s own tests; the Trainer's hook to it is one call
 def test_trainer_clips_by_the_global_norm_as_lightning_ddp() -> None:
     """``gradient_clip_val``: torch's clip_grad_norm_ would read each rank's tp blocks alone."""
     found = _trainer_ddp_anchor(("tp", "fsdp"), TinyLM, gradient_clip_val=0.05)
@@ -205,6 +206,7 @@ def _fabric_against_ddp(rank: int, world_size: int, strategies: tuple[str, ...],
     return _each(strategies, lambda s: _worst(_fabric_train(s, accumulate), expected))
 
 
+@pytest.mark.extended  # Fabric's strategy is the Trainer's: its no_backward_sync case below trains it by default
 def test_fabric_trains_as_lightning_ddp() -> None:
     found = run_ranks(_fabric_against_ddp, 2, FABRIC_STRATEGIES, 1, timeout_s=600)[0]
     assert_figures(found, "max |diff| from Fabric's DDPStrategy", 1e-5, len(FABRIC_STRATEGIES))

@@ -66,6 +66,7 @@ def loss_curve(rank: int, world_size: int, param_dtype: torch.dtype | None, step
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # bf16 training against torch DDP by default: test_tensor_parallel_precision, the bf16 quickstart
 def test_bf16_loss_curve_tracks_fp32_over_50_steps_of_the_example() -> None:
     fp32 = run_ranks(loss_curve, 2, None, 50, timeout_s=600)[0]
     bf16 = run_ranks(loss_curve, 2, torch.bfloat16, 50, timeout_s=600)[0]

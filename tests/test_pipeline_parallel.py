@@ -69,7 +69,7 @@ def _zbv_and_torch_ddp(rank: int, world_size: int, name: str, layers: int, optim
 @pytest.mark.parametrize(
     "name, layers, optim, world_size, micro_batches",
     [
-        ("llama", 4, "adamw", 2, 4),
+        pytest.param("llama", 4, "adamw", 2, 4, marks=pytest.mark.extended),  # the GPT-2's V below, every schedule's Llama
         ("gpt2", 4, "sgd", 2, 4),  # the tied embedding and head both on rank 0 (stages 0 and 3)
         # 4 ranks, 8 stages: the V over more ranks than test_pipeline_checkpointing's 2-rank zbv (the suite's time)
         pytest.param("llama", 8, "adamw", 4, 8, marks=pytest.mark.extended),

@@ -32,8 +32,9 @@ WAYS = ("assign", "swap", "checkpoint")
 CASES = [(s, w) for s in STRATEGIES for w in WAYS if not (w == "checkpoint" and s in ("ddp", "zero2"))]
 # zero2 holds its parameters as ddp does and its gradients as fsdp does, zero1 its optimizer state in ranges as
 # fsdp holds its shards, ddp its parameters whole as tp does its unsplit ones: `-m extended`.
-# Assigning a new Parameter is the simplest replacement; swap and checkpoint cover fsdp and tp by default.
-EXTENDED = [c for c in CASES if c[0] in ("zero1", "zero2", "ddp") or c[1] == "assign"]
+# Assigning a new Parameter is the simplest replacement; swap covers fsdp and tp by default, checkpoint fsdp (tp's
+# checkpoint loads are test_tensor_parallel_state_dict's).
+EXTENDED = [c for c in CASES if c[0] in ("zero1", "zero2", "ddp") or c[1] == "assign" or c == ("tp", "checkpoint")]
 BEFORE = 2  # steps before the parameters are replaced
 
 

@@ -51,7 +51,7 @@ class PooledBN(nn.Module):
 
 CASES = (  # (model, optimizer, lr)
     ("pooled_bn", "sgd", 0.05),
-    ("resnet", "adamw", 1e-2),  # the harness's optimizer and the lr (also in test_tensor_parallel_refusals.py)
+    ("resnet", "adamw", 1e-2),  # the harness's optimizer and the lr
 )
 
 

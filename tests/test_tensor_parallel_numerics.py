@@ -54,30 +54,26 @@ def test_sequence_parallel_matches_one_process(strategy: str, world: int, optimi
 
 
 def train_planned(
-    rank: int, world_size: int, case: Case, roles: tuple[str, ...], links: tuple[float, float] | None = None
+    rank: int, world_size: int, case: Case, roles: tuple[str, ...], links: tuple[float, float]
 ) -> tuple[str, bool, dict[str, int | None], dict]:
-    """``dpar.plan`` with the mesh dimension's role fixed (and ``links`` as (α, β) of a
-    100 GFLOP/s device, if given), applied by ``parallelize(plan=...)``: (its strategy, whether it is sequence
-    parallel, its tp dims, the trained state)."""
+    """``dpar.plan`` with the mesh dimension's role fixed, on a 100 GFLOP/s device whose links are ``links`` (α, β),
+    applied by ``parallelize(plan=...)``: (its strategy, whether it is sequence parallel, its tp dims, the trained
+    state)."""
     import dpar
     from dpar.compiler.costs import DeviceSpec
     from training import global_batch, seeded_model
 
     x0, _ = global_batch(case.model, 0, 0, 8)
-    device = DeviceSpec("test", 1e11, 1e11, 1e10, alpha=links[0], link_bandwidth=1 / links[1], mesh_links=(links,)) if links else "h100"
+    device = DeviceSpec("test", 1e11, 1e11, 1e10, alpha=links[0], link_bandwidth=1 / links[1], mesh_links=(links,))
     plan = dpar.plan(seeded_model(case), (x0,), mesh_shape=(world_size,), mesh_dim_names=roles, device=device)
     return plan.strategy, plan.sequence_parallel, plan.tp_dims(), train_parallel(rank, world_size, case, "fsdp", plan=plan)
 
 
 def test_a_tensor_parallel_plan_from_the_planner_applies_and_matches() -> None:
-    """On the default (H100) constants the tiny GPT is too small to split; on a slow device
-    with a fast link the planner splits its layers, the norms and residuals by sequence (sequence parallel), and
-    that plan trains like one process."""
+    """On a slow device with a fast link the planner splits the tiny GPT's layers, the norms and residuals by
+    sequence (sequence parallel), and that plan trains like one process. (On the default H100 constants it is too
+    small to split.)"""
     case = Case("gpt", "sgd")
-    strategy, _, _, parallel = run_ranks(train_planned, 2, case, ("tp",))[0]
-    diff = max_abs_diff(parallel, single_process(case))
-    print(f"planned {strategy} (H100): max |difference| {diff:.2e}")
-    assert strategy in ("tp", "replicate") and diff <= TOLERANCE["sgd"]
     strategy, sequence_parallel, dims, parallel = run_ranks(train_planned, 2, case, ("tp",), (1e-7, 1e-12))[0]
     split = sorted(name for name, dim in dims.items() if dim is not None)
     diff = max_abs_diff(parallel, single_process(case))

@@ -6,9 +6,9 @@ replicated. The automatic plan therefore never splits its parameters (they train
 parallel would; an experts module, Hugging Face's or torchtitan's, is spread over tp by expert at
 ``parallelize`` instead: test_expert_parallel.py), and an explicit ``tp_plan`` that splits one is refused by name
 (``TensorParallelPlanError``) before the first step. Against torch DDP on 2 gloo ranks, each
-rank fed its own slice: torchvision resnet18's layer kinds, Hugging Face Mixtral (its planning
-forward used to crash in torch._grouped_mm's fake kernel, which takes bf16 only) and
-torchtitan's DeepSeek-V3 (under SGD: see ``two_deepseek_layers`` for why).
+rank fed its own slice: Hugging Face Mixtral (its planning forward used to crash in torch._grouped_mm's fake kernel,
+which takes bf16 only) and torchtitan's DeepSeek-V3 (under SGD: see ``two_deepseek_layers`` for why); torchvision
+resnet18's layer kinds train under tp in test_tensor_parallel_convnets.py.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def train_against_ddp(rank: int, world_size: int, names: list[str]) -> dict[str,
 def trained() -> dict[str, tuple[float, int, int, str]]:
     """Every case in one launch of 2 gloo ranks (starting ranks costs seconds)."""
     present = importlib.util.find_spec("torchtitan") or os.environ.get("CI")  # CI installs it: fail there if missing
-    names = ["resnet", "mixtral"] + (["titan_deepseek"] if present else [])
+    names = ["mixtral"] + (["titan_deepseek"] if present else [])
     results = run_ranks(train_against_ddp, 2, names, timeout_s=900)[0]
     for name, (diff, over, total, worst) in results.items():
         optimizer = OPTIMIZER.get(name, "adamw at lr 1e-2")
@@ -153,7 +153,8 @@ def trained() -> dict[str, tuple[float, int, int, str]]:
     return results
 
 
-@pytest.mark.parametrize("name", ["resnet", "mixtral", "titan_deepseek"])
+# The ResNet's convolutions and BatchNorm under tp: test_tensor_parallel_convnets.py.
+@pytest.mark.parametrize("name", ["mixtral", "titan_deepseek"])
 def test_tensor_parallel_trains_unsplittable_layers_as_torch_ddp(trained, name: str) -> None:
     needs_torchtitan(name)
     diff, over, total, worst = trained[name]

@@ -125,7 +125,7 @@ def test_the_automatic_plan_splits_gpt2s_conv1d_by_its_output_columns() -> None:
 
 # --- numerics on 2 gloo ranks ----------------------------------------------------------------
 
-# Hugging Face BERT, T5 and GPT-2 under tp on per-rank slices: tests/test_third_party_models.py.
+# Hugging Face T5 and GPT-2 under tp on per-rank slices (BERT's by `-m extended`): tests/test_third_party_models.py.
 CASES = [
     ("llama", "adamw"),
     ("nanogpt", "adamw"),

@@ -24,8 +24,7 @@ ADAMW_TOLERANCE = 1e-4
 # same code paths on another model) run under `-m extended`.
 TWO_RANKS = {
     "llama": ("ddp", "zero1", "fsdp", "tp"),
-    "bert": ("fsdp", "tp"),
-    "t5": ("fsdp", "tp"),
+    "t5": ("tp",),  # an encoder-decoder: cross-attention and relative position bias split by tp
     "gpt2": ("fsdp", "tp"),
     "mixtral": ("ddp", "fsdp"),
     "resnet": ("ddp", "zero1", "zero2", "fsdp"),  # conv + BatchNorm, torchvision resnet18's layer kinds
@@ -34,8 +33,8 @@ TWO_RANKS = {
 }
 TWO_RANKS_EXTENDED = {
     "llama": ("zero2", "auto"),
-    "bert": ("ddp", "zero1", "zero2", "auto"),
-    "t5": ("ddp", "zero2"),
+    "bert": ("ddp", "zero1", "zero2", "fsdp", "tp", "auto"),  # an encoder: T5's tp, the decoders' fsdp
+    "t5": ("ddp", "zero2", "fsdp"),
     "gpt2": ("ddp", "auto"),
     "titan_deepseek": ("zero1",),
 }

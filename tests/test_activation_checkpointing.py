@@ -98,7 +98,7 @@ def trained_rank(rank: int, world_size: int, cases: tuple) -> dict:
     for model in dict.fromkeys(m for m, _, _ in cases):
         torch._dynamo.reset()
         results[(model, "torch_ddp")] = third_party.train(rank, world_size, third_party.Run(model, "torch_ddp", lr=1e-2))
-    if cases is not TRAINED:
+    if cases != TRAINED:  # (a copy: the arguments reach the ranks pickled)
         return results
     torch._dynamo.reset()
     start = time.perf_counter()
@@ -116,7 +116,7 @@ def trained_rank(rank: int, world_size: int, cases: tuple) -> dict:
 def trained(cases: tuple = TRAINED) -> list[dict]:
     start = time.perf_counter()
     results = run_ranks(trained_rank, WORLD, cases, timeout_s=1200)
-    extras = ", the budget's case and 3 dropout runs" if cases is TRAINED else ""
+    extras = ", the budget's case and 3 dropout runs" if cases == TRAINED else ""
     print(f"trained {sum(len(p) for _, _, p in cases)} checkpointing cases, {len(cases)} torch DDP{extras} in "
           f"{time.perf_counter() - start:.0f} s")
     return results

@@ -188,9 +188,10 @@ def _every_case(rank: int, world_size: int, cases: tuple[tuple, ...]) -> dict[st
 
 # Llama's 64 tokens a rank with each rank's own rows (same_batch_in_tp_group's case trains the same gathers),
 # ddp+tp on the CNN and the MLP (the odd vocabulary's ddp+tp has the uneven buckets), fsdp+tp on the odd vocabulary
-# (its zero2+tp shards the same uneven rows over dp): `-m extended`.
+# (its zero2+tp shards the same uneven rows over dp) and on the CNN (convolutions under tp:
+# test_tensor_parallel_convnets; sharded over dp: the ResNet's fsdp in test_third_party_models): `-m extended`.
 EXTENDED = (("hf_llama", "fsdp+tp", 8, False), ("cnn", "ddp+tp", 2, False), ("mlp_graph_break", "ddp+tp", 2, False),
-            ("odd_vocabulary_llama", "fsdp+tp", 2, False))
+            ("odd_vocabulary_llama", "fsdp+tp", 2, False), ("cnn", "fsdp+tp", 2, False))
 
 
 @pytest.mark.parametrize("cases", [tuple(c for c in CASES if c not in EXTENDED), pytest.param(EXTENDED, marks=pytest.mark.extended)],

@@ -70,9 +70,8 @@ def _every_strategy(rank: int, world_size: int, strategies: tuple[str, ...]) -> 
 # fsdp+tp (HF Llama's trains by default in test_fsdp_tp_models.py; torchtitan's Llama 3 by default under cp, pp x tp
 # and tp's state dict), zero2+tp (the same reduce-scatter over dp, wrong by the same rule before the fix) and ddp+tp
 # (right even then; the odd-vocabulary Llama's 2-D case trains it) by `-m extended`.
-@pytest.mark.parametrize("strategies", [pytest.param(("fsdp+tp",), marks=pytest.mark.extended),
-                                        pytest.param(("zero2+tp", "ddp+tp"), marks=pytest.mark.extended)],
-                         ids=["fsdp", "zero2_and_ddp"])
+@pytest.mark.extended
+@pytest.mark.parametrize("strategies", [("fsdp+tp",), ("zero2+tp", "ddp+tp")], ids=["fsdp", "zero2_and_ddp"])
 def test_titan_llama3_two_dimensional_strategies_match_torch_ddp(strategies: tuple[str, ...]) -> None:
     third_party.needs_torchtitan(MODEL)
     found = run_ranks(_every_strategy, 4, strategies, timeout_s=1500)[0]

@@ -40,7 +40,8 @@ def rank_main(rank: int, world_size: int, strategy: str) -> dict:
 
 
 @pytest.mark.slow
-# ddp's no_sync under Inductor: the same buckets fsdp's case skips and then reduces; `-m extended`.
+# ddp's no_sync trains by default under aot_eager (test_ddp_numerics), and Inductor lowers ddp's graphs by default in
+# the lowering test below; their meeting runs by `-m extended`.
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.extended), "fsdp"])
 def test_inductor_with_no_sync_matches_one_process_on_the_whole_batch(strategy: str) -> None:
     per_rank = run_ranks(rank_main, 2, strategy, timeout_s=600)

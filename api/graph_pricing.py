@@ -266,6 +266,7 @@ def _inspected(plan: Plan, model: nn.Module, inputs: tuple[object, ...], device:
                blocks: tuple[str, tuple[int, ...]] | None = None) -> Any:
     """``dpar.explain``'s report of ``plan`` on a meta copy of ``model``, each rank fed its slice of the batch;
     ``blocks`` (the block list's path, the blocks kept): the copy cut to those blocks."""
+    from dpar.compiler.registry import figures_only
     from dpar.explaining import explain
 
     world, batch_size = math.prod(plan.mesh_shape), plan.batch_size
@@ -280,7 +281,8 @@ def _inspected(plan: Plan, model: nn.Module, inputs: tuple[object, ...], device:
         container = getattr(owner, name)
         chosen = [container[i] for i in kept]
         setattr(owner, name, nn.ModuleList(chosen) if isinstance(container, nn.ModuleList) else nn.Sequential(*chosen))
-    return explain(work, rank_inputs, plan=plan, device=device)
+    with figures_only():  # the figures alone: no pass's code written
+        return explain(work, rank_inputs, plan=plan, device=device)
 
 
 def _first_rows(inputs: tuple[object, ...], batch_size: int, rows: int) -> tuple[object, ...]:

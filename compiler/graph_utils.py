@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from dpar.core.torch_internals import FakeTensorMode, detect_fake_mode, stable_topological_sort
+from dpar.core.torch_internals import FakeTensorMode, detect_fake_mode, graph_module, stable_topological_sort
 
 
 def call(graph: fx.Graph, target: object, *args: object, **kwargs: object) -> fx.Node:
@@ -22,7 +22,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 def view_contiguous(graph: fx.Graph, node: fx.Node, shape: list[int]) -> fx.Node:

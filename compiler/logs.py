@@ -68,6 +68,11 @@ def configure(spec: str | None = None) -> None:
     _configured = spec
 
 
+def graph_code_logged() -> bool:
+    """Whether a pass's graph code would be printed (``+graphs``) or traced (``TORCH_TRACE``)."""
+    return graphs_log.isEnabledFor(logging.DEBUG) or bool(os.environ.get("TORCH_TRACE"))
+
+
 def artifact(name: str, payload: Callable[[], str], *, encoding: str = "string") -> None:
     """One structured-trace artifact (built only when a trace is being written)."""
     trace_structured(
@@ -81,12 +86,13 @@ def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
 
 
-def log_pass(label: str, pass_name: str, before: dict[str, int], after: dict[str, int], code: str) -> None:
-    """One pass's effect: which collective counts changed, and the graph it left."""
+def log_pass(label: str, pass_name: str, before: dict[str, int], after: dict[str, int], code: str | None) -> None:
+    """One pass's effect: which collective counts changed, and the graph it left (None: nobody asked for it)."""
     changed = [f"{k}: {before[k]} -> {after[k]}" for k in after if before.get(k) != after[k]]
     passes_log.info("%s: %s: %s", label, pass_name, ", ".join(changed) or "no collective change")
-    graphs_log.debug("%s after %s:\n%s", label, pass_name, code)
-    artifact(f"{_slug(label)}_after_{pass_name}", lambda: code)
+    if code is not None:
+        graphs_log.debug("%s after %s:\n%s", label, pass_name, code)
+        artifact(f"{_slug(label)}_after_{pass_name}", lambda: code)
 
 
 def log_collectives(label: str, found: Sequence[Collective]) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch.fx as fx
 
 from dpar.compiler.collectives import Collective, op_counts
-from dpar.compiler.logs import log_collectives
+from dpar.compiler.logs import graph_code_logged, log_collectives
 
 STAGES_KEY = "dpar_pass_stages"
 """``GraphModule.meta`` key under which ``run_passes`` leaves the graph after each pass."""
@@ -22,15 +22,15 @@ STAGES_KEY = "dpar_pass_stages"
 
 @dataclasses.dataclass(frozen=True)
 class PassStage:
-    """A graph as one pass left it: readable code and its collective counts."""
+    """A graph as one pass left it: its collective counts and, where someone reads it, its readable code."""
 
     pass_name: str  # "captured" for the graph AOTAutograd handed over
-    code: str
+    code: str | None  # None where nothing asked for it (``code_wanted``)
     op_counts: tuple[tuple[str, int], ...]
 
     @classmethod
     def of(cls, pass_name: str, gm: fx.GraphModule) -> PassStage:
-        return cls(pass_name, gm.code, tuple(op_counts(gm).items()))
+        return cls(pass_name, gm.code if code_wanted() else None, tuple(op_counts(gm).items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,26 @@ class CompiledGraph:
 
 
 _recorders: list[list[CompiledGraph]] = []
+_figures_only = 0  # how many ``figures_only`` blocks are open
+
+
+def code_wanted() -> bool:
+    """Whether each pass's graph is written out as Python: for a recording caller (``explain``, tests) outside
+    ``figures_only``, or a log that prints graphs. Writing it costs about what the pass does on a large graph."""
+    return (bool(_recorders) and not _figures_only) or graph_code_logged()
+
+
+@contextlib.contextmanager
+def figures_only() -> Iterator[None]:
+    """Compiles inside the block record no pass's code, only their collectives: for a caller that reads figures
+    alone (the planner's count on graphs; a tensor-parallel copy of Llama-3-70B's blocks wrote about a second of
+    code a pass)."""
+    global _figures_only
+    _figures_only += 1
+    try:
+        yield
+    finally:
+        _figures_only -= 1
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from torch._guards import detect_fake_mode
 from torch._library.fake_class_registry import FakeScriptObject
 from torch._logging import trace_structured  # TORCH_TRACE artifacts, for tlparse
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _make_graph_module  # a GraphModule that writes its code when run or read
 from torch.distributed.tensor._collective_utils import pad_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Shard
@@ -70,6 +71,7 @@ PRIVATE_NAMES: tuple[tuple[str, str | None], ...] = (
     ("torch._library.fake_class_registry", "FakeScriptObject"),
     ("torch._logging", "trace_structured"),
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ("torch.fx._lazy_graph_module", "_make_graph_module"),
     ("torch.distributed.tensor._collective_utils", "pad_tensor"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
     ("torch.distributed.tensor.placement_types", "Shard._reduce_shard_tensor"),
@@ -249,6 +251,14 @@ def inductor() -> Any:
 
     return types.SimpleNamespace(config=config, compile_fx=compile_fx, compile_fx_inner=compile_fx_inner,
                                  CustomPartitionerFn=CustomPartitionerFn)
+
+
+def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """``fx.GraphModule(root, graph)``, lazy inside a compile (Dynamo's compiles ask for lazy graph modules): its
+    Python code is written when it first runs or is read, not by every pass's ``recompile``, which at Llama-3-70B's
+    width took about a second a pass on a tensor-parallel copy's unrolled graph. Outside a compile: eager, as
+    ``fx.GraphModule``."""
+    return _make_graph_module(root, graph)
 
 
 def stable_topological_sort(graph: torch.fx.Graph) -> None:

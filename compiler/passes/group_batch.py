@@ -55,7 +55,7 @@ from dpar.compiler.graph_utils import fill_fake_values
 from dpar.compiler.lowering import JOINT_INPUTS_KEY
 from dpar.compiler.passes.recompute import block_path
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
-from dpar.core.torch_internals import C10D_FUNCTIONAL
+from dpar.core.torch_internals import C10D_FUNCTIONAL, graph_module
 
 aten = torch.ops.aten
 c10d = C10D_FUNCTIONAL
@@ -248,7 +248,7 @@ def unroll_group_batch(joint: fx.GraphModule, group: GroupBatch) -> fx.GraphModu
             results.append(_own(graph, grad, copies, group.rank))
     graph.output(tuple(results) if isinstance(old.output_node().args[0], tuple) else results)
     graph.eliminate_dead_code()
-    unrolled = fx.GraphModule(joint, graph)
+    unrolled = graph_module(joint, graph)
     unrolled.meta.update(joint.meta)
     fill_fake_values(unrolled)  # the tensor-parallel pass reads shapes, and refreshes every value after it
     return unrolled

@@ -39,7 +39,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpar.core.pipeline_program import Action, Op, Stage, StageGraphs, StageSplit
+from dpar.core.pipeline_program import COMPUTE_OPS, Action, Op, Stage, StageGraphs, StageSplit
 from dpar.compiler.pipeline_parallel.split import capture, split_stages
 from dpar.compiler.pipeline_parallel.stage_graphs import saved_activation_bytes, trace_stage_under
 from dpar.compiler.passes.recompute import BLOCK_KEY, policy_of
@@ -217,9 +217,13 @@ def cut_and_price_under(
 def action_cost(costs: Sequence[StageCost], tp: TensorParallelCost | None = None) -> Callable[[Action], float]:
     """Seconds of each compute action of a schedule over these stages, for ``simulate``; under ``tp``, its
     share of the stage's compute plus the tp collectives of that action's graph."""
+    # One table lookup an action: a search replays schedules of 10^5 actions, each priced this way.
     if tp is None:
-        return lambda action: costs[action.stage].action_s(action.op)
-    return lambda a: costs[a.stage].action_s(a.op) / tp.degree + tp.seconds[a.stage].get(a.op, 0.0)
+        seconds = {(op, s): c.action_s(op) for s, c in enumerate(costs) for op in COMPUTE_OPS}
+    else:
+        seconds = {(op, s): c.action_s(op) / tp.degree + tp.seconds[s].get(op, 0.0)
+                   for s, c in enumerate(costs) for op in COMPUTE_OPS}
+    return lambda a: seconds[a.op, a.stage]
 
 
 Collectives = dict[Op, tuple[tuple[str, int], ...]]  # per compute op of a stage: (kind, payload bytes) of each

@@ -232,7 +232,7 @@ _MATCH = {Op.RECV_ACTIVATION: (Op.SEND_ACTIVATION, -1), Op.RECV_GRADIENT: (Op.SE
 _BACKWARDS = (Op.BACKWARD, Op.BACKWARD_INPUT)
 
 
-def _needs(schedule: PipelineSchedule, rank: int, a: Action) -> list[tuple[str, ...]]:
+def _needs(schedule: PipelineSchedule, rank: int, a: Action) -> list[tuple[Action, ...]]:
     """What ``a`` needs done earlier on its own rank, each need a tuple of acceptable actions."""
     s, i, last = a.stage, a.micro_batch, schedule.num_stages - 1
     local_down = s > 0 and schedule.stage_rank(s - 1) == rank
@@ -240,16 +240,17 @@ def _needs(schedule: PipelineSchedule, rank: int, a: Action) -> list[tuple[str, 
     if a.op is Op.FORWARD:
         if s == 0:
             return []
-        return [(f"F{s - 1}.{i}",)] if local_down else [(f"RA{s}.{i}",)]
+        return [(Action(Op.FORWARD, s - 1, i),)] if local_down else [(Action(Op.RECV_ACTIVATION, s, i),)]
     if a.op in _BACKWARDS:
-        grad = [] if s == last else [(f"B{s + 1}.{i}", f"I{s + 1}.{i}")] if local_up else [(f"RG{s}.{i}",)]
-        return [(f"F{s}.{i}",), *grad]
+        grad = [] if s == last else [(Action(Op.BACKWARD, s + 1, i), Action(Op.BACKWARD_INPUT, s + 1, i))] \
+            if local_up else [(Action(Op.RECV_GRADIENT, s, i),)]
+        return [(Action(Op.FORWARD, s, i),), *grad]
     if a.op is Op.BACKWARD_WEIGHT:
-        return [(f"I{s}.{i}",)]
+        return [(Action(Op.BACKWARD_INPUT, s, i),)]
     if a.op is Op.SEND_ACTIVATION:
-        return [(f"F{s}.{i}",)]
+        return [(Action(Op.FORWARD, s, i),)]
     if a.op is Op.SEND_GRADIENT:
-        return [(f"B{s}.{i}", f"I{s}.{i}")]
+        return [(Action(Op.BACKWARD, s, i), Action(Op.BACKWARD_INPUT, s, i))]
     return []
 
 
@@ -259,20 +260,21 @@ def _check_contents(schedule: PipelineSchedule) -> None:
     counts: dict[tuple[int, int], list[str]] = {}
     for rank, program in enumerate(schedule.actions):
         for n, a in enumerate(program):
-            where = f"rank {rank}, action {n} ({a})"
             if not (0 <= a.stage < schedule.num_stages and 0 <= a.micro_batch < schedule.micro_batches):
-                raise ScheduleError(f"{where}: stage or micro-batch out of range ({schedule.num_stages} stages, "
-                                    f"{schedule.micro_batches} micro-batches); fix the schedule's builder")
+                raise ScheduleError(f"rank {rank}, action {n} ({a}): stage or micro-batch out of range "
+                                    f"({schedule.num_stages} stages, {schedule.micro_batches} micro-batches); "
+                                    "fix the schedule's builder")
             if schedule.stage_rank(a.stage) != rank:
-                raise ScheduleError(f"{where}: stage {a.stage} lives on rank {schedule.stage_rank(a.stage)}; "
-                                    f"move the action to that rank's program")
+                raise ScheduleError(f"rank {rank}, action {n} ({a}): stage {a.stage} lives on rank "
+                                    f"{schedule.stage_rank(a.stage)}; move the action to that rank's program")
             if a.op.is_compute:
                 counts.setdefault((a.stage, a.micro_batch), []).append(a.op.value)
                 continue
             step = -1 if a.op in (Op.RECV_ACTIVATION, Op.SEND_GRADIENT) else +1
             peer = a.stage + step
             if not 0 <= peer < schedule.num_stages or schedule.stage_rank(peer) == rank:
-                raise ScheduleError(f"{where}: no stage on another rank sits across that boundary; drop the action")
+                raise ScheduleError(f"rank {rank}, action {n} ({a}): no stage on another rank sits across that "
+                                    "boundary; drop the action")
     for s in range(schedule.num_stages):
         for i in range(schedule.micro_batches):
             got = sorted(counts.get((s, i), []))
@@ -299,15 +301,15 @@ def timed(schedule: PipelineSchedule, order: Sequence[tuple[int, int]],
     depend on how long they take, so one order serves every set of costs (the planner prices several)."""
     clock = [0.0] * schedule.num_ranks
     times: list[list[tuple[float, float]]] = [[] for _ in range(schedule.num_ranks)]
-    landed: dict[Action, float] = {}
+    landed: dict[tuple[Op, int, int], float] = {}  # (op, stage, micro-batch) of a send: a tuple is cheaper than an Action
     for r, n in order:
         a = schedule.actions[r][n]
         start = clock[r]
         if a.op in _MATCH:
             op, step = _MATCH[a.op]
-            clock[r] = max(clock[r], landed.pop(Action(op, a.stage + step, a.micro_batch)))
+            clock[r] = max(clock[r], landed.pop((op, a.stage + step, a.micro_batch)))
         elif not a.op.is_compute:
-            landed[a] = clock[r] + latency
+            landed[a.op, a.stage, a.micro_batch] = clock[r] + latency
         elif duration:
             clock[r] += duration(a)
         times[r].append((start, clock[r]))
@@ -321,7 +323,7 @@ def execution_order(schedule: PipelineSchedule) -> tuple[tuple[int, int], ...]:
     _check_contents(schedule)
     p = schedule.num_ranks
     pc = [0] * p
-    done: list[set[str]] = [set() for _ in range(p)]
+    done: list[set[Action]] = [set() for _ in range(p)]
     order: list[tuple[int, int]] = []
     landed: set[Action] = set()  # sends not yet received
     issued: set[Action] = set()
@@ -332,9 +334,10 @@ def execution_order(schedule: PipelineSchedule) -> tuple[tuple[int, int], ...]:
             while pc[r] < len(schedule.actions[r]):
                 a = schedule.actions[r][pc[r]]
                 for options in _needs(schedule, r, a):
-                    if not done[r] & set(options):
+                    if not any(option in done[r] for option in options):
                         raise ScheduleError(
-                            f"rank {r}, action {pc[r]} ({a}) needs {' or '.join(options)} earlier on the same rank, "
+                            f"rank {r}, action {pc[r]} ({a}) needs {' or '.join(map(str, options))} earlier on the "
+                            "same rank, "
                             f"and the program does not run it before; reorder rank {r}'s actions")
                 if a.op in _MATCH:
                     op, step = _MATCH[a.op]
@@ -348,7 +351,7 @@ def execution_order(schedule: PipelineSchedule) -> tuple[tuple[int, int], ...]:
                     issued.add(a)
                     landed.add(a)
                 order.append((r, pc[r]))
-                done[r].add(str(a))
+                done[r].add(a)
                 pc[r] += 1
                 progressed = True
     stuck = [r for r in range(p) if pc[r] < len(schedule.actions[r])]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 
 from dpar.compiler.collectives import Collective
-from dpar.core.torch_internals import trace_structured
+from dpar.core.torch_internals import structured_trace_on, trace_structured
 
 CHANNELS: dict[str, str] = {
     "dpar": "dpar",  # the backend's own messages (bucket plans)
@@ -70,7 +70,7 @@ def configure(spec: str | None = None) -> None:
 
 def graph_code_logged() -> bool:
     """Whether a pass's graph code would be printed (``+graphs``) or traced (``TORCH_TRACE``)."""
-    return graphs_log.isEnabledFor(logging.DEBUG) or bool(os.environ.get("TORCH_TRACE"))
+    return graphs_log.isEnabledFor(logging.DEBUG) or structured_trace_on()
 
 
 def artifact(name: str, payload: Callable[[], str], *, encoding: str = "string") -> None:

@@ -30,6 +30,7 @@ from torch._dynamo.exc import FailOnRecompileLimitHit, ShortenTraceback, Unsuppo
 from torch._guards import detect_fake_mode
 from torch._library.fake_class_registry import FakeScriptObject
 from torch._logging import trace_structured  # TORCH_TRACE artifacts, for tlparse
+from torch._logging._internal import trace_log  # its handlers say whether a structured trace is written
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _make_graph_module  # a GraphModule that writes its code when run or read
 from torch.distributed.tensor._collective_utils import pad_tensor
@@ -70,6 +71,7 @@ PRIVATE_NAMES: tuple[tuple[str, str | None], ...] = (
     ("torch._guards", "detect_fake_mode"),
     ("torch._library.fake_class_registry", "FakeScriptObject"),
     ("torch._logging", "trace_structured"),
+    ("torch._logging._internal", "trace_log"),
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     ("torch.fx._lazy_graph_module", "_make_graph_module"),
     ("torch.distributed.tensor._collective_utils", "pad_tensor"),
@@ -251,6 +253,12 @@ def inductor() -> Any:
 
     return types.SimpleNamespace(config=config, compile_fx=compile_fx, compile_fx_inner=compile_fx_inner,
                                  CustomPartitionerFn=CustomPartitionerFn)
+
+
+def structured_trace_on() -> bool:
+    """Whether ``TORCH_TRACE`` has torch write a structured trace: its file handler, always installed, has a
+    directory then. (Other handlers on the trace's logger, such as a test runner's capture, do not count.)"""
+    return any(getattr(handler, "root_dir", None) is not None for handler in trace_log.handlers)
 
 
 def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:

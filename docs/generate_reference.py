@@ -30,8 +30,6 @@ ENVIRONMENT = {
     "DPAR_LOGS": "read at `import dpar` (and by `dpar.compiler.logs.configure`): comma-separated channels "
                  "`dpar`, `passes`, `graphs`, `collectives` or `all`; `+name` for debug detail. The same records "
                  "go to torch's structured trace (`TORCH_TRACE=dir`, then `tlparse`).",
-    "TORCH_TRACE": "torch's structured trace directory; where set, each pass writes its graph's code for the trace "
-                   "(`DPAR_LOGS=+graphs` too); otherwise a compile writes it only for `dpar.explain`'s report.",
     "WORLD_SIZE": "read to tell a launched job (`WORLD_SIZE > 1` without `init_process_group` is a "
                   "`ProcessGroupError`); `dpar.explain` hides a launcher's value while it simulates its own world.",
     "TORCHELASTIC_USE_AGENT_STORE": "read by the liveness watch to name who hosts the rendezvous store in a "

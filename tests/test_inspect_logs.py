@@ -14,6 +14,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dpar  # noqa: F401
 from dpar.compiler import logs
+from dpar.compiler.registry import figures_only
 from dpar.explaining import explain
 
 
@@ -83,3 +84,20 @@ def test_explain_writes_pass_graphs_collectives_and_report_as_structured_artifac
     assert json.loads(artifacts["dpar_backward_graph_sync_collectives"])[0]["bytes"] == 2704
     report = json.loads(artifacts["dpar_explain_report"])
     assert report["title"].startswith("dpar report: Sequential, ddp on 4 ranks")
+
+
+def test_a_count_of_figures_alone_writes_no_pass_code_and_the_same_figures():
+    """The planner's count on graphs (``figures_only``) keeps every pass's collective counts and the step's figures
+    but writes no graph as Python; ``explain``'s own report keeps the code of every stage."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    full = explain(model, (torch.randn(4, 16),), world_size=4)
+    with figures_only():
+        counted = explain(model, (torch.randn(4, 16),), world_size=4)
+    stages = [stage for graph in full.graphs for stage in graph.stages]
+    assert len(stages) > len(full.graphs) and all("_c10d_functional" in s.code for s in stages[-1:])
+    assert all(isinstance(s.code, str) for s in stages)
+    assert all(s.code is None for graph in counted.graphs for s in graph.stages)
+    assert [[(s.pass_name, s.op_counts) for s in g.stages] for g in counted.graphs] == \
+        [[(s.pass_name, s.op_counts) for s in g.stages] for g in full.graphs]
+    assert counted.timeline.step_time == full.timeline.step_time
+    assert counted.memory.total == full.memory.total

@@ -23,7 +23,8 @@ class GraphView:
     graph: fx.GraphModule  # the final graph, for DOT
 
     @property
-    def code(self) -> str:
+    def code(self) -> str | None:
+        """The final graph's code; None in a report made under ``figures_only`` (the planner's count)."""
         return self.stages[-1].code
 
     def op_count_diffs(self) -> list[str]:

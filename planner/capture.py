@@ -60,7 +60,7 @@ from dpar.planner.opgraph import ExpertsInfo, Op, OpGraph
 from dpar.planner.repeats import collapse_repeats
 from dpar.surgery.expert_parallel import experts_modules
 from dpar.core.errors import OptionsError
-from dpar.core.torch_internals import OpOverload, pytree
+from dpar.core.torch_internals import OpOverload, no_stack_traces, pytree
 
 aten = torch.ops.aten
 
@@ -94,7 +94,8 @@ class _TensorOutputs(nn.Module):
 def capture(model: nn.Module, example_inputs: Sequence[object]) -> torch.export.ExportedProgram:
     """The forward as an ATen graph on fake tensors (see the Notes above); names are ``model``'s own."""
     try:
-        return torch.export.export(_TensorOutputs(model, len(example_inputs)), tuple(example_inputs), strict=False)
+        with no_stack_traces():
+            return torch.export.export(_TensorOutputs(model, len(example_inputs)), tuple(example_inputs), strict=False)
     except GuardOnDataDependentSymNode as error:
         raise OptionsError(
             "the planner runs the forward on fake tensors, which have shapes but no values, and the forward branches "

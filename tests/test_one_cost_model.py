@@ -241,6 +241,28 @@ def test_a_zero2_plan_is_counted_on_cut_copies_and_a_ddp_plan_whole():
         counting.cancel()
 
 
+def test_blocks_that_differ_in_their_settings_are_of_different_kinds():
+    """Hugging Face's Qwen2 with sliding-window attention in its upper layers: the layers' parameters are alike, their
+    ``sliding_window`` is not, and a cut copy of full-attention layers would price the sliding ones as full. The cut
+    takes them as two kinds (a pair where they meet); taken in turn they have no three alike in a row, and the plan
+    is counted whole. The layers' ``layer_idx`` numbers them and is no setting."""
+    transformers = pytest.importorskip("transformers")
+    from llama3_on_paper import CausalLM
+
+    def cut(layer_types: list[str]) -> BlockCut | None:
+        config = transformers.Qwen2Config(**{**LLAMA, "num_hidden_layers": 8}, use_sliding_window=True,
+                                          sliding_window=64, layer_types=layer_types)
+        with torch.device("meta"):
+            model = CausalLM(transformers.Qwen2ForCausalLM(config))
+        inputs = global_batch((torch.zeros(1, 128, dtype=torch.long, device="meta"),), WORLD)
+        return block_cut(model, dpar.plan(model, inputs, mesh_shape=(WORLD,), mesh_dim_names=("dp",), device="h100"))
+
+    upper = ["full_attention"] * 4 + ["sliding_attention"] * 4
+    assert cut(upper) == BlockCut("inner.model.layers", (4, 4), (0, 1, 2), ((3, 4),))
+    assert cut(["full_attention"] * 8) == BlockCut("inner.model.layers", (8,), (0, 1, 2), ())
+    assert cut(["full_attention", "sliding_attention"] * 4) is None
+
+
 def test_a_model_whose_forward_needs_every_block_is_counted_whole():
     """Blocks placed alike three in a row are cut; a forward that refuses the cut copy: the count says so (a warning)
     and counts the whole model."""

@@ -108,13 +108,14 @@ def plan(
                 raise
             chosen = unfit  # a pipeline may fit where no placement does
         searched = time.perf_counter()
+        # The count starts before the pipeline search's answer is known, and is dropped if the pipeline wins; and
+        # before the named strategies are priced, which it does not read.
+        counting = count_on_graphs(chosen, model, inputs, device, side) if on_graphs and isinstance(chosen, Plan) else None
         if isinstance(chosen, Plan):
             chosen = dataclasses.replace(chosen, strategies=compare_strategies(graph, shape, device, budget))
         compared = time.perf_counter()
         seconds = (("capture", captured - start), ("search", searched - captured),
                    ("the named strategies priced", compared - searched))
-        # The count starts before the pipeline search's answer is known, and is dropped if the pipeline wins.
-        counting = count_on_graphs(chosen, model, inputs, device, side) if on_graphs and isinstance(chosen, Plan) else None
         piped: Plan | str = ""
         if searching is not None:
             piped = side.result(searching)

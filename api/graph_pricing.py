@@ -232,7 +232,7 @@ def _block_settings(blocks: list[nn.Module]) -> list[tuple[Setting, ...]]:
     held = [{f"{path}.{name}": value for path, module in block.named_modules() for name, value in vars(module).items()
              if not name.startswith("_") and plain(value)} for block in blocks]
     numbering = {key for key, first in held[0].items() if type(first) is int
-                 and all(type(h.get(key)) is int and h[key] - i == first for i, h in enumerate(held))} if len(held) > 1 else set()
+                 and all(type(h.get(key)) is int and h[key] - i == first for i, h in enumerate(held))}
     return [tuple(sorted((key, value) for key, value in h.items() if key not in numbering)) for h in held]
 
 

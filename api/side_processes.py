@@ -19,6 +19,12 @@ running none of the parent's exit handlers. Its error is raised in the caller, t
 A child that dies without answering is an error naming its exit status; one whose CPU time stops advancing for
 ``STALLED_S`` (a deadlock, which a fork can cause) is killed, and its job runs in the caller's process, with a
 warning saying so: a plan is never lost to a hang.
+torch refuses autograd in a process forked from one whose autograd engine started its device threads ("Unable to
+handle autograd's threading in combination with fork-based multiprocessing"; seen with torch 2.14.1's CUDA build, on
+a machine without GPUs, once a backward ran in the parent). Nothing in torch's Python API tells the parent so
+beforehand, and AOTAutograd's trace runs autograd, so each child first runs a backward of one scalar; a child refused
+there answers so before its job starts, and from then on every job of the plan runs in the caller's process, with one
+warning saying why (planning in a fresh process, such as ``dpar plan``'s, keeps the forks).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 STALLED_S = 30.0  # a child whose CPU time has not moved for this long is taken as deadlocked
+_AUTOGRAD_REFUSED = "autograd refused"  # a child's answer where torch refuses it autograd (see the Note)
 _POLL_S = 1.0
 
 
@@ -100,10 +107,11 @@ class SideProcesses:
         running ones end."""
         if job.outcome is None and job not in self._queue and job not in self._running:
             raise RuntimeError(f"{job.name} was cancelled: it has no result")
-        if job.outcome is None and not self.forks:
-            self._queue.remove(job)
-            job.outcome = _run_here(job)
         while job.outcome is None:
+            if not self.forks and job in self._queue:
+                self._queue.remove(job)
+                job.outcome = _run_here(job)
+                break
             self._start_queued()
             ready = wait([j.reader for j in self._running if j.reader is not None], timeout=_POLL_S)
             for running in list(self._running):
@@ -151,6 +159,16 @@ class SideProcesses:
             job.pid = pid
             self._running.append(job)
 
+    def _fork_no_more(self, job: Job[Any], refusal: str) -> None:
+        """``job``, whose child torch refused autograd, run here, and every later job too (see the Note)."""
+        if self.forks:
+            warnings.warn(f"{job.name}: torch refuses autograd in a process forked from this one ({refusal}); the "
+                          "planning work runs in this process instead, one job after another. Planning before this "
+                          "process runs a backward, or in a fresh process (`dpar plan`), runs it beside the caller's",
+                          RuntimeWarning, stacklevel=4)
+            self.forks = False
+        job.outcome = _run_here(job)
+
     def _exited_or_stalled(self, job: Job[Any]) -> bool:
         """Whether ``job``'s child exited (its answer, if any, is in the pipe) or stalled (see the Note)."""
         assert job.pid is not None
@@ -182,7 +200,10 @@ class SideProcesses:
                 job.outcome = ("error", RuntimeError(f"{job.name}: its result could not be read back from the "
                                                      f"process that computed it ({type(error).__name__}: {error})"), [])
             else:
-                job.outcome = (kind, value, caught)
+                if kind == _AUTOGRAD_REFUSED:
+                    _kill(job)
+                    self._fork_no_more(job, value)
+                job.outcome = job.outcome or (kind, value, caught)
             if job.outcome is not None:
                 _kill(job)
                 return
@@ -214,12 +235,26 @@ def _run_here(job: Job[T]) -> tuple[str, Any, list[Any]]:
         job.seconds = time.perf_counter() - start
 
 
+def _autograd_refusal() -> str | None:
+    """torch's message where it refuses autograd in this process, else None (see the Note)."""
+    scalar = torch.ones((), requires_grad=True)
+    try:
+        torch.autograd.grad(scalar * 2, scalar)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
 def _child(job: Job[Any], writer: Connection) -> None:
     """Run ``job`` and send its outcome, ``(kind, value or error, warnings, seconds, the error's traceback)``; then
-    leave without cleanup."""
+    leave without cleanup. A child torch refuses autograd answers ``_AUTOGRAD_REFUSED`` and why, before the job."""
     code = 0
     try:
         torch.set_num_threads(1)
+        refusal = _autograd_refusal()
+        if refusal is not None:
+            writer.send_bytes(pickle.dumps((_AUTOGRAD_REFUSED, refusal, [], 0.0, "")))
+            return
         if job.nice:
             os.nice(job.nice)
         start = time.perf_counter()

@@ -16,6 +16,16 @@ from dpar.side_processes import SideProcesses, forking_allowed
 pytestmark = pytest.mark.skipif(not forking_allowed(), reason="forks only on Linux, with two cores or more")
 
 
+@pytest.fixture
+def forks_run_autograd() -> None:
+    """Skips where torch refuses autograd in this process's forks (torch 2.14.1's CUDA build once a backward ran here):
+    every job then runs in this process, and a test of what children do has no child to test."""
+    with SideProcesses(2) as side, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if side.result(side.submit("forks", os.getpid)) == os.getpid():
+            pytest.skip("torch refuses autograd in this process's forks: the jobs run in it")
+
+
 class Refused(ValueError):
     pass
 
@@ -29,6 +39,7 @@ def _warn_and_answer() -> tuple[int, int]:
     return os.getpid(), 42
 
 
+@pytest.mark.usefixtures("forks_run_autograd")
 def test_a_job_runs_in_a_child_and_its_value_warnings_and_error_come_back() -> None:
     with SideProcesses(2) as side:
         answered, refused = side.submit("answer", _warn_and_answer), side.submit("refuse", _refuse)
@@ -53,6 +64,7 @@ def test_one_process_gives_the_same_values_in_the_callers_process_when_asked() -
             side.result(side.submit("refuse", _refuse))
 
 
+@pytest.mark.usefixtures("forks_run_autograd")
 def test_a_child_killed_by_a_signal_is_an_error_naming_it() -> None:
     with SideProcesses(2) as side:
         job = side.submit("killed", lambda: os.kill(os.getpid(), signal.SIGKILL))
@@ -61,6 +73,7 @@ def test_a_child_killed_by_a_signal_is_an_error_naming_it() -> None:
             side.result(job)
 
 
+@pytest.mark.usefixtures("forks_run_autograd")
 def test_a_child_whose_cpu_time_stands_still_is_stopped_and_its_job_run_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(side_processes, "STALLED_S", 1.0)
     parent = os.getpid()
@@ -78,6 +91,25 @@ def test_a_child_whose_cpu_time_stands_still_is_stopped_and_its_job_run_here(mon
     assert time.monotonic() - start < 30
 
 
+def test_jobs_run_here_once_torch_refuses_a_child_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.14.1's CUDA build refuses autograd in a fork of a process that ran a backward; the jobs then run in
+    the caller's process, with one warning."""
+    parent = os.getpid()
+    refusal = "Unable to handle autograd's threading in combination with fork-based multiprocessing"
+    monkeypatch.setattr(side_processes, "_autograd_refusal", lambda: refusal if os.getpid() != parent else None)
+    with SideProcesses(2) as side:
+        jobs = [side.submit(f"copy {i}", lambda i=i: (os.getpid(), i)) for i in range(3)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert [side.result(job) for job in jobs] == [(parent, i) for i in range(3)]
+        assert not side.forks
+        assert side.result(side.submit("later", os.getpid)) == parent
+    told = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(told) == 1 and "copy 0: torch refuses autograd in a process forked from this one" in told[0], told
+    assert refusal in told[0] and "`dpar plan`" in told[0]
+
+
+@pytest.mark.usefixtures("forks_run_autograd")
 def test_at_most_processes_jobs_run_at_once_and_a_cancelled_one_never_runs(tmp_path) -> None:
     def spell(i: int) -> tuple[float, float]:
         start = time.monotonic()
@@ -96,6 +128,7 @@ def test_at_most_processes_jobs_run_at_once_and_a_cancelled_one_never_runs(tmp_p
     assert spans[2][0] >= min(spans[0][1], spans[1][1]) - 0.05  # the third waited for a core
 
 
+@pytest.mark.usefixtures("forks_run_autograd")
 def test_a_plan_is_the_same_planned_in_one_process_or_beside_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """``dpar.plan(on_graphs=True)`` on the tests' GPT over 8 H100s (ddp+tp, 4 blocks: counted whole; the pipeline
     search and the count forked), against the same call with one core (everything in this process): the same plan,

@@ -203,7 +203,8 @@ class SideProcesses:
                 if kind == _AUTOGRAD_REFUSED:
                     _kill(job)
                     self._fork_no_more(job, value)
-                job.outcome = job.outcome or (kind, value, caught)
+                    return
+                job.outcome = (kind, value, caught)
             if job.outcome is not None:
                 _kill(job)
                 return

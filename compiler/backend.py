@@ -16,6 +16,7 @@ from dpar.compiler.lowering import GraphHook, GraphRole, Lower, compile_graphs
 from dpar.compiler.options import Options
 from dpar.compiler.pass_listing import PassListing
 from dpar.compiler.per_model import PerModel, graph_copy
+from dpar.compiler.registry import counting_figures
 from dpar.compiler.wrapped_twice import check_not_wrapped
 from dpar.core.plan import ParallelPlan, Strategy, check_bucket_cap, plan_of_parameters, replicated
 from dpar.compiler.sharded_data_parallel import flat_layout
@@ -51,8 +52,8 @@ def dpar_backend(
     the default process group), compiled again for each other model that calls it
     ([Note: one capture, several models] in ``per_model.py``)."""
     parameters = [i for i in classify_inputs(gm, example_inputs) if i.kind is InputKind.PARAMETER]
-    if not parameters or current_world() is None:  # one device: nothing of a plan in the graphs
-        return _compiled(gm, example_inputs, options=options, mode=mode)
+    if not parameters or current_world() is None or counting_figures():  # one device: nothing of a plan in the graphs;
+        return _compiled(gm, example_inputs, options=options, mode=mode)  # a count: one model, its figures read
     captured = graph_copy(gm)
     compiled = _compiled(gm, example_inputs, options=options, mode=mode)
     position = parameters[0].index

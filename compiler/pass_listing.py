@@ -48,7 +48,7 @@ import torch.fx as fx
 from dpar.compiler.capture import GraphInput, InputKind
 from dpar.compiler.collectives import collectives
 from dpar.compiler.data_parallel import GradientBuckets, broadcast_buffers
-from dpar.compiler.graph_utils import copy_graph_module, fake_like, refresh_fake_values
+from dpar.compiler.graph_utils import code_written_after, copy_graph_module, fake_like, refresh_fake_values
 from dpar.compiler.logs import configure as configure_logs
 from dpar.compiler.logs import log_pass
 from dpar.compiler.lowering import GraphRole, Lower
@@ -65,7 +65,7 @@ from dpar.compiler.pipeline_parallel.data_parallel import StageGradientBuckets
 from dpar.compiler.pipeline_parallel.schedules import ZERO_BUBBLE
 from dpar.compiler.pipeline_parallel.sharded import ShardLayout, gather_parameters, reduce_scatter_gradients, scattered_variant
 from dpar.core.plan import AxisRole, DataParallel, MeshAxis, ParallelPlan, Strategy
-from dpar.compiler.registry import STAGES_KEY, PassStage, record
+from dpar.compiler.registry import STAGES_KEY, PassStage, code_wanted, counting_figures, record
 from dpar.compiler.sharded_data_parallel import ShardedGroups, flat_layout, holds_a_block
 from dpar.compiler.context_parallel import ContextParallel
 from dpar.compiler.tensor_parallel import TensorParallel
@@ -81,14 +81,21 @@ Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
 
 
 def run_passes(gm: fx.GraphModule, passes: Sequence[Pass], label: str) -> fx.GraphModule:
-    """Apply ``passes`` in order; the graph after each one is kept in ``gm.meta`` for reports."""
+    """Apply ``passes`` in order; the graph after each one is kept in ``gm.meta`` for reports. Its Python code is
+    written once, after the last pass (and after each where a report or log reads it)."""
     configure_logs()
     stages = [PassStage.of("captured", gm)]
-    for name, graph_pass in passes:
-        gm = graph_pass(gm)
-        stage = PassStage.of(name, gm)
-        log_pass(label, name, dict(stages[-1].op_counts), dict(stage.op_counts), stage.code)
-        stages.append(stage)
+    each = code_wanted()
+    with code_written_after():
+        for name, graph_pass in passes:
+            gm = graph_pass(gm)
+            if each:
+                gm.recompile()
+            stage = PassStage.of(name, gm)
+            log_pass(label, name, dict(stages[-1].op_counts), dict(stage.op_counts), stage.code)
+            stages.append(stage)
+    if passes and not each:
+        gm.recompile()
     gm.meta[STAGES_KEY] = tuple(stages)
     return gm
 
@@ -133,8 +140,14 @@ def lower_checked(
             lines.append(c.fingerprint(f"over {len(ranks)} ranks", shape=whole_world))
             within.append(None if whole_world else (f"shape [{', '.join(c.shape)}]", ranks))
         agree(world, label, lines, options.check_timeout_s, within=within)
+    if role is GraphRole.BACKWARD and counting_figures():
+        return _not_lowered
     compiled = lower(as_run_on_gloo(gm), example_inputs)  # [Note: no all-gather on gloo]
     return compiled if world.backend == "fake" else Watched(compiled, role.value)
+
+
+def _not_lowered(*args: Any) -> None:
+    raise RuntimeError("dpar: a backward compiled under figures_only() is counted, not lowered; run the step outside it")
 
 
 class PassListing:

@@ -51,11 +51,17 @@ def code_wanted() -> bool:
     return (bool(_recorders) and not _figures_only) or graph_code_logged()
 
 
+def counting_figures() -> bool:
+    """Whether a ``figures_only`` block is open: what is compiled is read for its figures, and never runs a backward
+    nor serves a second model."""
+    return bool(_figures_only)
+
+
 @contextlib.contextmanager
 def figures_only() -> Iterator[None]:
-    """Compiles inside the block record no pass's code, only their collectives: for a caller that reads figures
-    alone (the planner's count on graphs; a tensor-parallel copy of Llama-3-70B's blocks wrote about a second of
-    code a pass)."""
+    """Compiles inside the block record no pass's code, only their collectives, and lower no backward: for a caller
+    that reads figures alone and runs the forward once, on meta (the planner's count on graphs; a tensor-parallel copy
+    of Llama-3-70B's blocks wrote about a second of code a pass, and half a second to lower its backward)."""
     global _figures_only
     _figures_only += 1
     try:

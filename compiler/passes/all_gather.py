@@ -12,6 +12,7 @@ from dpar.compiler.collectives import WAIT
 from dpar.compiler.lowering import flat_inputs
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 from dpar.core.torch_internals import C10D_FUNCTIONAL
+from dpar.compiler.graph_utils import with_code
 
 aten = torch.ops.aten
 c10d = C10D_FUNCTIONAL
@@ -90,8 +91,7 @@ def bucket_all_gathers_pass(
             _bucket(graph, [gathers[s] for s in shards], group_name, world_size)
     graph.eliminate_dead_code()
     graph.lint()
-    gm.recompile()
-    return gm
+    return with_code(gm)
 
 
 def _bucket(graph: fx.Graph, per_shard: list[list[fx.Node]], group_name: str, world_size: int) -> None:

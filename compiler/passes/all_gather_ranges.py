@@ -12,6 +12,7 @@ import torch.fx as fx
 from dpar.compiler.collectives import WAIT
 from dpar.core.facts import UpdatedRange
 from dpar.core.torch_internals import C10D_FUNCTIONAL
+from dpar.compiler.graph_utils import with_code
 
 aten = torch.ops.aten
 c10d = C10D_FUNCTIONAL
@@ -60,8 +61,7 @@ def all_gather_updated_ranges(
         for dtype, members in by_dtype.items():
             _gather_into_wholes(gm, [(read[id(r.view)], r) for r in members], dtype, group_name, world_size)
     graph.lint()
-    gm.recompile()
-    return gm
+    return with_code(gm)
 
 
 def _gather_into_wholes(

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from dpar.compiler.graph_utils import view_contiguous
+from dpar.compiler.graph_utils import view_contiguous, with_code
 from dpar.compiler.passes.buckets import BUCKET_REASON, Bucket
 from dpar.core.torch_internals import C10D_FUNCTIONAL
 
@@ -74,5 +74,4 @@ def all_reduce_gradients_pass(
                 )
     output.args = (tuple(outputs),)
     graph.lint()
-    gm.recompile()
-    return gm
+    return with_code(gm)

@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from dpar.core.facts import tensor_parallel_spec_of
 from dpar.core.torch_internals import C10D_FUNCTIONAL
+from dpar.compiler.graph_utils import with_code
 
 aten = torch.ops.aten
 c10d = C10D_FUNCTIONAL
@@ -121,8 +122,7 @@ def replace_inputs_by_collective(
                 with graph.inserting_after(anchor):
                     anchor = graph.call_function(aten.copy_.default, (node, value))
     graph.lint()
-    gm.recompile()
-    return gm
+    return with_code(gm)
 
 
 def buffer_broadcast_groups(

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dpar.compiler.graph_utils import call, refresh_fake_values
+from dpar.compiler.graph_utils import call, refresh_fake_values, with_code
 from dpar.compiler.passes.group_batch import OWN_ROWS
 from dpar.compiler.passes.heads_exchange import exchange_heads
 from dpar.compiler.passes.tensor_parallel import split_addmm
@@ -91,8 +91,7 @@ def mark_sequences(gm: fx.GraphModule, data: Sequence[int], length: int) -> fx.G
         with gm.graph.inserting_after(read):
             split = gm.graph.call_function(SEQUENCE_SPLIT, (read, SEQUENCE_DIM))
         read.replace_all_uses_with(split, delete_user_cb=lambda user: user is not split)
-    gm.recompile()
-    return gm
+    return with_code(gm)
 
 
 def marked_length(gm: fx.GraphModule) -> int:
@@ -270,12 +269,10 @@ def context_parallel_pass(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
     rank's chunks)."""
     placeholders = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     gm = loss_as_sum_and_count(check_attention(split_addmm(gm)))
-    gm.recompile()
     refresh_fake_values(gm, placeholders)
     gm = localize(propagate_placements(gm, mesh), mesh)
     layout = BalancedLayout(mesh.size, mesh.rank, mesh.period)
     gm = causal_attention_by_chunks(exchange_heads(gm, layout, mesh.group_name), layout)
     gm.graph.lint()
-    gm.recompile()
     refresh_fake_values(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
-    return save_split_indices(tag_sequence_gathers_for_recompute(gm, mesh.group_name))
+    return with_code(save_split_indices(tag_sequence_gathers_for_recompute(gm, mesh.group_name)))

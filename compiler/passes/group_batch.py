@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from dpar.compiler.graph_utils import fill_fake_values
+from dpar.compiler.graph_utils import fill_fake_values, with_code
 from dpar.compiler.lowering import JOINT_INPUTS_KEY
 from dpar.compiler.passes.recompute import block_path
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
@@ -109,8 +109,7 @@ def mark_own_rows(gm: fx.GraphModule, data: Sequence[int]) -> fx.GraphModule:
         with gm.graph.inserting_after(node):
             marked = gm.graph.call_function(OWN_ROWS, (node,))
         node.replace_all_uses_with(marked, delete_user_cb=lambda user: user is not marked)
-    gm.recompile()
-    return gm
+    return with_code(gm)
 
 
 def _depends_on(graph: fx.Graph, seeds: set[fx.Node]) -> set[fx.Node]:

@@ -23,6 +23,7 @@ from dpar.compiler.collectives import WAIT
 from dpar.compiler.costs import DeviceSpec, comm_time, compute_done, payload_bytes
 from dpar.compiler.passes.all_gather import c10d, operand_chain
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
+from dpar.compiler.graph_utils import with_code
 
 
 def gathers_by_need(graph: fx.Graph) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
@@ -93,5 +94,4 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, max_inflight: int) -> fx.Graph
         if k < max_inflight:
             top = gather
     graph.lint()
-    gm.recompile()
-    return gm
+    return with_code(gm)

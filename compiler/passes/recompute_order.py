@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from dpar.compiler.lowering import tangents
+from dpar.compiler.graph_utils import with_code
 
 
 def recompute_when_needed(gm: fx.GraphModule) -> fx.GraphModule:
@@ -56,5 +57,4 @@ def recompute_when_needed(gm: fx.GraphModule) -> fx.GraphModule:
         if before.next is not after:
             before.append(after)
     graph.lint()
-    gm.recompile()
-    return gm
+    return with_code(gm)

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from dpar.compiler.collectives import WAIT
-from dpar.compiler.graph_utils import restore_topological_order, view_contiguous
+from dpar.compiler.graph_utils import restore_topological_order, view_contiguous, with_code
 from dpar.compiler.passes.all_gather import ParameterGroup
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 from dpar.core.torch_internals import C10D_FUNCTIONAL
@@ -80,8 +80,7 @@ def bucket_reduce_scatters_pass(
     restore_topological_order(graph)  # consumers of a reduced shard (unpadding) follow the bucket
     graph.eliminate_dead_code()
     graph.lint()
-    gm.recompile()
-    return gm
+    return with_code(gm)
 
 
 def _sum_before_reducing(graph: fx.Graph, tied: list[fx.Node]) -> fx.Node:

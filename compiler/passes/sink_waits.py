@@ -7,6 +7,7 @@ import torch.fx as fx
 from dpar.compiler.collectives import WAIT, is_compute
 from dpar.compiler.propagation.redistribute import ACTIVATION_COLLECTIVE
 from dpar.core.torch_internals import C10D_FUNCTIONAL
+from dpar.compiler.graph_utils import with_code
 
 
 def _epilogue(graph: fx.Graph) -> set[fx.Node]:
@@ -70,5 +71,4 @@ def sink_waits_pass(gm: fx.GraphModule) -> fx.GraphModule:
         for node in closure:
             first_consumer.prepend(node)
     graph.lint()
-    gm.recompile()
-    return gm
+    return with_code(gm)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from dpar.compiler.graph_utils import refresh_fake_values
+from dpar.compiler.graph_utils import refresh_fake_values, with_code
 from dpar.compiler.propagation.localize import localize
 from dpar.compiler.passes.sequence_parallel import tag_sequence_gathers_for_recompute
 from dpar.compiler.propagation.propagate import LOW_PRECISION, MeshDim, propagate_placements
@@ -77,8 +77,7 @@ def _cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype) -> fx.Node:
 def tensor_parallel_pass(gm: fx.GraphModule, mesh: MeshDim) -> fx.GraphModule:
     """Propagate placements from the markers, insert the collectives, rewrite to local shapes."""
     gm = localize(propagate_placements(split_addmm(gm), mesh), mesh)
-    gm.recompile()
     refresh_fake_values(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
     if mesh.sequence_parallel:
         tag_sequence_gathers_for_recompute(gm, mesh.group_name)
-    return gm
+    return with_code(gm)

@@ -69,10 +69,10 @@ def refresh_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
     """Give every node a fresh ``meta['val']`` from ``example_inputs``: the values a pass changed or added, which
     Inductor and our tables read (a view shares its base's storage, every other value has its own).
 
-    Each op is called once under the inputs' fake mode. ``FakeTensorProp`` also detaches every value it records and
-    steps through its interpreter, which doubled the time on the forward and backward graphs of a tensor-parallel copy
-    of Llama-3-70B's blocks (2026-12-01); it still takes a graph with attributes (a subgraph's module) or sizes bound
-    by data (unbacked symbols), and inputs in no fake mode.
+    Each op is called once under the inputs' fake mode and ``no_grad``, giving the detached values ``FakeTensorProp``
+    records; its interpreter, and a detach after each op, took twice the time on the forward and backward graphs of a
+    tensor-parallel copy of Llama-3-70B's blocks (2026-12-01). It still takes a graph with attributes (a subgraph's
+    module) or sizes bound by data (unbacked symbols), and inputs in no fake mode.
     """
     mode = detect_fake_mode(example_inputs)
     if mode is None:
@@ -85,10 +85,11 @@ def refresh_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*example_inputs)
         return
     inputs = iter(example_inputs)
-    with mode:
+    with mode, torch.no_grad():  # values, as FakeTensorProp records them: detached, no autograd graph
         for node in nodes:
             if node.op == "placeholder":
                 value = next(inputs)
+                value = value.detach() if isinstance(value, torch.Tensor) else value
             else:
                 args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
                 value = node.target(*args, **kwargs) if node.op == "call_function" else args[0]

@@ -85,14 +85,16 @@ def refresh_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*example_inputs)
         return
     inputs = iter(example_inputs)
+    computed: dict[fx.Node, Any] = {}  # what each node returned, which its readers take (not only what is recorded)
     with mode, torch.no_grad():  # values, as FakeTensorProp records them: detached, no autograd graph
         for node in nodes:
             if node.op == "placeholder":
                 value = next(inputs)
                 value = value.detach() if isinstance(value, torch.Tensor) else value
             else:
-                args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+                args, kwargs = fx.map_arg((node.args, node.kwargs), computed.__getitem__)
                 value = node.target(*args, **kwargs) if node.op == "call_function" else args[0]
+            computed[node] = value
             kept = fx.node.map_aggregate(value, _recorded_value)
             if kept is not None:  # as FakeTensorProp: a call that returns nothing keeps its value
                 node.meta["val"] = kept

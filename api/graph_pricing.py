@@ -61,7 +61,7 @@ from dpar.compiler.costs import DeviceSpec, device_spec
 from dpar.core.errors import OptionsError
 from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy
 from dpar.core.torch_internals import pytree
-from dpar.placement import model_blocks
+from dpar.surgery.blocks import block_list, block_settings
 from dpar.planner.plan import ON_BLOCK_GRAPHS, ON_GRAPHS, CostBreakdown, Plan
 from dpar.side_processes import Job, SideProcesses
 
@@ -188,15 +188,13 @@ def _count(plan: Plan, model: nn.Module, inputs: tuple[object, ...], device: Dev
 
 def block_cut(model: nn.Module, plan: Plan) -> BlockCut | None:
     """The model's blocks as the cut copies take them, or None where the plan is counted whole (see the Note)."""
-    blocks = model_blocks(model)
-    path = blocks[0].rpartition(".")[0] if blocks else ""
-    if not path or blocks != [f"{path}.{i}" for i in range(len(blocks))] or plan.activations.budget_bytes is not None:
+    found = block_list(model)
+    if found is None or plan.activations.budget_bytes is not None:
         return None
-    container = model.get_submodule(path)
-    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) != len(blocks):
-        return None
+    path, container = found
+    blocks = [f"{path}.{i}" for i in range(len(container))]
     kinds: dict[object, list[int]] = {}
-    for i, (block, settings) in enumerate(zip(blocks, _block_settings(list(container)))):
+    for i, (block, settings) in enumerate(zip(blocks, block_settings(list(container)))):
         own = tuple((p.name[len(block):], p.shape, p.placements) for p in plan.parameters if p.name.startswith(block + "."))
         kinds.setdefault((own, plan.activations.of_block(block), settings), []).append(i)
     members = list(kinds.values())
@@ -215,25 +213,6 @@ def block_cut(model: nn.Module, plan: Plan) -> BlockCut | None:
         pairs.append(pair)
     counts = (len(members[base]), *(len(m) for k, m in enumerate(members) if k != base))
     return BlockCut(path, counts, run, tuple(pairs))
-
-
-Setting = tuple[str, object]
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _block_settings(blocks: list[nn.Module]) -> list[tuple[Setting, ...]]:
-    """Each block's settings: the plain values (numbers, strings, None, tuples of them) its modules hold besides
-    their parameters, such as Hugging Face's ``layer_type`` and ``sliding_window``, which make layers with the same
-    parameters trace to different graphs (sliding-window and full attention in turn). An integer that numbers the
-    blocks (``layer_idx``: block i holds i plus the same offset in every block) is not a setting."""
-    def plain(value: object) -> bool:
-        return isinstance(value, _PLAIN) or isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)
-
-    held = [{f"{path}.{name}": value for path, module in block.named_modules() for name, value in vars(module).items()
-             if not name.startswith("_") and plain(value)} for block in blocks]
-    numbering = {key for key, first in held[0].items() if type(first) is int
-                 and all(type(h.get(key)) is int and h[key] - i == first for i, h in enumerate(held))}
-    return [tuple(sorted((key, value) for key, value in h.items() if key not in numbering)) for h in held]
 
 
 def _extrapolated(cut: BlockCut, two: Figures, three: Figures, pairs: list[Figures]) -> Figures:

@@ -31,6 +31,7 @@ from dpar.core import model_state
 from dpar import initialization
 from dpar.runtime import eager_guard, forward_scope, optimizer_hooks, parameter_writes
 from dpar.surgery import expert_parallel, local_sgd, sharding, tensor_parallel, zero1
+from dpar.surgery.blocks import model_blocks
 from dpar.core.errors import ActivationPolicyError, OptionsError, PipelineAdviceWarning, ProcessGroupError
 
 if TYPE_CHECKING:
@@ -83,13 +84,6 @@ ACCEPTS: dict[str, tuple[frozenset[str], str]] = {
 }
 
 ACTIVATION_POLICIES = tuple(r.value for r in Recompute)
-
-
-def model_blocks(model: nn.Module) -> list[str]:
-    """The model's blocks, in module order: its outermost numbered modules (``layers.3``,
-    ``transformer.h.0``), the unit an activation policy is given for (``sharding.block_of``)."""
-    blocks = dict.fromkeys(sharding.block_of(name + ".") for name, _ in model.named_modules() if name)
-    return [b for b in blocks if b != "root"]
 
 
 def activation_policy(model: nn.Module, given: Any) -> ActivationPolicy:

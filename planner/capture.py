@@ -58,6 +58,7 @@ from dpar.compiler.costs import flash_attention, is_kernel, node_flops
 from dpar.compiler.propagation import rules
 from dpar.planner.opgraph import ExpertsInfo, Op, OpGraph
 from dpar.planner.repeats import collapse_repeats
+from dpar.surgery.blocks import block_list, block_settings, with_first_blocks
 from dpar.surgery.expert_parallel import experts_modules
 from dpar.core.errors import OptionsError
 from dpar.core.torch_internals import OpOverload, no_stack_traces, pytree
@@ -141,15 +142,29 @@ def _along_last(node: fx.Node) -> bool:
 
 
 def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGraph:
-    """Capture ``model`` and turn its ATen graph into ops, edges and parameter owners, repeats collapsed."""
-    program = capture(model, example_inputs)
-    names = {id(p): n for n, p in model.named_parameters()}  # tied weights: one (the first) name
-    signature = program.graph_signature
-    placeholder_param = {ph: names[id(model.get_parameter(fqn.removeprefix("model.")))] for ph, fqn in signature.inputs_to_parameters.items()}
-    user_inputs = set(signature.user_inputs)
+    """Capture ``model`` and turn its ATen graph into ops, edges and parameter owners, repeats collapsed; a model of
+    many alike blocks is captured with its first few (see [Note: a capture of the first blocks])."""
     flat_inputs = [x for x in pytree.tree_leaves(tuple(example_inputs)) if isinstance(x, torch.Tensor)]
     batch_size = int(flat_inputs[0].shape[0]) if flat_inputs and flat_inputs[0].dim() else 1
     batch_bytes = sum(x.numel() * x.element_size() for x in flat_inputs if x.dim() and x.shape[0] == batch_size)
+    ops = _ops_from_first_blocks(model, example_inputs, batch_size)
+    if ops is None:
+        ops = _ops(model, model, example_inputs, batch_size)
+    graph = collapse_repeats(ops, list(model.named_parameters()), batch_size, batch_bytes)
+    tokens = [x for x in flat_inputs if x.dim() >= 2]  # the sequence dim a cp axis splits, as the runtime finds it
+    length = int(tokens[0].shape[1]) if tokens and graph.has_attention else 0
+    return dataclasses.replace(graph, experts=_experts(model, graph), sequence_length=length)
+
+
+def _ops(model: nn.Module, captured: nn.Module, example_inputs: Sequence[object], batch_size: int) -> list[Op]:
+    """The compute ops of ``captured`` (``model`` or a copy of it sharing its parameters) fed ``example_inputs``,
+    parameters named as ``model`` names them."""
+    program = capture(captured, example_inputs)
+    names = {id(p): n for n, p in model.named_parameters()}  # tied weights: one (the first) name
+    signature = program.graph_signature
+    placeholder_param = {ph: names[id(captured.get_parameter(fqn.removeprefix("model.")))] for ph, fqn in signature.inputs_to_parameters.items()}
+    user_inputs = set(signature.user_inputs)
+    flat_inputs = [x for x in pytree.tree_leaves(tuple(example_inputs)) if isinstance(x, torch.Tensor)]
     user_grad = any(x.requires_grad for x in flat_inputs)
     parameters = dict(model.named_parameters())
 
@@ -229,12 +244,147 @@ def build_op_graph(model: nn.Module, example_inputs: Sequence[object]) -> OpGrap
             )
         )
         source[node] = len(ops) - 1
-    ops = [dataclasses.replace(op, kernels=op.kernels + folded[i]) if folded.get(i) and op.kernels is not None else op
-           for i, op in enumerate(ops)]
-    graph = collapse_repeats(ops, list(parameters.items()), batch_size, batch_bytes)
-    tokens = [x for x in flat_inputs if x.dim() >= 2]  # the sequence dim a cp axis splits, as the runtime finds it
-    length = int(tokens[0].shape[1]) if tokens and graph.has_attention else 0
-    return dataclasses.replace(graph, experts=_experts(model, graph), sequence_length=length)
+    return [dataclasses.replace(op, kernels=op.kernels + folded[i]) if folded.get(i) and op.kernels is not None else op
+            for i, op in enumerate(ops)]
+
+
+# [Note: a capture of the first blocks]
+# Exporting a model costs about 0.1 s a block on 2 cores at Llama-3-70B's width (8 s of the 9 s its op graph took,
+# all 80 blocks, 2026-12-01), and the planner prices one block of each parity anyway (repeats.py). So a model whose
+# blocks are one numbered list of alike blocks (the same parameters, buffers, module classes and settings:
+# ``surgery.blocks``; no hooks; no parameter shared with another block or outside) is exported with its first
+# ``FIRST_BLOCKS`` blocks (``with_first_blocks``: the model's own modules, nothing copied), and its op list made
+# whole again: block k (from ``FIRST_BLOCKS`` on) is a copy of the last kept block of k's parity, its module, its
+# parameters and its ops' names renumbered as the whole export numbers them, reading the block before it where its
+# original read the one before that; the ops after the blocks read the last block. That is only sound where the
+# kept blocks show it is: the ops run before, through and after the blocks in that order, every kept block after the
+# first is the same op list (kinds, shapes, names' stems, what it reads: its own ops, the block before it, the ops
+# before the blocks), and the ops after the blocks read no block but the last; otherwise, or where the forward will not
+# run the first blocks alone (raises), the model is exported whole. What a forward does at a block the copy does not reach (``if i == 40``) no cut capture can see: the count on
+# the compiled graphs (api/graph_pricing.py) makes the same assumption. Checked against the whole export op for op,
+# every field (2026-12-01): Hugging Face's Llama, GPT-2, BERT and Mixtral at 9 blocks, examples/gpt.py's GPT (fused and
+# split q/k/v), Llama-3-8B and -70B at their sizes on meta (70B's op graph in 1.5 s instead of 9.1 s); T5 (two block
+# lists), torchtitan's models (an ``nn.ModuleDict``) and Qwen3-MoE's router loss (read off every block) are exported
+# whole. tests/test_planner_scale.py holds the comparison.
+
+FIRST_BLOCKS = 4
+"""Blocks a cut capture keeps: two of each parity, so that each copied block has a kept one of its parity that
+reads a block, not the ops before the blocks."""
+
+
+def _ops_from_first_blocks(model: nn.Module, example_inputs: Sequence[object], batch_size: int) -> list[Op] | None:
+    """The model's ops from a capture of its first blocks, or None where that would not be its ops (see the Note)."""
+    found = block_list(model)
+    if found is None or len(found[1]) < 2 * FIRST_BLOCKS or not _alike(model, *found):
+        return None
+    path, container = found
+    try:
+        ops = _ops(model, with_first_blocks(model, path, FIRST_BLOCKS), example_inputs, batch_size)
+    except Exception:  # noqa: BLE001 - a forward that runs only its whole block list: the whole export says what it says
+        return None
+    return _repeated(ops, path, len(container))
+
+
+def _alike(model: nn.Module, path: str, container: nn.Module) -> bool:
+    """Every block holds what the first does (relative names, shapes, dtypes, trained or not; buffers; module
+    classes; settings), no block has hooks, and each block's parameters are its own (named in it by the model)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    blocks = list(container)
+
+    def held(block: nn.Module) -> tuple:
+        return (tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
+                tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
+                tuple(type(m) for m in block.modules()))
+
+    own = all(names.get(id(p)) == f"{path}.{i}.{n}" for i, block in enumerate(blocks)
+              for n, p in block.named_parameters(remove_duplicate=False))
+    hooked = any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                 for block in blocks for m in block.modules())
+    first = held(blocks[0])
+    return own and not hooked and all(held(b) == first for b in blocks[1:]) and len(set(block_settings(blocks))) == 1
+
+
+def _repeated(ops: list[Op], path: str, total: int) -> list[Op] | None:
+    """``ops`` of a capture of the first blocks of ``path`` made whole for ``total`` blocks (see the Note); None
+    where the kept blocks do not show the copies would be right."""
+    def block(op: Op) -> int | None:
+        index = op.module[len(path) + 1:].partition(".")[0] if op.module.startswith(path + ".") else ""
+        return int(index) if index.isdigit() else None
+
+    where = [block(op) for op in ops]
+    inside = [i for i, b in enumerate(where) if b is not None]
+    if not inside:
+        return None
+    first, last = inside[0], inside[-1]
+    size, rest = divmod(last + 1 - first, FIRST_BLOCKS)
+    if rest or where[first:last + 1] != [b for b in range(FIRST_BLOCKS) for _ in range(size)]:
+        return None
+    start = lambda b: first + b * size  # noqa: E731
+
+    def reads(i: int) -> tuple | None:
+        """How op i of a block reads: its own ops, the block before it's, the ops before the blocks (by position)."""
+        b, found = where[i], []
+        for u in ops[i].inputs:
+            if u < first:
+                found.append(("before", u))
+            elif where[u] == b:
+                found.append(("own", u - start(b)))
+            elif where[u] == b - 1:
+                found.append(("previous", u - start(b - 1)))
+            else:
+                return None
+        return tuple(found)
+
+    def relative(b: int) -> list[tuple] | None:
+        own = f"{path}.{b}"
+        found = [(dataclasses.replace(ops[i], name=_stem(ops[i].name)[0], module=_moved(ops[i].module, own, ""),
+                                      params=tuple(_moved(p, own, "") for p in ops[i].params), inputs=()), reads(i))
+                 for i in range(start(b), start(b) + size)]
+        return None if any(r is None for _, r in found) else found
+
+    shape = relative(1)
+    if shape is None or any(relative(b) != shape for b in range(2, FIRST_BLOCKS)):
+        return None
+    after = ops[last + 1:]
+    if any(last >= u >= first and where[u] != FIRST_BLOCKS - 1 for op in after for u in op.inputs):
+        return None
+    per_block: dict[str, int] = defaultdict(int)
+    for op in ops[start(1):start(2)]:
+        per_block[_stem(op.name)[0]] += 1
+
+    whole = list(ops[:last + 1])
+    for k in range(FIRST_BLOCKS, total):
+        source = FIRST_BLOCKS - 2 + (k - FIRST_BLOCKS) % 2  # the last kept block of k's parity
+        at = len(whole)
+        for op in ops[start(source):start(source) + size]:
+            whole.append(dataclasses.replace(
+                op, name=_renumbered(op.name, (k - source) * per_block[_stem(op.name)[0]]),
+                module=_moved(op.module, f"{path}.{source}", f"{path}.{k}"),
+                params=tuple(_moved(p, f"{path}.{source}", f"{path}.{k}") for p in op.params),
+                inputs=tuple(u if u < first else at + u - start(source) if where[u] == source
+                             else at - size + u - start(source - 1) for u in op.inputs)))
+    shift = (total - FIRST_BLOCKS) * size
+    whole += [dataclasses.replace(op, name=_renumbered(op.name, (total - FIRST_BLOCKS) * per_block[_stem(op.name)[0]]),
+                                  inputs=tuple(u if u < first else u + shift for u in op.inputs)) for op in after]
+    return whole
+
+
+def _stem(name: str) -> tuple[str, int]:
+    """``linear_12`` -> (``linear``, 12), ``linear`` -> (``linear``, 0): how FX numbers the nodes of one stem."""
+    stem, _, number = name.rpartition("_")
+    return (stem, int(number)) if stem and number.isdigit() else (name, 0)
+
+
+def _renumbered(name: str, by: int) -> str:
+    stem, number = _stem(name)
+    return name if not by else f"{stem}_{number + by}"
+
+
+def _moved(name: str, old: str, new: str) -> str:
+    """``name`` (a module's or parameter's) under ``new`` where it is under ``old``; ``new`` empty: relative to ``old``."""
+    if name != old and not name.startswith(old + "."):
+        return name
+    return new + name[len(old):] if new else name[len(old):]
 
 
 def _experts(model: nn.Module, graph: OpGraph) -> tuple[ExpertsInfo, ...]:

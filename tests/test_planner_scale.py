@@ -6,6 +6,7 @@ import math
 import time
 
 import pytest
+import torch
 from machine_speed import budget_s
 from planner_models import gpt
 
@@ -22,6 +23,46 @@ def test_ilp_size_does_not_grow_with_depth():
     graph = build_op_graph(*gpt(n_layer=24))
     assert graph.traced_ops > 10 * len(graph.ops) / 3
     assert {op.count for op in graph.ops if op.module.startswith("blocks.")} == {12}
+
+
+def _hugging_face(name: str, layers: int, **settings: object):
+    """A tests' Hugging Face model (tests/third_party.py) with ``layers`` blocks, and a batch of 4 rows."""
+    import third_party
+
+    config = third_party._config(name)
+    for key in ("num_hidden_layers", "n_layer"):
+        if key in config.to_dict():
+            setattr(config, key, layers)
+    for key, value in settings.items():
+        setattr(config, key, value)
+    model = third_party.HuggingFaceLM.__new__(third_party.HuggingFaceLM)
+    torch.nn.Module.__init__(model)
+    model.name, model.inner = name, type(third_party._hf(name))(config)
+    return model, third_party.global_batch(0, 4, 8)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt"])
+def test_a_capture_of_the_first_blocks_gives_the_whole_captures_ops(name):
+    """[Note: a capture of the first blocks]: 9 blocks captured as 4 and made whole give the ops the whole capture
+    gives, every field of every op (names, modules, parameters, what each reads, kernels) equal; GPT-2 and the GPT
+    tie their head to the embedding outside the blocks."""
+    from dpar.planner import capture
+
+    model, inputs = gpt(n_layer=9, n_embd=64, n_head=4, block=16, vocab=128, batch=4) if name == "gpt" \
+        else _hugging_face(name, 9)
+    cut = capture._ops_from_first_blocks(model, inputs, batch_size=4)
+    whole = capture._ops(model, model, inputs, batch_size=4)
+    assert cut is not None and len(cut) == len(whole) > 9 * 10
+    assert [i for i, (a, b) in enumerate(zip(whole, cut)) if a != b] == []
+
+
+def test_a_loss_that_reads_every_block_is_captured_whole():
+    """Qwen3-MoE's load-balancing loss reads every block's router logits: what the first blocks' capture cannot
+    show for the others, so the model is captured whole."""
+    from dpar.planner import capture
+
+    model, inputs = _hugging_face("qwen3_moe", 8)
+    assert capture._ops_from_first_blocks(model, inputs, batch_size=4) is None
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 8), pytest.param((64,), marks=pytest.mark.extended)])  # a 1-D mesh: `-m extended`

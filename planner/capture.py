@@ -265,24 +265,37 @@ def _ops(model: nn.Module, captured: nn.Module, example_inputs: Sequence[object]
 # every field (2026-12-01): Hugging Face's Llama, GPT-2, BERT and Mixtral at 9 blocks, examples/gpt.py's GPT (fused and
 # split q/k/v), Llama-3-8B and -70B at their sizes on meta (70B's op graph in 1.5 s instead of 9.1 s); T5 (two block
 # lists), torchtitan's models (an ``nn.ModuleDict``) and Qwen3-MoE's router loss (read off every block) are exported
-# whole. tests/test_planner_scale.py holds the comparison.
+# whole. The pipeline search prices each block as a stage of its own from such a capture too (pipeline.py's
+# ``_priced_from_first_blocks``: the middle blocks as the last kept middle block of their parity, the last block as
+# the kept last, which holds what follows the blocks), equal field for field to the whole capture's prices on Hugging
+# Face's Llama, GPT-2 and Mixtral, the GPT and Llama-3-8B (its prices in 3.5 s instead of 8.5 s; 405B's pipeline
+# search in 41 s instead of 56 s, its export 1 s instead of 19 s). tests/test_planner_scale.py holds both comparisons.
 
 FIRST_BLOCKS = 4
 """Blocks a cut capture keeps: two of each parity, so that each copied block has a kept one of its parity that
 reads a block, not the ops before the blocks."""
 
 
-def _ops_from_first_blocks(model: nn.Module, example_inputs: Sequence[object], batch_size: int) -> list[Op] | None:
-    """The model's ops from a capture of its first blocks, or None where that would not be its ops (see the Note)."""
+def alike_blocks(model: nn.Module) -> tuple[str, int] | None:
+    """(the block list's path, how many blocks) where ``model`` is many alike blocks, which a capture of its first
+    ``FIRST_BLOCKS`` may stand for (see the Note); None otherwise."""
     found = block_list(model)
     if found is None or len(found[1]) < 2 * FIRST_BLOCKS or not _alike(model, *found):
         return None
-    path, container = found
+    return found[0], len(found[1])
+
+
+def _ops_from_first_blocks(model: nn.Module, example_inputs: Sequence[object], batch_size: int) -> list[Op] | None:
+    """The model's ops from a capture of its first blocks, or None where that would not be its ops (see the Note)."""
+    found = alike_blocks(model)
+    if found is None:
+        return None
+    path, total = found
     try:
         ops = _ops(model, with_first_blocks(model, path, FIRST_BLOCKS), example_inputs, batch_size)
     except Exception:  # noqa: BLE001 - a forward that runs only its whole block list: the whole export says what it says
         return None
-    return _repeated(ops, path, len(container))
+    return _repeated(ops, path, total)
 
 
 def _alike(model: nn.Module, path: str, container: nn.Module) -> bool:
@@ -337,8 +350,8 @@ def _repeated(ops: list[Op], path: str, total: int) -> list[Op] | None:
 
     def relative(b: int) -> list[tuple] | None:
         own = f"{path}.{b}"
-        found = [(dataclasses.replace(ops[i], name=_stem(ops[i].name)[0], module=_moved(ops[i].module, own, ""),
-                                      params=tuple(_moved(p, own, "") for p in ops[i].params), inputs=()), reads(i))
+        found = [(dataclasses.replace(ops[i], name=_stem(ops[i].name)[0], module=moved(ops[i].module, own, ""),
+                                      params=tuple(moved(p, own, "") for p in ops[i].params), inputs=()), reads(i))
                  for i in range(start(b), start(b) + size)]
         return None if any(r is None for _, r in found) else found
 
@@ -359,8 +372,8 @@ def _repeated(ops: list[Op], path: str, total: int) -> list[Op] | None:
         for op in ops[start(source):start(source) + size]:
             whole.append(dataclasses.replace(
                 op, name=_renumbered(op.name, (k - source) * per_block[_stem(op.name)[0]]),
-                module=_moved(op.module, f"{path}.{source}", f"{path}.{k}"),
-                params=tuple(_moved(p, f"{path}.{source}", f"{path}.{k}") for p in op.params),
+                module=moved(op.module, f"{path}.{source}", f"{path}.{k}"),
+                params=tuple(moved(p, f"{path}.{source}", f"{path}.{k}") for p in op.params),
                 inputs=tuple(u if u < first else at + u - start(source) if where[u] == source
                              else at - size + u - start(source - 1) for u in op.inputs)))
     shift = (total - FIRST_BLOCKS) * size
@@ -380,7 +393,7 @@ def _renumbered(name: str, by: int) -> str:
     return name if not by else f"{stem}_{number + by}"
 
 
-def _moved(name: str, old: str, new: str) -> str:
+def moved(name: str, old: str, new: str) -> str:
     """``name`` (a module's or parameter's) under ``new`` where it is under ``old``; ``new`` empty: relative to ``old``."""
     if name != old and not name.startswith(old + "."):
         return name

@@ -110,6 +110,8 @@ from dpar.core.errors import OptionsError, PipelineMemoryError
 from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.core.torch_internals import no_stack_traces
+from dpar.surgery.blocks import with_first_blocks
+from dpar.planner.capture import FIRST_BLOCKS, alike_blocks, moved
 from dpar.planner.plan import PipelineLayout
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zbv")
@@ -389,16 +391,55 @@ def _price_blocks(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss: Loss
                   read_tp_collectives: Callable[[str, Sequence[torch.Tensor], LossFn], BlockCollectives] | None,
                   ) -> _BlockPrices:
     micro_batch = micro_batch_of(inputs, rows)
-    with no_stack_traces():  # a fifth of the export's time, and the search reads none
-        graph = capture(model, loss, micro_batch)
-    prefix, blocks = find_blocks(graph)
-    split = split_stages(graph, model, len(blocks))
-    priced = cut_and_price_under(split, model, micro_batch, spec, [ActivationPolicy(r) for r in ACTIVATION_POLICIES])
+    policies = [ActivationPolicy(r) for r in ACTIVATION_POLICIES]
+    found = _priced_from_first_blocks(model, micro_batch, loss, spec, policies)
+    if found is None:
+        with no_stack_traces():  # a fifth of the export's time, and the search reads none
+            graph = capture(model, loss, micro_batch)
+        prefix, blocks = find_blocks(graph)
+        split = split_stages(graph, model, len(blocks))
+        found = prefix, cut_and_price_under(split, model, micro_batch, spec, policies)
+    prefix, priced = found
     per_block = {policy.default: costs for policy, costs in priced.items()}
     return _BlockPrices(
         rows=rows, per_block=per_block,
         block_bytes=max((c.send_bytes for c in per_block[Recompute.KEEP]), default=0),
         read=None if read_tp_collectives is None else read_tp_collectives(prefix, micro_batch, loss))
+
+
+def _priced_from_first_blocks(model: nn.Module, micro_batch: Sequence[torch.Tensor], loss: LossFn, spec: DeviceSpec,
+                              policies: list[ActivationPolicy]) -> tuple[str, dict[ActivationPolicy, tuple[StageCost, ...]]] | None:
+    """(the blocks' prefix, each block priced as a stage of its own under each policy) from a capture of the model's
+    first blocks, each block after them priced as the last kept block of its parity but the last, priced as the
+    kept last (which holds what follows the blocks); None where the model is not many alike blocks, its first blocks
+    will not run alone, or the two kept middle blocks price otherwise ([Note: a capture of the first blocks] in
+    capture.py: the op graph's counterpart)."""
+    found = alike_blocks(model)
+    if found is None:
+        return None
+    path, total = found
+    first = with_first_blocks(model, path, FIRST_BLOCKS)
+    try:
+        with no_stack_traces():
+            graph = capture(first, loss, micro_batch)
+        prefix, blocks = find_blocks(graph)
+        priced = cut_and_price_under(split_stages(graph, first, FIRST_BLOCKS), first, micro_batch, spec, policies)
+    except Exception:  # noqa: BLE001 - a forward that runs only its whole block list: the whole capture says what it says
+        return None
+    if blocks != list(range(FIRST_BLOCKS)):
+        return None
+
+    def as_block(cost: StageCost, source: int, k: int) -> StageCost:
+        return dataclasses.replace(cost, index=k, blocks=tuple(moved(b, f"{path}.{source}", f"{path}.{k}") for b in cost.blocks),
+                                   parameters=tuple(moved(p, f"{path}.{source}", f"{path}.{k}") for p in cost.parameters))
+
+    whole = {}
+    for policy, costs in priced.items():
+        if as_block(costs[2], 2, 1) != costs[1]:
+            return None
+        whole[policy] = (costs[0], *(as_block(costs[2 - k % 2], 2 - k % 2, k) for k in range(1, total - 1)),
+                         as_block(costs[-1], FIRST_BLOCKS - 1, total - 1))
+    return prefix, whole
 
 
 @dataclasses.dataclass(frozen=True)

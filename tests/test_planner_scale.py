@@ -11,6 +11,7 @@ from machine_speed import budget_s
 from planner_models import gpt
 
 from dpar.planner.capture import build_op_graph
+from dpar.core.plan import Recompute
 from dpar.planner.plan import Plan, policy_label
 from dpar.planning import plan
 
@@ -54,6 +55,26 @@ def test_a_capture_of_the_first_blocks_gives_the_whole_captures_ops(name):
     whole = capture._ops(model, model, inputs, batch_size=4)
     assert cut is not None and len(cut) == len(whole) > 9 * 10
     assert [i for i, (a, b) in enumerate(zip(whole, cut)) if a != b] == []
+
+
+def test_the_pipeline_search_prices_each_block_from_the_first_blocks_as_from_the_whole_capture(monkeypatch):
+    """The pipeline search's prices, each block a stage of its own under each policy: from a capture of the first
+    blocks (the middle ones priced as the last kept middle block of their parity, the last as the kept last) equal
+    to the whole capture's, every field (names, flops, seconds, bytes)."""
+    from dpar.compiler.costs import device_spec
+    from dpar.compiler.pipeline_parallel.costs import with_loss
+    from dpar.planner import pipeline
+
+    model, (ids, _) = gpt(n_layer=9, n_embd=64, n_head=4, block=16, vocab=128, batch=4)
+    inputs, loss = with_loss((ids,), None)
+    first_blocks, found = pipeline._priced_from_first_blocks, []
+    monkeypatch.setattr(pipeline, "_priced_from_first_blocks", lambda *args: found.append(first_blocks(*args)) or found[-1])
+    cut = pipeline._price_blocks(model, inputs, loss, 1, device_spec("h100"), None)
+    assert found[0] is not None  # the first blocks' capture priced it
+    monkeypatch.setattr(pipeline, "_priced_from_first_blocks", lambda *args: None)
+    whole = pipeline._price_blocks(model, inputs, loss, 1, device_spec("h100"), None)
+    assert len(whole.per_block[Recompute.KEEP]) == 9 and set(whole.per_block) == set(Recompute)
+    assert cut == whole
 
 
 def test_a_loss_that_reads_every_block_is_captured_whole():

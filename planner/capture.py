@@ -249,27 +249,28 @@ def _ops(model: nn.Module, captured: nn.Module, example_inputs: Sequence[object]
 
 
 # [Note: a capture of the first blocks]
-# Exporting a model costs about 0.1 s a block on 2 cores at Llama-3-70B's width (8 s of the 9 s its op graph took,
-# all 80 blocks, 2026-12-01), and the planner prices one block of each parity anyway (repeats.py). So a model whose
-# blocks are one numbered list of alike blocks (the same parameters, buffers, module classes and settings:
-# ``surgery.blocks``; no hooks; no parameter shared with another block or outside) is exported with its first
-# ``FIRST_BLOCKS`` blocks (``with_first_blocks``: the model's own modules, nothing copied), and its op list made
-# whole again: block k (from ``FIRST_BLOCKS`` on) is a copy of the last kept block of k's parity, its module, its
-# parameters and its ops' names renumbered as the whole export numbers them, reading the block before it where its
-# original read the one before that; the ops after the blocks read the last block. That is only sound where the
-# kept blocks show it is: the ops run before, through and after the blocks in that order, every kept block after the
-# first is the same op list (kinds, shapes, names' stems, what it reads: its own ops, the block before it, the ops
-# before the blocks), and the ops after the blocks read no block but the last; otherwise, or where the forward will not
-# run the first blocks alone (raises), the model is exported whole. What a forward does at a block the copy does not reach (``if i == 40``) no cut capture can see: the count on
-# the compiled graphs (api/graph_pricing.py) makes the same assumption. Checked against the whole export op for op,
-# every field (2026-12-01): Hugging Face's Llama, GPT-2, BERT and Mixtral at 9 blocks, examples/gpt.py's GPT (fused and
-# split q/k/v), Llama-3-8B and -70B at their sizes on meta (70B's op graph in 1.5 s instead of 9.1 s); T5 (two block
-# lists), torchtitan's models (an ``nn.ModuleDict``) and Qwen3-MoE's router loss (read off every block) are exported
-# whole. The pipeline search prices each block as a stage of its own from such a capture too (pipeline.py's
-# ``_priced_from_first_blocks``: the middle blocks as the last kept middle block of their parity, the last block as
-# the kept last, which holds what follows the blocks), equal field for field to the whole capture's prices on Hugging
-# Face's Llama, GPT-2 and Mixtral, the GPT and Llama-3-8B (its prices in 3.5 s instead of 8.5 s; 405B's pipeline
-# search in 41 s instead of 56 s, its export 1 s instead of 19 s). tests/test_planner_scale.py holds both comparisons.
+# Exporting a model costs about 0.1 s a block on 2 cores at Llama-3-70B's width (8 s of the 9 s its op graph took, all
+# 80 blocks, 2026-12-01), and the planner prices one block of each parity anyway (repeats.py). So a model whose blocks
+# are one numbered list of alike blocks (the same parameters, buffers, module classes and settings: ``surgery.blocks``;
+# no hooks; no parameter shared with another block or outside) is exported with its first ``FIRST_BLOCKS`` blocks
+# (``with_first_blocks``: the model's own modules, nothing copied), and its op list made whole again: block k (from
+# ``FIRST_BLOCKS`` on) is a copy of the last kept block of k's parity, its module, its parameters and its ops' names
+# renumbered as the whole export numbers them, reading the block before it where its original read the one before that;
+# the ops after the blocks read the last block. That is only sound where the kept blocks show it is: the ops run before,
+# through and after the blocks in that order, every kept block after the first is the same op list (kinds, shapes,
+# names' stems, what it reads: its own ops, the block before it, the ops before the blocks), and the ops after the
+# blocks read no block but the last; otherwise, or where the forward will not run the first blocks alone (raises), the
+# model is exported whole. What a forward does at a block the copy does not reach (``if i == 40``) no cut capture can
+# see: the count on the compiled graphs (api/graph_pricing.py) makes the same assumption. Checked against the whole
+# export op for op, every field (2026-12-01): Hugging Face's Llama, GPT-2, BERT and Mixtral at 9 blocks,
+# examples/gpt.py's GPT (fused and split q/k/v), Llama-3-8B and -70B at their sizes on meta (70B's op graph in 1.5 s
+# instead of 9.1 s); T5 (two block lists), torchtitan's models (an ``nn.ModuleDict``) and Qwen3-MoE's router loss (read
+# off every block) are exported whole. The pipeline search prices each block as a stage of its own from such a capture
+# too (pipeline.py's ``_priced_from_first_blocks``: the middle blocks as the last kept middle block of their parity, the
+# last block as the kept last, which holds what follows the blocks), equal field for field to the whole capture's prices
+# on Hugging Face's Llama, GPT-2 and Mixtral, the GPT and Llama-3-8B (its prices in 3.5 s instead of 8.5 s; 405B's
+# pipeline search in 41 s instead of 56 s, its export 1 s instead of 19 s). tests/test_planner_scale.py holds both
+# comparisons.
 
 FIRST_BLOCKS = 4
 """Blocks a cut capture keeps: two of each parity, so that each copied block has a kept one of its parity that

@@ -110,9 +110,9 @@ from dpar.core.errors import OptionsError, PipelineMemoryError
 from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.core.torch_internals import no_stack_traces
-from dpar.surgery.blocks import with_first_blocks
 from dpar.planner.capture import FIRST_BLOCKS, alike_blocks, moved
 from dpar.planner.plan import PipelineLayout
+from dpar.surgery.blocks import with_first_blocks
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zbv")
 """One stage per rank, or zbv's two in a V; interleaved_1f1b's virtual stages are not searched."""

@@ -9,6 +9,10 @@ with a shape on every node, the ``nn_module_stack`` of every node (the module pa
 names ops and finds repeated blocks) and a graph signature mapping placeholders to parameter
 names. Dynamo's export would do too but breaks on more Python; the planner only reads
 shapes, so non-strict tracing is enough.
+A region the forward runs under ``torch.autocast`` (even a disabled one; torchtitan's MoE routers run
+in fp32 under one) comes back as one higher-order op over a submodule
+(``wrap_with_autocast``); its ops are copied into the graph (``_inline_regions``), in the dtypes
+autocast gave them. A ``torch.no_grad()`` region stays one op, unpriced.
 
 [Note: what the planner captures of a model's outputs]
 Export wants a tree of tensors out, but models hand back ModelOutputs, caches
@@ -160,6 +164,7 @@ def _ops(model: nn.Module, captured: nn.Module, example_inputs: Sequence[object]
     """The compute ops of ``captured`` (``model`` or a copy of it sharing its parameters) fed ``example_inputs``,
     parameters named as ``model`` names them."""
     program = capture(captured, example_inputs)
+    _inline_regions(program.graph_module)
     names = {id(p): n for n, p in model.named_parameters()}  # tied weights: one (the first) name
     signature = program.graph_signature
     placeholder_param = {ph: names[id(captured.get_parameter(fqn.removeprefix("model.")))] for ph, fqn in signature.inputs_to_parameters.items()}
@@ -246,6 +251,41 @@ def _ops(model: nn.Module, captured: nn.Module, example_inputs: Sequence[object]
         source[node] = len(ops) - 1
     return [dataclasses.replace(op, kernels=op.kernels + folded[i]) if folded.get(i) and op.kernels is not None else op
             for i, op in enumerate(ops)]
+
+
+AUTOCAST_REGION = "wrap_with_autocast"
+"""The higher-order op export keeps a ``torch.autocast`` region of the forward in: the region's ops in a submodule,
+the autocast settings and the submodule first among its arguments, then what the region reads. (A
+``torch.no_grad()`` region, ``wrap_with_set_grad_enabled``, stays one op: its ops would be priced as needing
+gradients.)"""
+
+
+def _inline_regions(gm: fx.GraphModule) -> None:
+    """The ops of each autocast region (``AUTOCAST_REGION``) in ``gm``'s own graph, in place of the one op that calls
+    them: priced as one opaque op, a forward run under ``torch.autocast`` (even disabled) was an op graph of no FLOPs
+    and no activations. The copied ops keep their values (in the dtypes autocast gave them) and module paths."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or getattr(node.target, "__name__", "") != AUTOCAST_REGION:
+            continue
+        at = next(i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr")
+        region = getattr(gm, node.args[at].target)
+        _inline_regions(region)
+        inner = list(region.graph.nodes)
+        if any(n.op in ("get_attr", "call_module") for n in inner) or any(u.target is not operator.getitem for u in node.users):
+            continue  # a region holding constants or modules of its own, or read whole: left as one op
+        values: dict[fx.Node, object] = dict(zip((n for n in inner if n.op == "placeholder"), node.args[at + 1:]))
+        with graph.inserting_before(node):
+            for n in inner:
+                if n.op == "output":
+                    results = n.args[0]
+                elif n.op != "placeholder":
+                    values[n] = graph.node_copy(n, lambda a: values[a])
+        for user in list(node.users):
+            result = results[user.args[1]]
+            user.replace_all_uses_with(values.get(result, result) if isinstance(result, fx.Node) else result)
+            graph.erase_node(user)
+        graph.erase_node(node)
 
 
 # [Note: a capture of the first blocks]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 import pytest
+import torch
 from planner_models import FAST, SLOW, fork, gpt, hardware, mlp
 
 import dpar
@@ -162,3 +164,35 @@ def test_ilp_optimum_equals_brute_force_over_every_assignment(mesh_shape, links,
         if splits(layout, choices)
     )
     assert plan(model, inputs, mesh_shape=mesh_shape, device=hw).cost.step_s == pytest.approx(best, rel=1e-6)
+
+
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16])
+def test_a_forward_run_under_autocast_is_priced_by_the_ops_inside_it(autocast_dtype):
+    """Export keeps a forward run under ``torch.autocast`` as one higher-order op over a submodule; the planner
+    prices the ops inside it (it priced one op of no FLOPs and no activations): the GPT called under a disabled
+    autocast has the op graph of the GPT called plainly, op for op (names aside); under bf16 autocast the same FLOPs,
+    its Linears computing in bf16."""
+    from gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=64))  # on the CPU, where autocast acts
+    inputs = (torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long))
+
+    class Called(torch.nn.Module):
+        def __init__(self, autocast: bool) -> None:
+            super().__init__()
+            self.inner, self.autocast = model, autocast
+
+        def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            if not self.autocast:
+                return self.inner(ids, targets)
+            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                return self.inner(ids, targets)
+
+    plain, under = build_op_graph(Called(False), inputs), build_op_graph(Called(True), inputs)
+    flops = lambda graph: sum(op.flops * op.count for op in graph.ops)  # noqa: E731
+    assert flops(plain) > 0 and flops(under) == flops(plain)
+    linears = {op.dtype for op in under.ops if op.kind == "linear"}
+    if autocast_dtype is None:
+        assert [dataclasses.replace(op, name="") for op in under.ops] == [dataclasses.replace(op, name="") for op in plain.ops]
+    else:
+        assert linears == {torch.bfloat16}

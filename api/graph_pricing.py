@@ -61,7 +61,7 @@ from dpar.compiler.costs import DeviceSpec, device_spec
 from dpar.core.errors import OptionsError
 from dpar.core.plan import KEEP_ACTIVATIONS, ActivationPolicy
 from dpar.core.torch_internals import pytree
-from dpar.surgery.blocks import block_list, block_settings
+from dpar.surgery.blocks import block_list, block_settings, with_blocks
 from dpar.planner.plan import ON_BLOCK_GRAPHS, ON_GRAPHS, CostBreakdown, Plan
 from dpar.side_processes import Job, SideProcesses
 
@@ -277,12 +277,7 @@ def _inspected(plan: Plan, model: nn.Module, inputs: tuple[object, ...], device:
                            "plan for a multiple of the world size")
     work, rank_inputs = _meta_copy(model, _first_rows(inputs, batch_size, batch_size // world))
     if blocks is not None:
-        path, kept = blocks
-        owner_path, _, name = path.rpartition(".")
-        owner = work.get_submodule(owner_path)
-        container = getattr(owner, name)
-        chosen = [container[i] for i in kept]
-        setattr(owner, name, nn.ModuleList(chosen) if isinstance(container, nn.ModuleList) else nn.Sequential(*chosen))
+        work = with_blocks(work, *blocks)
     with figures_only():  # the figures alone: no pass's code written
         return explain(work, rank_inputs, plan=plan, device=device)
 

@@ -62,7 +62,7 @@ from dpar.compiler.costs import flash_attention, is_kernel, node_flops
 from dpar.compiler.propagation import rules
 from dpar.planner.opgraph import ExpertsInfo, Op, OpGraph
 from dpar.planner.repeats import collapse_repeats
-from dpar.surgery.blocks import block_list, block_settings, with_first_blocks
+from dpar.surgery.blocks import block_list, block_settings, with_blocks
 from dpar.surgery.expert_parallel import experts_modules
 from dpar.core.errors import OptionsError
 from dpar.core.torch_internals import OpOverload, no_stack_traces, pytree
@@ -293,15 +293,15 @@ def _inline_regions(gm: fx.GraphModule) -> None:
 # 80 blocks, 2026-12-01), and the planner prices one block of each parity anyway (repeats.py). So a model whose blocks
 # are one numbered list of alike blocks (the same parameters, buffers, module classes and settings: ``surgery.blocks``;
 # no hooks; no parameter shared with another block or outside) is exported with its first ``FIRST_BLOCKS`` blocks
-# (``with_first_blocks``: the model's own modules, nothing copied), and its op list made whole again: block k (from
-# ``FIRST_BLOCKS`` on) is a copy of the last kept block of k's parity, its module, its parameters and its ops' names
-# renumbered as the whole export numbers them, reading the block before it where its original read the one before that;
-# the ops after the blocks read the last block. That is only sound where the kept blocks show it is: the ops run before,
-# through and after the blocks in that order, every kept block after the first is the same op list (kinds, shapes,
-# names' stems, what it reads: its own ops, the block before it, the ops before the blocks), and the ops after the
-# blocks read no block but the last; otherwise, or where the forward will not run the first blocks alone (raises), the
-# model is exported whole. What a forward does at a block the copy does not reach (``if i == 40``) no cut capture can
-# see: the count on the compiled graphs (api/graph_pricing.py) makes the same assumption. Checked against the whole
+# (``surgery.blocks.with_blocks``: the model's own modules, nothing copied), and its op list made whole again: block k
+# (from ``FIRST_BLOCKS`` on) is a copy of the last kept block of k's parity, its module, its parameters and its ops'
+# names renumbered as the whole export numbers them, reading the block before it where its original read the one before
+# that; the ops after the blocks read the last block. That is only sound where the kept blocks show it is: the ops run
+# before, through and after the blocks in that order, every kept block after the first is the same op list (kinds,
+# shapes, names' stems, what it reads: its own ops, the block before it, the ops before the blocks), and the ops after
+# the blocks read no block but the last; otherwise, or where the forward will not run the first blocks alone (raises),
+# the model is exported whole. What a forward does at a block the copy does not reach (``if i == 40``) no cut capture
+# can see: the count on the compiled graphs (api/graph_pricing.py) makes the same assumption. Checked against the whole
 # export op for op, every field (2026-12-01): Hugging Face's Llama, GPT-2, BERT and Mixtral at 9 blocks,
 # examples/gpt.py's GPT (fused and split q/k/v), Llama-3-8B and -70B at their sizes on meta (70B's op graph in 1.5 s
 # instead of 9.1 s); T5 (two block lists), torchtitan's models (an ``nn.ModuleDict``) and Qwen3-MoE's router loss (read
@@ -333,7 +333,7 @@ def _ops_from_first_blocks(model: nn.Module, example_inputs: Sequence[object], b
         return None
     path, total = found
     try:
-        ops = _ops(model, with_first_blocks(model, path, FIRST_BLOCKS), example_inputs, batch_size)
+        ops = _ops(model, with_blocks(model, path, range(FIRST_BLOCKS)), example_inputs, batch_size)
     except Exception:  # noqa: BLE001 - a forward that runs only its whole block list: the whole export says what it says
         return None
     return _repeated(ops, path, total)

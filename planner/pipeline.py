@@ -112,7 +112,7 @@ from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.core.torch_internals import no_stack_traces
 from dpar.planner.capture import FIRST_BLOCKS, alike_blocks, moved
 from dpar.planner.plan import PipelineLayout
-from dpar.surgery.blocks import with_first_blocks
+from dpar.surgery.blocks import with_blocks
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zbv")
 """One stage per rank, or zbv's two in a V; interleaved_1f1b's virtual stages are not searched."""
@@ -418,7 +418,7 @@ def _priced_from_first_blocks(model: nn.Module, micro_batch: Sequence[torch.Tens
     if found is None:
         return None
     path, total = found
-    first = with_first_blocks(model, path, FIRST_BLOCKS)
+    first = with_blocks(model, path, range(FIRST_BLOCKS))
     try:
         with no_stack_traces():
             graph = capture(first, loss, micro_batch)

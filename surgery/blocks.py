@@ -8,6 +8,7 @@ variables, with period 2] in planner/repeats.py) and the planner's capture and c
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch.nn as nn
 
@@ -52,23 +53,23 @@ def block_settings(blocks: list[nn.Module]) -> list[tuple[Setting, ...]]:
     return [tuple(sorted((key, value) for key, value in h.items() if key not in numbering)) for h in held]
 
 
-def with_first_blocks(model: nn.Module, path: str, count: int) -> nn.Module:
-    """A shallow copy of ``model`` whose block list at ``path`` keeps its first ``count`` members: the modules on
-    the path are copies, everything else (the kept blocks, parameters, buffers, hooks) is ``model``'s own, so
-    nothing is copied and ``model`` is left as it is."""
-    root = copy.copy(model)
-    root._modules = dict(model._modules)
-    owner = root
-    *owners, name = path.split(".")
-    for part in owners:
-        child = copy.copy(owner._modules[part])
-        child._modules = dict(child._modules)
+def with_blocks(model: nn.Module, path: str, kept: Sequence[int]) -> nn.Module:
+    """A shallow copy of ``model`` whose block list at ``path`` holds the blocks ``kept``, numbered from 0: the
+    modules on the path are copies (of their class, with their attributes), everything else (the kept blocks,
+    parameters, buffers, hooks) is ``model``'s own, so nothing is copied and ``model`` is left as it is."""
+    def copied(module: nn.Module) -> nn.Module:
+        clone = copy.copy(module)
+        clone._modules = dict(module._modules)
+        return clone
+
+    root = owner = copied(model)
+    for part in path.split("."):
+        child = copied(owner._modules[part])
         owner._modules[part] = child
         owner = child
-    cut = copy.copy(owner._modules[name])
-    cut._modules = dict(list(cut._modules.items())[:count])
-    owner._modules[name] = cut
+    blocks = list(owner._modules.values())
+    owner._modules = {str(j): blocks[i] for j, i in enumerate(kept)}
     return root
 
 
-__all__ = ["block_list", "block_settings", "model_blocks", "with_first_blocks"]
+__all__ = ["block_list", "block_settings", "model_blocks", "with_blocks"]

@@ -28,8 +28,8 @@ least one candidate that splits a parameter: ``sum x[L,o,c] >= z[L]`` over those
 [Note: why HiGHS through scipy.optimize.milp]
 It solves MILPs exactly (branch and bound to a zero relative gap here), ships inside the
 scipy wheel (no solver binary to install or find on PATH, unlike PuLP's CBC) and takes a
-sparse matrix directly. The collapsed ILP has a few thousand variables and solves in
-milliseconds to a fraction of a second.
+sparse matrix directly. The collapsed ILP of one layout has a few hundred to a few thousand
+variables and solves in milliseconds ([Note: one ILP per layout]).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from scipy.sparse import coo_array
 
 from dpar.compiler.costs import DeviceSpec
 from dpar.core.plan import Recompute
-from dpar.planner.activations import POLICIES, ActivationModel, blocks
+from dpar.planner.activations import POLICIES, ActivationModel, Blocks, blocks
 from dpar.planner.costs import CostModel
 from dpar.planner.evaluate import Assignment, chosen
 from dpar.planner.layout import Layout
@@ -80,8 +80,11 @@ class _Problem:
         self.lower_b.append(lower)
         self.upper_b.append(upper)
 
-    def solve(self, cost: dict[int, float] | None = None, rows: int | None = None) -> np.ndarray | None:
-        """Minimise the objective (or ``cost``, variable -> coefficient) subject to the first ``rows`` rows (all)."""
+    def solve(self, cost: dict[int, float] | None = None, rows: int | None = None,
+              relaxed: bool = False) -> tuple[np.ndarray, float] | None:
+        """The least of the objective (or ``cost``, variable -> coefficient) subject to the first ``rows`` rows (all)
+        and where it is reached; ``relaxed``: every variable continuous (a lower bound). None where nothing is
+        feasible."""
         rows = len(self.lower_b) if rows is None else rows
         entries = [(r, c, v) for r, c, v in self.entries if r < rows]
         matrix = coo_array(
@@ -94,12 +97,58 @@ class _Problem:
             objective[list(cost)] = list(cost.values())
         result = milp(
             objective,
-            integrality=np.array(self.integral),
+            integrality=np.zeros(len(self.cost)) if relaxed else np.array(self.integral),
             bounds=(0, np.array(self.upper)),
             constraints=LinearConstraint(matrix, self.lower_b[:rows], self.upper_b[:rows]),
             options={"mip_rel_gap": 0.0, "time_limit": 120.0},
         )
-        return result.x if result.status == 0 else None
+        return (result.x, float(result.fun)) if result.status == 0 else None
+
+
+@dataclasses.dataclass
+class _LayoutProblem:
+    """The ILP restricted to one layout (its ``z`` fixed to 1): its memory row (variable -> bytes) and each op's
+    candidate variables."""
+
+    layout: Layout
+    problem: _Problem
+    memory: dict[int, float]
+    x: list[list[int]]
+
+    def assignment(self, solution: np.ndarray) -> Assignment:
+        return Assignment(self.layout, tuple(int(np.argmax([solution[v] for v in op_vars])) for op_vars in self.x))
+
+
+def _best(found: list[_LayoutProblem], memory: bool = False) -> tuple[_LayoutProblem, np.ndarray, float] | None:
+    """The layout whose problem has the least optimum (of the objective, or with ``memory`` of the memory row,
+    without the budget row: the last) and its solution; None where no layout's problem is feasible.
+
+    [Note: one ILP per layout]
+    The variables of two layouts meet only in rows that picking one layout (its ``z``) makes trivial, so the ILP over
+    every layout is the least of the ILPs over one layout each. Each layout's linear relaxation is solved first, and
+    its ILP only while its bound is below the best solution found, cheapest bound first: exact, as the single ILP was.
+    Llama-3-70B on 32 x 8 (19 layouts, 106 ops; 2 cores, 2026-12-02): 1.2-3.4 s a policy as one ILP, 0.2-0.4 s so
+    (the relaxations were as tight as the ILPs), the search 11.5 s -> 5.5 s, every answer the same.
+    """
+    def solved(p: _LayoutProblem, relaxed: bool) -> tuple[np.ndarray, float] | None:
+        if not memory:
+            return p.problem.solve(relaxed=relaxed)
+        return p.problem.solve(cost={v: b / GB for v, b in p.memory.items()}, rows=len(p.problem.lower_b) - 1,
+                               relaxed=relaxed)
+
+    bounds = []
+    for i, p in enumerate(found):
+        relaxation = solved(p, True)
+        if relaxation is not None:  # an infeasible relaxation: so is the ILP
+            bounds.append((relaxation[1], i))
+    best: tuple[_LayoutProblem, np.ndarray, float] | None = None
+    for bound, i in sorted(bounds):
+        if best is not None and bound >= best[2]:
+            break
+        solution = solved(found[i], False)
+        if solution is not None and (best is None or solution[1] < best[2]):
+            best = (found[i], *solution)
+    return best
 
 
 def ideal_step(graph: OpGraph, layouts: list[Layout], device: DeviceSpec) -> float:
@@ -134,41 +183,41 @@ def solve(
 def _solve(
     graph: OpGraph, layouts: list[Layout], device: DeviceSpec, memory_budget: float | None, recompute: Recompute,
 ) -> Assignment | Unfit:
-    problem, memory, chosen = _build(graph, layouts, device, recompute)
+    found = _build(graph, layouts, device, recompute)
     if memory_budget is not None:
-        problem.row(memory, -math.inf, memory_budget)
+        for p in found:
+            p.problem.row(p.memory, -math.inf, memory_budget)
         if _lower_bound(graph, layouts, device, recompute) > memory_budget:  # no need to search
-            return _least(problem, memory, chosen, recompute)
-    solution = problem.solve()
-    if solution is None:
+            return _least(found, recompute)
+    best = _best(found)
+    if best is None:
         if memory_budget is not None:
-            return _least(problem, memory, chosen, recompute)
+            return _least(found, recompute)
         raise OptionsError(f"dpar internal error: the planner's ILP found no solution for {len(layouts)} layouts")
-    return _assignment(solution, chosen)
+    p, solution, _ = best
+    return p.assignment(solution)
 
 
-def _assignment(solution: np.ndarray, chosen: dict[Layout, tuple[int, list[list[int]]]]) -> Assignment:
-    for layout, (z, x) in chosen.items():
-        if solution[z] > 0.5:
-            return Assignment(layout, tuple(int(np.argmax([solution[v] for v in op_vars])) for op_vars in x))
-    raise AssertionError("one layout is always chosen")
-
-
-def _least(problem: _Problem, memory: dict[int, float], chosen: dict, recompute: Recompute) -> Unfit:
+def _least(found: list[_LayoutProblem], recompute: Recompute) -> Unfit:
     """The same ILP minimising memory, without the budget row (the last): the smallest budget that fits."""
-    solution = problem.solve(cost={v: b / GB for v, b in memory.items()}, rows=len(problem.lower_b) - 1)
-    if solution is None:
+    best = _best(found, memory=True)
+    if best is None:
         raise OptionsError("dpar internal error: the planner's ILP found no assignment at any memory")
-    least = sum(b * solution[v] for v, b in memory.items())
-    return Unfit(recompute, least, _assignment(solution, chosen).layout)
+    p, solution, _ = best
+    return Unfit(recompute, sum(b * solution[v] for v, b in p.memory.items()), p.layout)
 
 
-def _build(
-    graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute,
-) -> tuple[_Problem, dict[int, float], dict[Layout, tuple[int, list[list[int]]]]]:
-    """The ILP of [Note: the planner's ILP] under one activation policy, and its memory row (variable -> bytes)."""
+def _build(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute) -> list[_LayoutProblem]:
+    """The ILP of [Note: the planner's ILP] under one activation policy, one problem a layout ([Note: one ILP per
+    layout])."""
     found = blocks(graph)
     scale = ideal_step(graph, layouts, device)
+    return [_layout_problem(graph, layout, rank, device, recompute, found, scale) for rank, layout in enumerate(layouts)]
+
+
+def _layout_problem(graph: OpGraph, layout: Layout, rank: int, device: DeviceSpec, recompute: Recompute,
+                    found: Blocks, scale: float) -> _LayoutProblem:
+    """The ILP with ``layout`` picked: the ``rank``-th in ``layouts()`` order, for its tie-breaker."""
     problem = _Problem()
     exposed = {phase: problem.var(1.0, False, math.inf) for phase in ("forward", "backward")}
     overlap: dict[str, dict[int, float]] = {phase: {v: 1.0} for phase, v in exposed.items()}
@@ -176,53 +225,50 @@ def _build(
     memory: dict[int, float] = {}
     live = problem.var(0.0, False, math.inf)  # the recomputed block's GB (see [Note: pricing recomputation])
     memory[live] = GB  # in GB, not bytes: a cost of 1e-9 a byte would be below HiGHS's tolerances
-    chosen: dict[Layout, tuple[int, list[list[int]]]] = {}
-    for rank, layout in enumerate(layouts):
-        model = CostModel(graph, layout, device)
-        acts = ActivationModel(graph, model, recompute, found)
-        critical = model.batch_gather()[1] + model.expert_exchange_seconds() + model.context_exchange_seconds()
-        z = problem.var(TIE_LAYOUT * rank + critical / scale, True)
-        for phase, seconds in model.dp_latency().items():
-            overlap[phase][z] = -seconds / scale
-        for phase, seconds in model.root_latency().items():
-            if seconds:
-                root[phase][z] = -seconds / scale
-        cands = [candidates(op, layout.tp_degree, layout.sequence_parallel) for op in graph.ops]
-        x = []
-        instance_live: dict[str, dict[int, float]] = defaultdict(dict)
-        for o, op_cands in enumerate(cands):
-            x.append([])
-            for c, cand in enumerate(op_cands):
-                cost = model.op_cost(o, cand)
-                again = acts.seconds(o, cost)
-                v = problem.var(
-                    (cost.compute_fwd + cost.compute_bwd + again + cost.tp_comm) / scale + TIE_CANDIDATE * c, True
-                )
-                x[-1].append(v)
-                overlap["forward"][v] = -(cost.dp_fwd - cost.compute_fwd) / scale
-                overlap["backward"][v] = -(cost.dp_bwd - cost.compute_bwd - again) / scale
-                for phase, seconds in (("forward", cost.dp_root_fwd), ("backward", cost.dp_root_bwd)):
-                    if seconds:
-                        root[phase][v] = -seconds / scale
-                memory[v] = acts.memory(o, cand, cost)
-                if found.of_op[o] is not None and acts.live(o, cand):
-                    instance_live[found.of_op[o]][v] = acts.live(o, cand)
-            problem.row({**{v: 1.0 for v in x[-1]}, z: -1.0}, 0.0, 0.0)
-        for terms in instance_live.values():  # live >= each instance's recomputed bytes
-            problem.row({live: 1.0, **{v: -b / GB for v, b in terms.items()}}, 0.0, math.inf)
-        if layout.tp_degree > 1:  # see [Note: a tp axis must split a parameter]
-            splitting = {
-                x[o][c]: 1.0 for o, op_cands in enumerate(cands) for c, cand in enumerate(op_cands) if cand.splits_a_parameter
-            }
-            problem.row({**splitting, z: -1.0}, 0.0, math.inf)
-        _edges(problem, graph, model, cands, x, scale, acts, memory)
-        _shared(problem, graph, cands, x)
-        chosen[layout] = (z, x)
-    problem.row({z: 1.0 for z, _ in chosen.values()}, 1.0, 1.0)
+    model = CostModel(graph, layout, device)
+    acts = ActivationModel(graph, model, recompute, found)
+    critical = model.batch_gather()[1] + model.expert_exchange_seconds() + model.context_exchange_seconds()
+    z = problem.var(TIE_LAYOUT * rank + critical / scale, True)
+    problem.row({z: 1.0}, 1.0, 1.0)
+    for phase, seconds in model.dp_latency().items():
+        overlap[phase][z] = -seconds / scale
+    for phase, seconds in model.root_latency().items():
+        if seconds:
+            root[phase][z] = -seconds / scale
+    cands = [candidates(op, layout.tp_degree, layout.sequence_parallel) for op in graph.ops]
+    x = []
+    instance_live: dict[str, dict[int, float]] = defaultdict(dict)
+    for o, op_cands in enumerate(cands):
+        x.append([])
+        for c, cand in enumerate(op_cands):
+            cost = model.op_cost(o, cand)
+            again = acts.seconds(o, cost)
+            v = problem.var(
+                (cost.compute_fwd + cost.compute_bwd + again + cost.tp_comm) / scale + TIE_CANDIDATE * c, True
+            )
+            x[-1].append(v)
+            overlap["forward"][v] = -(cost.dp_fwd - cost.compute_fwd) / scale
+            overlap["backward"][v] = -(cost.dp_bwd - cost.compute_bwd - again) / scale
+            for phase, seconds in (("forward", cost.dp_root_fwd), ("backward", cost.dp_root_bwd)):
+                if seconds:
+                    root[phase][v] = -seconds / scale
+            memory[v] = acts.memory(o, cand, cost)
+            if found.of_op[o] is not None and acts.live(o, cand):
+                instance_live[found.of_op[o]][v] = acts.live(o, cand)
+        problem.row({**{v: 1.0 for v in x[-1]}, z: -1.0}, 0.0, 0.0)
+    for terms in instance_live.values():  # live >= each instance's recomputed bytes
+        problem.row({live: 1.0, **{v: -b / GB for v, b in terms.items()}}, 0.0, math.inf)
+    if layout.tp_degree > 1:  # see [Note: a tp axis must split a parameter]
+        splitting = {
+            x[o][c]: 1.0 for o, op_cands in enumerate(cands) for c, cand in enumerate(op_cands) if cand.splits_a_parameter
+        }
+        problem.row({**splitting, z: -1.0}, 0.0, math.inf)
+    _edges(problem, graph, model, cands, x, scale, acts, memory)
+    _shared(problem, graph, cands, x)
     for phase in exposed:
         problem.row(overlap[phase], 0.0, math.inf)
         problem.row(root[phase], 0.0, math.inf)
-    return problem, memory, chosen
+    return _LayoutProblem(layout, problem, memory, x)
 
 
 def policies(graph: OpGraph) -> tuple[Recompute, ...]:
@@ -283,10 +329,11 @@ def smallest_footprint(
     graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute = Recompute.KEEP,
 ) -> tuple[float, Layout]:
     """The least memory per rank any assignment reaches under ``recompute`` (the ILP minimising memory), and its layout."""
-    problem, memory, chosen = _build(graph, layouts, device, recompute)
-    problem.row({}, 0.0, 0.0)  # stands for the budget row _least leaves out
-    found = _least(problem, memory, chosen, recompute)
-    return found.least_bytes, found.layout
+    found = _build(graph, layouts, device, recompute)
+    for p in found:
+        p.problem.row({}, 0.0, 0.0)  # stands for the budget row _least leaves out
+    least = _least(found, recompute)
+    return least.least_bytes, least.layout
 
 
 def no_fit(unfit: Unfit, budget: float) -> PlanMemoryError:

@@ -216,6 +216,7 @@ class CostModel:
             self.buckets[True, False] = self.capped_buckets(p for p in graph.params if p.name not in self.experts)
             if self.experts:
                 self.expert_buckets[True, False] = self.capped_buckets(p for p in graph.params if p.name in self.experts)
+        self._op_costs: dict[tuple[int, Candidate], OpCost] = {}
 
     def collective(self, kind: str, nbytes: float, axes: tuple[int, ...], alpha: bool = True) -> float:
         """One ring over the ranks of ``axes`` on their slowest link (see the Note); ``alpha=False``: bandwidth term only."""
@@ -475,6 +476,13 @@ class CostModel:
         return rows * STATS_BYTES / (self.tokens if op.batched else 1)
 
     def op_cost(self, index: int, cand: Candidate) -> OpCost:
+        """The cost of op ``index`` run as ``cand``, priced once (the ILP of every policy and its bounds read it)."""
+        key = index, cand
+        if key not in self._op_costs:
+            self._op_costs[key] = self._priced(index, cand)
+        return self._op_costs[key]
+
+    def _priced(self, index: int, cand: Candidate) -> OpCost:
         op = self.graph.ops[index]
         if op.kind == "output":
             return OpCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)

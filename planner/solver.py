@@ -174,26 +174,31 @@ def solve(
     recompute: Recompute = Recompute.KEEP,
 ) -> Assignment:
     """The optimal assignment under one activation policy; ``OptionsError`` when none fits ``memory_budget`` bytes per rank."""
-    found = _solve(graph, layouts, device, memory_budget, recompute)
+    found = _solve(graph, _cost_models(graph, layouts, device), memory_budget, recompute)
     if isinstance(found, Unfit):
         raise no_fit(found, memory_budget)
     return found
 
 
+def _cost_models(graph: OpGraph, layouts: list[Layout], device: DeviceSpec) -> list[CostModel]:
+    """One cost model a layout, in ``layouts()`` order, shared by every policy's ILP (each op's cost priced once)."""
+    return [CostModel(graph, layout, device) for layout in layouts]
+
+
 def _solve(
-    graph: OpGraph, layouts: list[Layout], device: DeviceSpec, memory_budget: float | None, recompute: Recompute,
+    graph: OpGraph, models: list[CostModel], memory_budget: float | None, recompute: Recompute,
 ) -> Assignment | Unfit:
-    found = _build(graph, layouts, device, recompute)
+    found = _build(graph, models, recompute)
     if memory_budget is not None:
         for p in found:
             p.problem.row(p.memory, -math.inf, memory_budget)
-        if _lower_bound(graph, layouts, device, recompute) > memory_budget:  # no need to search
+        if _lower_bound(graph, models, recompute) > memory_budget:  # no need to search
             return _least(found, recompute)
     best = _best(found)
     if best is None:
         if memory_budget is not None:
             return _least(found, recompute)
-        raise OptionsError(f"dpar internal error: the planner's ILP found no solution for {len(layouts)} layouts")
+        raise OptionsError(f"dpar internal error: the planner's ILP found no solution for {len(models)} layouts")
     p, solution, _ = best
     return p.assignment(solution)
 
@@ -207,17 +212,18 @@ def _least(found: list[_LayoutProblem], recompute: Recompute) -> Unfit:
     return Unfit(recompute, sum(b * solution[v] for v, b in p.memory.items()), p.layout)
 
 
-def _build(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute) -> list[_LayoutProblem]:
+def _build(graph: OpGraph, models: list[CostModel], recompute: Recompute) -> list[_LayoutProblem]:
     """The ILP of [Note: the planner's ILP] under one activation policy, one problem a layout ([Note: one ILP per
     layout])."""
     found = blocks(graph)
-    scale = ideal_step(graph, layouts, device)
-    return [_layout_problem(graph, layout, rank, device, recompute, found, scale) for rank, layout in enumerate(layouts)]
+    scale = ideal_step(graph, [m.layout for m in models], models[0].device)
+    return [_layout_problem(graph, model, rank, recompute, found, scale) for rank, model in enumerate(models)]
 
 
-def _layout_problem(graph: OpGraph, layout: Layout, rank: int, device: DeviceSpec, recompute: Recompute,
-                    found: Blocks, scale: float) -> _LayoutProblem:
-    """The ILP with ``layout`` picked: the ``rank``-th in ``layouts()`` order, for its tie-breaker."""
+def _layout_problem(graph: OpGraph, model: CostModel, rank: int, recompute: Recompute, found: Blocks,
+                    scale: float) -> _LayoutProblem:
+    """The ILP with ``model``'s layout picked: the ``rank``-th in ``layouts()`` order, for its tie-breaker."""
+    layout = model.layout
     problem = _Problem()
     exposed = {phase: problem.var(1.0, False, math.inf) for phase in ("forward", "backward")}
     overlap: dict[str, dict[int, float]] = {phase: {v: 1.0} for phase, v in exposed.items()}
@@ -225,7 +231,6 @@ def _layout_problem(graph: OpGraph, layout: Layout, rank: int, device: DeviceSpe
     memory: dict[int, float] = {}
     live = problem.var(0.0, False, math.inf)  # the recomputed block's GB (see [Note: pricing recomputation])
     memory[live] = GB  # in GB, not bytes: a cost of 1e-9 a byte would be below HiGHS's tolerances
-    model = CostModel(graph, layout, device)
     acts = ActivationModel(graph, model, recompute, found)
     critical = model.batch_gather()[1] + model.expert_exchange_seconds() + model.context_exchange_seconds()
     z = problem.var(TIE_LAYOUT * rank + critical / scale, True)
@@ -294,12 +299,13 @@ def solve_activations(
     and nothing else is solved (for any one assignment recompute + max(0, comm - compute -
     recompute) >= max(0, comm - compute), so no policy beats it): one ILP, as before.
     """
-    fastest = _solve(graph, layouts, device, None, Recompute.KEEP)
+    models = _cost_models(graph, layouts, device)
+    fastest = _solve(graph, models, None, Recompute.KEEP)
     if memory_budget is None or keep_memory(graph, fastest, device) <= memory_budget:
         return {Recompute.KEEP: fastest}
     found: dict[Recompute, Assignment | Unfit] = {}
     for recompute in policies(graph):
-        found[recompute] = _solve(graph, layouts, device, memory_budget, recompute)
+        found[recompute] = _solve(graph, models, memory_budget, recompute)
     if all(isinstance(a, Unfit) for a in found.values()):
         raise no_fit(min(found.values(), key=lambda u: u.least_bytes), memory_budget)
     return found
@@ -311,12 +317,12 @@ def keep_memory(graph: OpGraph, assignment: Assignment, device: DeviceSpec) -> f
     return ActivationModel(graph, model, Recompute.KEEP).total(chosen(graph, assignment))[0]
 
 
-def _lower_bound(graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute) -> float:
+def _lower_bound(graph: OpGraph, models: list[CostModel], recompute: Recompute) -> float:
     """No assignment under ``recompute`` takes less memory: each op's least-memory candidate, without the live
     block and the kept conversions (which only add)."""
     found, least = blocks(graph), math.inf
-    for layout in layouts:
-        model = CostModel(graph, layout, device)
+    for model in models:
+        layout = model.layout
         acts = ActivationModel(graph, model, recompute, found)
         least = min(least, sum(
             min(acts.memory(o, c, model.op_cost(o, c)) for c in candidates(op, layout.tp_degree, layout.sequence_parallel))
@@ -329,7 +335,7 @@ def smallest_footprint(
     graph: OpGraph, layouts: list[Layout], device: DeviceSpec, recompute: Recompute = Recompute.KEEP,
 ) -> tuple[float, Layout]:
     """The least memory per rank any assignment reaches under ``recompute`` (the ILP minimising memory), and its layout."""
-    found = _build(graph, layouts, device, recompute)
+    found = _build(graph, _cost_models(graph, layouts, device), recompute)
     for p in found:
         p.problem.row({}, 0.0, 0.0)  # stands for the budget row _least leaves out
     least = _least(found, recompute)

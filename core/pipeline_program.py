@@ -27,6 +27,10 @@ class Op(enum.Enum):
     SEND_GRADIENT = "SG"
     RECV_GRADIENT = "RG"
 
+    # Each member is one object: hashed by identity in C, not by its name in Python (Enum's), which was a tenth of
+    # replaying Llama-3-405B's pipeline schedules (sets and dicts of actions).
+    __hash__ = object.__hash__
+
     @property
     def is_compute(self) -> bool:
         return self in COMPUTE_OPS

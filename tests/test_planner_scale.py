@@ -77,6 +77,29 @@ def test_the_pipeline_search_prices_each_block_from_the_first_blocks_as_from_the
     assert cut == whole
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt"])
+def test_the_pipeline_search_splits_for_tp_from_the_first_blocks_as_from_the_whole_forward(name, monkeypatch):
+    """Each parameter's tensor-parallel split and each column Linear's units (attention heads), read off a forward
+    of the first blocks and repeated by parity, equal the whole forward's, in its order too (the error naming the
+    units lists them so)."""
+    from dpar.planner import pipeline
+    from dpar.surgery.blocks import block_list
+
+    model, inputs = gpt(n_layer=9, n_embd=64, n_head=4, block=16, vocab=128, batch=4) if name == "gpt" \
+        else _hugging_face(name, 9)
+    ids = tuple(x[:1] for x in inputs)
+    whole_forward, blocks_run = pipeline.megatron_plan, []
+    monkeypatch.setattr(pipeline, "megatron_plan",
+                        lambda m, x: blocks_run.append(len(block_list(m)[1])) or whole_forward(m, x))
+    cut = pipeline._megatron_from_first_blocks(model, ids)
+    assert blocks_run == [4]  # the first blocks' forward answered
+    whole = whole_forward(model, ids)
+    assert len(whole.dims) > 9 * 4 and any(v is not None for v in whole.dims.values())
+    assert bool(whole.units) == (name != "gpt2")  # GPT-2's fused q/k/v splits no head count out
+    assert list(cut.dims.items()) == list(whole.dims.items())
+    assert list(cut.units.items()) == list(whole.units.items())
+
+
 def test_a_loss_that_reads_every_block_is_captured_whole():
     """Qwen3-MoE's load-balancing loss reads every block's router logits: what the first blocks' capture cannot
     show for the others, so the model is captured whole."""

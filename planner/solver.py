@@ -54,6 +54,7 @@ from dpar.core.errors import OptionsError, PlanMemoryError
 
 TIE_LAYOUT = 1e-4  # per position in layouts(), in units of the ideal step (``ideal_step``)
 TIE_CANDIDATE = 1e-6  # per position in candidates()
+_SOLVER_SLACK = 1e-7  # relative: HiGHS's optima are feasible to about this, so a bound this close may still tie
 GB = 1e9
 
 
@@ -143,7 +144,7 @@ def _best(found: list[_LayoutProblem], memory: bool = False) -> tuple[_LayoutPro
             bounds.append((relaxation[1], i))
     best: tuple[_LayoutProblem, np.ndarray, float] | None = None
     for bound, i in sorted(bounds):
-        if best is not None and bound >= best[2]:
+        if best is not None and bound > best[2] + _SOLVER_SLACK * abs(best[2]):  # within HiGHS's tolerance: solved
             break
         solution = solved(found[i], False)
         if solution is not None and (best is None or solution[1] < best[2]):

@@ -358,14 +358,21 @@ def _alike(model: nn.Module, path: str, container: nn.Module) -> bool:
     return own and not hooked and all(held(b) == first for b in blocks[1:]) and len(set(block_settings(blocks))) == 1
 
 
+def block_index(name: str, path: str) -> int | None:
+    """The number of the block of the list at ``path`` that ``name`` (a module's or parameter's) is in, if any."""
+    index = name[len(path) + 1:].partition(".")[0] if name.startswith(path + ".") else ""
+    return int(index) if index.isdigit() else None
+
+
+def parity_source(k: int) -> int:
+    """The kept block that block ``k`` (``FIRST_BLOCKS`` or later) is made from: the last kept one of its parity."""
+    return FIRST_BLOCKS - 2 + (k - FIRST_BLOCKS) % 2
+
+
 def _repeated(ops: list[Op], path: str, total: int) -> list[Op] | None:
     """``ops`` of a capture of the first blocks of ``path`` made whole for ``total`` blocks (see the Note); None
     where the kept blocks do not show the copies would be right."""
-    def block(op: Op) -> int | None:
-        index = op.module[len(path) + 1:].partition(".")[0] if op.module.startswith(path + ".") else ""
-        return int(index) if index.isdigit() else None
-
-    where = [block(op) for op in ops]
+    where = [block_index(op.module, path) for op in ops]
     inside = [i for i, b in enumerate(where) if b is not None]
     if not inside:
         return None
@@ -408,7 +415,7 @@ def _repeated(ops: list[Op], path: str, total: int) -> list[Op] | None:
 
     whole = list(ops[:last + 1])
     for k in range(FIRST_BLOCKS, total):
-        source = FIRST_BLOCKS - 2 + (k - FIRST_BLOCKS) % 2  # the last kept block of k's parity
+        source = parity_source(k)
         at = len(whole)
         for op in ops[start(source):start(source) + size]:
             whole.append(dataclasses.replace(

@@ -110,7 +110,7 @@ from dpar.core.errors import OptionsError, PipelineMemoryError
 from dpar.core.pipeline_program import Action, Op, PipelineSchedule
 from dpar.core.plan import ActivationPolicy, Recompute
 from dpar.core.torch_internals import no_stack_traces
-from dpar.planner.capture import FIRST_BLOCKS, alike_blocks, moved
+from dpar.planner.capture import FIRST_BLOCKS, alike_blocks, block_index, moved, parity_source
 from dpar.planner.plan import PipelineLayout
 from dpar.surgery.blocks import with_blocks
 
@@ -320,7 +320,8 @@ def plan_pipeline(
         raise OptionsError(f"plan_pipeline: micro_batch_rows={micro_batch_rows} does not divide the global batch of "
                            f"{rows} rows; use a divisor of {rows} (default: rows / world_size, {rows // world_size})")
     spec = device_spec(device).sharing_cores(world_size)  # the placement search's links for the same world
-    megatron = _megatron_from_first_blocks(model, micro_batch_of(inputs, largest)[:-1])
+    forward_inputs = micro_batch_of(inputs, largest)[:-1]
+    megatron = _megatron_from_first_blocks(model, forward_inputs) or megatron_plan(model, forward_inputs)
     divides = _tp_must_divide(megatron)
     tp_degrees = [tp for tp in (2 ** k for k in range(tp_max.bit_length()) if 2 ** k <= tp_max)
                   if world_size % tp == 0 and not any(size % tp for size in divides.values())]
@@ -442,41 +443,37 @@ def _priced_from_first_blocks(model: nn.Module, micro_batch: Sequence[torch.Tens
     return prefix, whole
 
 
-def _megatron_from_first_blocks(model: nn.Module, inputs: Sequence[torch.Tensor]) -> MegatronPlan:
+def _megatron_from_first_blocks(model: nn.Module, inputs: Sequence[torch.Tensor]) -> MegatronPlan | None:
     """``megatron_plan`` of the model, from a forward of its first blocks where it is many alike blocks: each block
-    after them split as the last kept block of its parity, in the whole forward's order; the whole forward where the
-    kept blocks split otherwise, or will not run alone (Llama-3-405B's whole forward on fake tensors: 3.4-4.9 s)."""
+    after them split as the last kept block of its parity, in the whole forward's order; None (the whole forward
+    answers) where the kept blocks split otherwise, or will not run alone (Llama-3-405B's whole forward on fake
+    tensors: 3.4-4.9 s)."""
     found = alike_blocks(model)
     if found is None:
-        return megatron_plan(model, inputs)
+        return None
     path, total = found
     try:
         cut = megatron_plan(with_blocks(model, path, range(FIRST_BLOCKS)), inputs)
     except Exception:  # noqa: BLE001 - a forward that runs only its whole block list: the whole forward answers
-        return megatron_plan(model, inputs)
-
-    def block_of(name: str) -> int | None:
-        return int(name[len(path) + 1:].partition(".")[0]) if name.startswith(path + ".") else None
+        return None
 
     def relative(table: dict[str, object], k: int) -> list[tuple[str, object]]:
-        return [(moved(name, f"{path}.{k}", ""), v) for name, v in table.items() if block_of(name) == k]
+        return [(moved(name, f"{path}.{k}", ""), v) for name, v in table.items() if block_index(name, path) == k]
 
     if not relative(cut.dims, 1) == relative(cut.dims, 2) == relative(cut.dims, 3) \
             or not relative(cut.units, 1) == relative(cut.units, 2) == relative(cut.units, 3):
-        return megatron_plan(model, inputs)
+        return None
     blocks_seen, before, after = False, [], []
     for name, v in cut.units.items():  # the whole forward's order: before the blocks, block after block, after them
-        if block_of(name) is not None:
+        if block_index(name, path) is not None:
+            if after:  # a Linear outside the blocks between two in them
+                return None
             blocks_seen = True
-        elif blocks_seen:
-            after.append((name, v))
         else:
-            before.append((name, v))
-    if any(block_of(name) is not None for name, _ in after):
-        return megatron_plan(model, inputs)
+            (after if blocks_seen else before).append((name, v))
 
     def source(k: int) -> int:
-        return k if k < FIRST_BLOCKS else FIRST_BLOCKS - 2 + k % 2
+        return k if k < FIRST_BLOCKS else parity_source(k)
 
     units = dict(before)
     for k in range(total):
@@ -484,7 +481,7 @@ def _megatron_from_first_blocks(model: nn.Module, inputs: Sequence[torch.Tensor]
     units.update(after)
     dims = {}
     for name, _ in model.named_parameters():
-        k = block_of(name)
+        k = block_index(name, path)
         dims[name] = cut.dims[name if k is None else moved(name, f"{path}.{k}", f"{path}.{source(k)}")]
     return MegatronPlan(dims, units)
 
